@@ -1,0 +1,1 @@
+"""What the edge and the cloud must agree on: the verification maths, the wire contract, model loading."""
