@@ -1,0 +1,108 @@
+"""Protobuf <-> wire dataclasses. The only module that knows both; it never touches tensors."""
+from __future__ import annotations
+
+from .errors import InvalidArgument
+from .proto import verifier_pb2 as pb
+from .wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionSpec,
+                   VerifyResult)
+
+_MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
+               Mode.BILD: pb.MODE_BILD, Mode.LENIENT: pb.MODE_LENIENT}
+_PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    """Encode sampling parameters."""
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    """Decode sampling parameters; top_p 0 means "not set" (proto3 default)."""
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p or 1.0)
+
+
+def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
+    """Encode a server's model description."""
+    return pb.ModelInfo(model_name=i.model_name, vocab_size=i.vocab_size,
+                        tokenizer_fingerprint=i.tokenizer_fingerprint,
+                        model_fingerprint=i.model_fingerprint, max_context=i.max_context,
+                        max_draft=i.max_draft, max_sessions=i.max_sessions,
+                        idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids))
+
+
+def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
+    """Decode a server's model description."""
+    return ModelInfo(model_name=m.model_name, vocab_size=m.vocab_size,
+                     tokenizer_fingerprint=m.tokenizer_fingerprint,
+                     model_fingerprint=m.model_fingerprint, max_context=m.max_context,
+                     max_draft=m.max_draft, max_sessions=m.max_sessions,
+                     idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids))
+
+
+def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:
+    """Encode an open/re-open request."""
+    return pb.OpenSessionRequest(
+        session_id=s.session_id, committed_ids=list(s.committed_ids), sampling=sampling_to_pb(s.sampling),
+        mode=_MODE_TO_PB[s.mode], seed=s.seed, rollback_threshold=s.rollback_threshold,
+        lenience=s.lenience, tokenizer_fingerprint=s.tokenizer_fingerprint,
+        model_fingerprint=s.model_fingerprint, next_round=s.next_round)
+
+
+def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
+    """Decode an open/re-open request; MODE_UNSPECIFIED picks greedy or speculative by temperature."""
+    sampling = sampling_from_pb(m.sampling)
+    if m.mode == pb.MODE_UNSPECIFIED:
+        mode = Mode.GREEDY if sampling.greedy else Mode.SPECULATIVE
+    elif m.mode in _PB_TO_MODE:
+        mode = _PB_TO_MODE[m.mode]
+    else:
+        raise InvalidArgument(f"mode {m.mode} is not a known Mode")
+    return SessionSpec(
+        session_id=m.session_id, committed_ids=tuple(m.committed_ids), sampling=sampling, mode=mode,
+        seed=m.seed, rollback_threshold=m.rollback_threshold or 5.0, lenience=m.lenience or 1.0,
+        tokenizer_fingerprint=m.tokenizer_fingerprint, model_fingerprint=m.model_fingerprint,
+        next_round=m.next_round)
+
+
+def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:
+    """Encode a draft block."""
+    return pb.VerifyRequest(
+        session_id=b.session_id, round=b.round, committed_len=b.committed_len,
+        draft_ids=list(b.draft_ids),
+        draft_probs=[pb.DraftPosition(support_ids=list(ids), probs=list(ps))
+                     for ids, ps in zip(b.support_ids, b.probs)])
+
+
+def block_from_pb(m: pb.VerifyRequest) -> DraftBlock:
+    """Decode a draft block (validation happens in DraftBlock.validate)."""
+    return DraftBlock(
+        session_id=m.session_id, round=m.round, committed_len=m.committed_len,
+        draft_ids=tuple(m.draft_ids),
+        support_ids=tuple(tuple(d.support_ids) for d in m.draft_probs),
+        probs=tuple(tuple(d.probs) for d in m.draft_probs))
+
+
+def result_to_pb(r: VerifyResult) -> pb.VerifyReply:
+    """Encode a verification result."""
+    return pb.VerifyReply(round=r.round, num_accepted=r.num_accepted, next_token=r.next_token,
+                          committed_len=r.committed_len, verify_ms=r.verify_ms)
+
+
+def result_from_pb(m: pb.VerifyReply) -> VerifyResult:
+    """Decode a verification result."""
+    return VerifyResult(round=m.round, num_accepted=m.num_accepted, next_token=m.next_token,
+                        committed_len=m.committed_len, verify_ms=m.verify_ms)
+
+
+def generate_to_pb(g: GenerateSpec) -> pb.GenerateRequest:
+    """Encode a cloud-only generation request."""
+    return pb.GenerateRequest(prompt_ids=list(g.prompt_ids), sampling=sampling_to_pb(g.sampling),
+                              max_new_tokens=g.max_new_tokens, seed=g.seed,
+                              tokenizer_fingerprint=g.tokenizer_fingerprint)
+
+
+def generate_from_pb(m: pb.GenerateRequest) -> GenerateSpec:
+    """Decode a cloud-only generation request."""
+    return GenerateSpec(prompt_ids=tuple(m.prompt_ids), sampling=sampling_from_pb(m.sampling),
+                        max_new_tokens=m.max_new_tokens, seed=m.seed,
+                        tokenizer_fingerprint=m.tokenizer_fingerprint)

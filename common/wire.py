@@ -1,0 +1,174 @@
+"""The messages edge and cloud exchange, as plain frozen dataclasses (no protobuf, no torch).
+
+The gRPC layer converts protobuf to these (common/codec.py); the verifier core and, later, the Ray
+layer only ever see these. `validate` methods turn malformed input into InvalidArgument errors that
+name the field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .errors import InvalidArgument
+
+PROB_SUM_TOLERANCE = 1e-3  # float32 renormalisation error stays far below this
+
+
+class Mode(str, Enum):
+    """Which acceptance rule a session uses (design brief §2)."""
+
+    GREEDY = "greedy"  # temperature 0; lossless
+    SPECULATIVE = "speculative"  # rejection sampling; lossless in distribution
+    BILD = "bild"  # BiLD rollback threshold; lossy
+    LENIENT = "lenient"  # lenient rejection sampling; lossy unless lenience = 1
+
+    @property
+    def uses_draft_probs(self) -> bool:
+        """True for the rules that read q; the others get token ids only."""
+        return self in (Mode.SPECULATIVE, Mode.LENIENT)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a distribution. Validated on construction."""
+
+    temperature: float = 0.0  # 0 means greedy: tokens are argmax, confidence tests use temperature 1
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 keeps all
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature < math.inf):
+            raise InvalidArgument(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a verifier serves and the limits it enforces."""
+
+    model_name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    model_fingerprint: str
+    max_context: int
+    max_draft: int
+    max_sessions: int
+    idle_timeout_s: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """Everything needed to (re-)open a session on any replica."""
+
+    session_id: str
+    committed_ids: tuple[int, ...]  # prompt + committed tokens
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    mode: Mode = Mode.GREEDY
+    seed: int = 0
+    rollback_threshold: float = 5.0  # BiLD α_RB in nats
+    lenience: float = 1.0
+    tokenizer_fingerprint: str = ""  # empty: not checked
+    model_fingerprint: str = ""  # empty: not checked
+    next_round: int = 0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        if not self.session_id:
+            raise InvalidArgument("session_id must not be empty")
+        if not self.committed_ids:
+            raise InvalidArgument("committed_ids must hold at least one token")
+        _check_ids("committed_ids", self.committed_ids, vocab_size)
+        if self.mode is Mode.GREEDY and not self.sampling.greedy:
+            raise InvalidArgument("mode greedy needs sampling.temperature 0")
+        if self.mode in (Mode.SPECULATIVE, Mode.LENIENT) and self.sampling.greedy:
+            raise InvalidArgument(f"mode {self.mode.value} needs sampling.temperature > 0")
+        if not (0.0 < self.lenience <= 1.0):
+            raise InvalidArgument(f"lenience must be in (0, 1], got {self.lenience}")
+        if not (self.rollback_threshold > 0.0):
+            raise InvalidArgument(f"rollback_threshold must be > 0, got {self.rollback_threshold}")
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """One round's draft. At temperature 0, support_ids and probs are empty (q is one-hot)."""
+
+    session_id: str
+    round: int
+    committed_len: int
+    draft_ids: tuple[int, ...]
+    support_ids: tuple[tuple[int, ...], ...] = ()  # per draft position, the support of q
+    probs: tuple[tuple[float, ...], ...] = ()  # per draft position, q over that support
+
+    def validate(self, vocab_size: int, max_draft: int, needs_probs: bool) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        gamma = len(self.draft_ids)
+        if gamma > max_draft:
+            raise InvalidArgument(f"draft_ids holds {gamma} tokens; this server allows at most {max_draft}")
+        _check_ids("draft_ids", self.draft_ids, vocab_size)
+        if not needs_probs:
+            if self.support_ids or self.probs:
+                raise InvalidArgument("draft_probs must be empty: this session's mode reads token ids only")
+            return
+        if len(self.support_ids) != gamma or len(self.probs) != gamma:
+            raise InvalidArgument(
+                f"draft_probs has {len(self.support_ids)} positions for {gamma} draft_ids; they must match")
+        for i, (ids, ps, x) in enumerate(zip(self.support_ids, self.probs, self.draft_ids)):
+            where = f"draft_probs[{i}]"
+            if len(ids) != len(ps):
+                raise InvalidArgument(f"{where}: {len(ids)} support_ids but {len(ps)} probs")
+            _check_ids(f"{where}.support_ids", ids, vocab_size)
+            if len(set(ids)) != len(ids):
+                raise InvalidArgument(f"{where}.support_ids has repeated ids")
+            if not all(0.0 < p <= 1.0 for p in ps):
+                raise InvalidArgument(f"{where}.probs must all be in (0, 1]")
+            total = math.fsum(ps)
+            if abs(total - 1.0) > PROB_SUM_TOLERANCE:
+                raise InvalidArgument(f"{where}.probs sum to {total:.6f}, not 1")
+            if x not in ids:
+                raise InvalidArgument(f"{where}.support_ids does not contain the draft token {x}")
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The verifier's answer to one round."""
+
+    round: int
+    num_accepted: int
+    next_token: int
+    committed_len: int
+    verify_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    """A cloud-only generation request."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    seed: int = 0
+    tokenizer_fingerprint: str = ""
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        if not self.prompt_ids:
+            raise InvalidArgument("prompt_ids must hold at least one token")
+        _check_ids("prompt_ids", self.prompt_ids, vocab_size)
+        if self.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens must be >= 1")
+
+
+def _check_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
