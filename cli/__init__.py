@@ -1,0 +1,1 @@
+"""The `hybridspec` console script: one parser, one module per subcommand group."""

@@ -1,0 +1,95 @@
+"""`hybridspec demo`: the embedded default pair end to end on this machine.
+
+The verifier runs in its own process; where there are at least two cores, it and the edge are
+pinned to different cores with one torch thread each, so they behave like two hosts.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def register(sub) -> None:
+    """Add the `demo` command."""
+    demo = sub.add_parser("demo", help="start a local verifier, run the edge on a chat prompt, show the result")
+    demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    demo.add_argument("--no-pin", action="store_true", help="do not pin edge and cloud to separate cores")
+    from .edge_cmd import add_edge_options
+
+    add_edge_options(demo)
+    demo.set_defaults(run=run_demo)
+
+
+def run_demo(args) -> int:
+    """Pull if needed, serve, generate, compare with cloud-only decoding, stop."""
+    from ..common import embedded
+    from ..common.wire import GenerateSpec
+    from ..edge.prompt import encode_prompt
+    from .edge_cmd import build_worker, edge_config, legend, render_origins
+
+    console = Console()
+    if not embedded.is_pulled():
+        console.print("[bold]pulling the embedded default models (one time)...[/]")
+        embedded.pull(log=lambda msg: console.print(f"  {msg}"))
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    cores = sorted(os.sched_getaffinity(0))
+    server, address = _start_cloud(cores[1] if pin else None)
+    try:
+        if pin:
+            os.sched_setaffinity(0, {cores[0]})
+        config = edge_config(args, cloud=address, max_new_tokens=96, torch_threads=1 if pin else 0)
+        worker = build_worker(config)
+        tokenizer = worker.drafter_model.tokenizer
+        prompt_ids = encode_prompt(tokenizer, args.prompt, chat=True)
+        console.print(f"[bold]prompt:[/] {args.prompt}")
+        with console.status("edge drafting, cloud verifying..."):
+            gen = worker.generate(prompt_ids)
+        console.print(legend())
+        console.print(render_origins(tokenizer, gen.token_ids, gen.origins))
+        with console.status("cloud-only baseline (target decodes alone)..."):
+            t0 = time.perf_counter()
+            baseline = list(worker.client.generate(GenerateSpec(
+                prompt_ids=tuple(prompt_ids), sampling=config.sampling,
+                max_new_tokens=config.max_new_tokens, seed=config.seed)))
+            baseline_s = time.perf_counter() - t0
+        worker.client.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    s = gen.stats
+    table = Table(title=f"edge-cloud speculative decoding ({'pinned to separate cores' if pin else 'unpinned'})")
+    table.add_column("stat")
+    table.add_column("value", justify="right")
+    rows = [("new tokens", s.new_tokens), ("rounds", s.rounds), ("drafted", s.drafted), ("accepted", s.accepted),
+            ("acceptance rate", f"{s.acceptance_rate:.3f}"), ("tokens per round", f"{s.mean_tokens_per_round:.2f}"),
+            ("fallbacks (BiLD α_FB)", s.fallbacks), ("uplink bytes", s.uplink_bytes),
+            ("downlink bytes", s.downlink_bytes), ("bytes per token", f"{s.bytes_per_token:.1f}"),
+            ("wall s", f"{s.wall_s:.2f}"), ("tokens/s (hybrid)", f"{s.tokens_per_s:.1f}"),
+            ("tokens/s (cloud-only)", f"{len(baseline) / baseline_s:.1f}"),
+            ("same tokens as cloud-only", "yes" if baseline == gen.token_ids else "no")]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console.print(table)
+    return 0
+
+
+def _start_cloud(core: int | None) -> tuple[subprocess.Popen, str]:
+    """Start `hybridspec cloud serve` on a free port and wait for its 'serving' line."""
+    cmd = [sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--port", "0"]
+    if core is not None:
+        cmd += ["--torch-threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("hybridspec verifier serving"):
+            return proc, line.split(" on ")[-1].split()[0]
+    proc.wait()
+    raise RuntimeError(f"the cloud verifier exited with status {proc.returncode} before serving")

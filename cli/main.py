@@ -1,0 +1,59 @@
+"""Entry point of the `hybridspec` console script."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+# Offline before transformers is imported anywhere: nothing may reach a model hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command tree."""
+    from . import cloud_cmd, demo_cmd, edge_cmd, models_cmd
+
+    parser = argparse.ArgumentParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    models_cmd.register(sub)
+    cloud_cmd.register(sub)
+    edge_cmd.register(sub)
+    demo_cmd.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, run, and turn every failure into one line on stderr and a non-zero exit."""
+    args = build_parser().parse_args(argv)
+    from ..common.config import ConfigError
+    from ..common.errors import HybridSpecError
+
+    try:
+        _quiet_libraries()
+        return int(args.run(args) or 0)
+    except (HybridSpecError, ConfigError, FileNotFoundError, OSError) as exc:
+        print(f"hybridspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hybridspec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: still one line unless the user asks for the traceback
+        if os.environ.get("HYBRIDSPEC_DEBUG"):
+            traceback.print_exc()
+        print(f"hybridspec: internal error: {type(exc).__name__}: {exc} (HYBRIDSPEC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

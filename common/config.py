@@ -1,0 +1,45 @@
+"""YAML and CLI loading for the frozen dataclass configs: thin, strict, and shared by edge and cloud."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from .errors import HybridSpecError
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or flag that cannot be used; the message names the key."""
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
+    """Build `cls` from defaults, then the YAML file at `path`, then `overrides` (None values skipped).
+
+    Unknown keys and values the dataclass rejects raise ConfigError naming the key.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of keys to values")
+        values.update(loaded)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    try:
+        return cls(**values)
+    except (TypeError, ValueError, HybridSpecError) as exc:
+        raise ConfigError(f"invalid {cls.__name__}: {exc}") from None

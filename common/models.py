@@ -1,0 +1,114 @@
+"""Loading causal LMs for either role: a local HF checkpoint, a cached hub id, or a GGUF file.
+
+Nothing here reaches the network: every load passes local_files_only, and the CLI sets the Hugging
+Face offline switches before transformers is imported.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode on its device, with its tokenizer and identity."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output head (may exceed len(tokenizer) when the head is padded)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, from the generation config and the tokenizer."""
+        ids: set[int] = set()
+        for source in (getattr(self.model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if source is None:
+                continue
+            ids.update([source] if isinstance(source, int) else source)
+        return tuple(sorted(ids))
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
+    """'auto' is bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."""
+    if requested != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[requested]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load a causal LM and its tokenizer from a directory, a .gguf file or a cached hub id.
+
+    Raises FileNotFoundError with a one-line reason when nothing loadable is found.
+    """
+    spec = str(spec)
+    dev = pick_device(device)
+    kwargs: dict = {"dtype": pick_dtype(dev, dtype), "local_files_only": True}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        source, tok_kwargs = str(path.parent), {"gguf_file": path.name}
+        kwargs["gguf_file"] = path.name
+    elif path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{spec} is not a model directory (no config.json)")
+        source, tok_kwargs = str(path), {}
+    else:
+        source, tok_kwargs = spec, {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"cannot load model {spec!r} offline: not a local directory, a .gguf file or a cached hub id") from exc
+    model.to(dev).eval()
+    return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over the vocabulary and the special tokens: equal iff both sides tokenize alike."""
+    payload = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
+               "special": sorted(tokenizer.all_special_tokens)}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:32]
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """sha256 over the architecture and a sample of every weight, independent of the load dtype.
+
+    Weights are rounded to bfloat16 before hashing so an fp32 CPU replica and a bf16 GPU replica
+    of the same checkpoint agree.
+    """
+    h = hashlib.sha256(f"{model.config.model_type}:{model.num_parameters()}".encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().flatten()
+        sample = flat[:: max(1, flat.numel() // 64)][:64].to("cpu", torch.bfloat16).float()
+        h.update(name.encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def truncate_cache(cache, length: int) -> None:
+    """Drop cached positions beyond `length` (transformers 5.x `crop` takes minus the count to remove)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

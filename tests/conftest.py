@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random models on disk and a real gRPC verifier on localhost."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+import transformers
+
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.common.models import LoadedModel, load_model
+
+from tinymodels import make_model, save_model
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Paths of a tiny target, an unrelated random drafter, and a drafter with another tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": save_model(make_model(seed=0), root / "target"),
+        "random": save_model(make_model(seed=1, layers=1), root / "random"),
+        "alien": save_model(make_model(seed=2, layers=1), root / "alien", tokenizer_prefix="v"),
+    }
+
+
+@pytest.fixture(scope="session")
+def target(model_dirs) -> LoadedModel:
+    """The tiny target, loaded through the production loader."""
+    return load_model(model_dirs["target"], device="cpu")
+
+
+@pytest.fixture(scope="session")
+def random_drafter(model_dirs) -> LoadedModel:
+    """A drafter that (almost) never agrees with the target."""
+    return load_model(model_dirs["random"], device="cpu")
+
+
+@pytest.fixture(scope="session")
+def verifier(target) -> Verifier:
+    """The verifier core behind the shared server."""
+    return Verifier(target, VerifierLimits(max_context=512, max_draft=16, max_sessions=32, idle_timeout_s=600))
+
+
+@pytest.fixture(scope="session")
+def server(verifier):
+    """A real gRPC server on a free localhost port."""
+    srv = BackgroundServer(verifier)
+    yield srv
+    srv.stop()

@@ -1,0 +1,91 @@
+"""The console script: real subprocesses, one-line errors, JSON output, graceful shutdown."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "HYBRIDSPEC_HOME": "/nonexistent-hybridspec-home"}
+
+
+def hybridspec(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hybridspec.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def assert_one_line_error(result, fragment):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hybridspec: error:") and fragment in lines[0], lines[0]
+
+
+def test_unreachable_cloud(model_dirs):
+    r = hybridspec("edge", "generate", "--cloud", "127.0.0.1:1", "--prompt", "w5 w6", "--drafter",
+                   str(model_dirs["target"]))
+    assert_one_line_error(r, "unreachable")
+
+
+def test_missing_default_model_says_how_to_get_it():
+    r = hybridspec("edge", "generate", "--prompt", "hi")
+    assert_one_line_error(r, "hybridspec models pull")
+
+
+def test_missing_model_path():
+    r = hybridspec("cloud", "serve", "--target", "/no/such/model")
+    assert_one_line_error(r, "/no/such/model")
+
+
+def test_bad_config_key(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("port: 1\nmax_sesions: 3\n")
+    r = hybridspec("cloud", "serve", "--config", str(cfg))
+    assert_one_line_error(r, "max_sesions")
+
+
+def test_bad_flag_value(model_dirs):
+    r = hybridspec("edge", "generate", "--prompt", "x", "--temperature", "-1", "--drafter", str(model_dirs["target"]))
+    assert_one_line_error(r, "temperature")
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    """`hybridspec cloud serve` as a real subprocess on a free port."""
+    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
+                             str(model_dirs["target"]), "--port", "0", "--torch-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    line = proc.stdout.readline()
+    assert line.startswith("hybridspec verifier serving"), proc.stderr.read() if proc.poll() is not None else line
+    yield proc, line.split(" on ")[-1].split()[0]
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_generate_json(served, model_dirs, target):
+    from tinymodels import greedy_reference
+
+    _, address = served
+    r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
+                   str(model_dirs["random"]), "--max-new-tokens", "12", "--max-draft", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == greedy_reference(target, [5, 17, 33], 12)
+    assert out["text"] == target.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_tokens_per_round", "fallbacks",
+                "uplink_bytes", "downlink_bytes", "wall_s", "tokens_per_s"):
+        assert key in out["stats"]
+    assert out["stats"]["rounds"] >= 4
+
+
+def test_mismatched_tokenizer_is_refused(served, model_dirs):
+    _, address = served
+    r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "v5", "--drafter", str(model_dirs["alien"]))
+    assert_one_line_error(r, "tokenizer")
+
+
+def test_sigterm_drains_and_exits_zero(served):
+    proc, _ = served
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

@@ -1,0 +1,38 @@
+"""One end-to-end run on the real embedded SmolLM2-135M-Instruct pair."""
+import pytest
+
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import Verifier
+from hybridspec.common import embedded
+from hybridspec.common.models import load_model
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.prompt import encode_prompt
+from hybridspec.edge.worker import EdgeWorker
+
+from tinymodels import greedy_reference
+
+pytestmark = pytest.mark.embedded
+
+
+@pytest.fixture(scope="module")
+def pair():
+    if not embedded.is_pulled():
+        pytest.skip(f"embedded models not pulled into {embedded.models_home()}: run `hybridspec models pull`")
+    paths = embedded.default_paths()
+    return load_model(paths["target"], device="cpu"), load_model(paths["drafter"], device="cpu")
+
+
+def test_embedded_pair_is_lossless_over_grpc(pair):
+    target, drafter = pair
+    assert target.model.config.num_hidden_layers == 30
+    server = BackgroundServer(Verifier(target))
+    try:
+        prompt = encode_prompt(target.tokenizer, "What is the capital of France?", chat=True)
+        config = EdgeConfig(cloud=server.address, max_new_tokens=16, max_draft=4)
+        with VerifierClient(server.address) as client:
+            gen = EdgeWorker(drafter, client, config).generate(prompt)
+    finally:
+        server.stop()
+    assert gen.token_ids == greedy_reference(target, prompt, 16)
+    assert "Paris" in gen.text
