@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def build_parser() -> argparse.ArgumentParser:
     """The full command tree."""
-    from . import cloud_cmd, demo_cmd, edge_cmd, models_cmd
+    from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, models_cmd
 
     parser = argparse.ArgumentParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     cloud_cmd.register(sub)
     edge_cmd.register(sub)
     demo_cmd.register(sub)
+    distill_cmd.register(sub)
     return parser
 
 

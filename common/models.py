@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from . import compact
+
 
 @dataclass
 class LoadedModel:
@@ -22,11 +24,12 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
+    head_ids: torch.Tensor | None = None  # compact drafters: the vocabulary ids of the head's rows
 
     @property
     def vocab_size(self) -> int:
-        """Rows of the output head (may exceed len(tokenizer) when the head is padded)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        """Ids the model can see: rows of the input embedding (the head may be a subset or padded)."""
+        return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -69,6 +72,10 @@ def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> L
             raise FileNotFoundError(f"GGUF file {spec} does not exist")
         source, tok_kwargs = str(path.parent), {"gguf_file": path.name}
         kwargs["gguf_file"] = path.name
+    elif compact.is_compact(path):
+        model, tokenizer, head_ids = compact.load_compact(path, kwargs["dtype"])
+        model.to(dev).eval()
+        return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev, head_ids=head_ids.to(dev))
     elif path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{spec} is not a model directory (no config.json)")

@@ -45,6 +45,7 @@ class ModelDrafter:
         self.generator = generator
         self._cache = DynamicCache(config=loaded.model.config)
         self._cached: list[int] = []  # the tokens whose KV is in the cache
+        self._head_ids = None if loaded.head_ids is None else loaded.head_ids.cpu()
 
     def propose(self, context: list[int], max_tokens: int, fallback_threshold: float,
                 stop_ids: frozenset[int]) -> Proposal:
@@ -90,6 +91,11 @@ class ModelDrafter:
         out = self.loaded.model(input_ids=ids, past_key_values=self._cache, use_cache=True)
         self._cached.extend(feed)
         logits = out.logits[0, -1].float().cpu()
+        if self._head_ids is not None:
+            # A compact drafter predicts over a subset of the vocabulary; the rest gets no mass.
+            full = torch.full((self.vocab_size,), float("-inf"))
+            full[self._head_ids] = logits
+            return full
         if logits.shape[0] > self.vocab_size:
             logits = logits[: self.vocab_size]
         elif logits.shape[0] < self.vocab_size:

@@ -18,8 +18,11 @@ def make_tokenizer(prefix: str = "w") -> PreTrainedTokenizerFast:
     vocab.update({f"{prefix}{i}": i for i in range(len(SPECIALS), VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="<pad>")
+    # Words outside the vocabulary become <unk>; enough to exercise every chat-prompt code path.
+    fast.chat_template = "<s>{% for m in messages %}{{ m['content'] }} w4 {% endfor %}"
+    return fast
 
 
 def make_model(seed: int, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM:

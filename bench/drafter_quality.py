@@ -1,0 +1,129 @@
+"""How good is a distilled drafter for its target? Held-out acceptance, tokens per round, cost c.
+
+    python bench/drafter_quality.py --drafter DIR [--runs RUN_DIR ...] [--out docs/drafter]
+
+Held-out prompts use topics that never appear in training (distill/prompts.py). Acceptance is
+measured exactly for greedy decoding by replaying speculative rounds over the target's own greedy
+continuation (distill/evaluate.py). c is the drafter's per-token decode latency over the target's,
+both with one torch thread on this CPU (the way edge and cloud each get one core in the demo).
+--runs takes `hybridspec distill` output directories (e.g. 1, 2 and 4 layers) for the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import DynamicCache
+
+from hybridspec.common.embedded import default_paths
+from hybridspec.common.models import load_model
+from hybridspec.distill.data import generate_samples
+from hybridspec.distill.evaluate import evaluate
+from hybridspec.distill.prompts import heldout_prompts
+
+
+@torch.inference_mode()
+def decode_latency(model, context: int = 96, tokens: int = 48) -> float:
+    """Median seconds per single-token decode step with a KV cache of `context` tokens."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.ones(1, context, dtype=torch.long), past_key_values=cache, use_cache=True)
+    times = []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", default=str(default_paths()["drafter"]))
+    parser.add_argument("--target", default=str(default_paths()["target"]))
+    parser.add_argument("--runs", nargs="*", default=[], help="distill output directories for the curves")
+    parser.add_argument("--heldout", type=int, default=24)
+    parser.add_argument("--out", default="docs/drafter")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    target = load_model(args.target, device="cpu")
+    drafter = load_model(args.drafter, device="cpu")
+    samples = generate_samples(target, heldout_prompts(args.heldout), 128, 0.0, 8, 1, "held-out references")
+    rep = evaluate(drafter.model, drafter.head_ids, samples, drafter.device, gammas=(4, 8))
+    torch.set_num_threads(1)
+    t_target = decode_latency(target.model)
+    t_drafter = decode_latency(drafter.model)
+    result = {"drafter": args.drafter, "heldout_prompts": args.heldout,
+              "heldout_tokens": sum(len(s.ids) - s.start for s in samples),
+              "acceptance_alpha": rep.agreement, "accepted_per_drafted": rep.acceptance,
+              "tokens_per_round": rep.tokens_per_round, "per_position": rep.per_position,
+              "target_ms_per_token": t_target * 1e3, "drafter_ms_per_token": t_drafter * 1e3,
+              "c": t_drafter / t_target}
+    runs = []
+    for run in map(Path, args.runs):
+        report = json.loads((run / "report.json").read_text())
+        runs.append({"dir": str(run), "layers": report["config"]["layers"], "curve": report["curve"],
+                     "final_agreement": report["final"]["agreement"], "train_s": report["train_s"],
+                     "c": decode_latency(load_model(run, device="cpu").model) / t_target})
+    result["runs"] = runs
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(result))
+    plot(result, out / "acceptance.png")
+    print(markdown(result))
+
+
+def markdown(r: dict) -> str:
+    """The tables written to results.md."""
+    lines = ["| metric | value |", "|---|---|",
+             f"| held-out prompts / tokens | {r['heldout_prompts']} / {r['heldout_tokens']} |",
+             f"| greedy acceptance α (drafter argmax = target token) | {r['acceptance_alpha']:.3f} |"]
+    for g in (4, 8):
+        lines.append(f"| γ = {g}: tokens per verify round / accepted per drafted | "
+                     f"{r['tokens_per_round'][g]:.2f} / {r['accepted_per_drafted'][g]:.3f} |")
+    lines += [f"| per-token decode latency, target / drafter (1 thread) | {r['target_ms_per_token']:.1f} ms / "
+              f"{r['drafter_ms_per_token']:.1f} ms |", f"| c = drafter / target | {r['c']:.3f} |"]
+    pos = ", ".join(f"{p:.2f}" for p in r["per_position"][8])
+    lines.append(f"| γ = 8: P(position j accepted \\| reached), j = 1..8 | {pos} |")
+    if r["runs"]:
+        lines += ["", "| drafter layers | held-out α | c | training steps | training s |", "|---|---|---|---|---|"]
+        for run in sorted(r["runs"], key=lambda x: x["layers"]):
+            lines.append(f"| {run['layers']} | {run['final_agreement']:.3f} | {run['c']:.3f} | "
+                         f"{run['curve'][-1]['step']} | {run['train_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    """Acceptance vs training steps per drafter depth, and acceptance/cost vs depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in sorted(r["runs"], key=lambda x: x["layers"]):
+        left.plot([p["step"] for p in run["curve"]], [p["agreement"] for p in run["curve"]], marker="o",
+                  label=f"{run['layers']} layers")
+    left.axhline(0.6, color="grey", ls="--", lw=1, label="goal α = 0.60")
+    left.set(xlabel="training step", ylabel="held-out greedy acceptance α", title="acceptance vs training")
+    left.legend()
+    if r["runs"]:
+        runs = sorted(r["runs"], key=lambda x: x["layers"])
+        layers = [x["layers"] for x in runs]
+        right.plot(layers, [x["final_agreement"] for x in runs], marker="o", label="held-out α")
+        right.plot(layers, [x["c"] for x in runs], marker="s", label="cost c (drafter/target time)")
+        right.axhline(1 / 6, color="grey", ls=":", lw=1, label="c goal 1/6")
+        right.set(xlabel="drafter decoder layers", xticks=layers, title="acceptance and cost vs depth")
+        right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
