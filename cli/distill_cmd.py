@@ -18,12 +18,14 @@ def register(sub) -> None:
     src.add_argument("--generate", type=int, help="training responses the target generates (default 480)")
     d.add_argument("--max-new-tokens", type=int, help="length of each generated response (default 128)")
     d.add_argument("--temperature", type=float, help="target sampling temperature for generated data (default 0)")
+    d.add_argument("--gen-batch-size", type=int, help="prompts per batched target generation (default 16)")
     d.add_argument("--batch-tokens", type=int, help="tokens per optimiser step (default 2048)")
     d.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
     d.add_argument("--eval-every", type=int, help="steps between held-out evaluations (default 50)")
     d.add_argument("--heldout", type=int, help="held-out prompts to evaluate on (default 24)")
     d.add_argument("--seed", type=int, help="seed for data, initialisation order and batches")
     d.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    d.add_argument("--store", choices=["float16", "int8"], help="weight storage (default float16; int8 halves it)")
     d.add_argument("--base", help='how the drafter refers to its target (default: its absolute path; "embedded:target")')
     d.set_defaults(run=run_distill)
 
@@ -34,7 +36,7 @@ def run_distill(args) -> int:
     from ..distill.train import DistillConfig, distill
 
     keys = ["target", "out", "layers", "steps", "head_size", "data", "generate", "max_new_tokens", "temperature",
-            "batch_tokens", "lr", "eval_every", "heldout", "seed", "device", "base"]
+            "gen_batch_size", "batch_tokens", "lr", "eval_every", "heldout", "seed", "device", "base", "store"]
     overrides = {k: getattr(args, k) for k in keys}
     if args.data is not None:
         overrides["generate"] = 0

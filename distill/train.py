@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..common.compact import Manifest, build_student, own_state, save_compact
+from ..common.compact import STORES, Manifest, build_student, own_state, round_to_storage, save_compact
 from ..common.models import LoadedModel, load_model, tokenizer_fingerprint
 from .data import Sample, corpus_samples, generate_samples, head_ids_by_frequency
 from .evaluate import Report, evaluate
@@ -41,6 +41,7 @@ class DistillConfig:
     device: str = "auto"
     gen_batch_size: int = 16  # prompts per batched target generation
     base: str = ""  # how the manifest refers to the target; "" = the target's absolute path
+    store: str = "float16"  # float16, or int8 (per-row scales; half the bytes)
 
     def __post_init__(self) -> None:
         for name in ("layers", "steps", "heldout", "batch_tokens", "eval_every", "gen_batch_size", "max_new_tokens"):
@@ -48,6 +49,8 @@ class DistillConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.generate < 0 or self.head_size < 0:
             raise ValueError("generate and head_size must be >= 0")
+        if self.store not in STORES:
+            raise ValueError(f"store must be one of {', '.join(STORES)}, got {self.store!r}")
         if self.generate == 0 and not self.data:
             raise ValueError("nothing to train on: give --data FILE or --generate N > 0")
 
@@ -106,8 +109,9 @@ def distill(cfg: DistillConfig) -> dict:
             bar.set_postfix(loss=f"{loss.item():.3f}", heldout_agree=f"{curve[-1]['agreement']:.3f}")
     train_s = time.perf_counter() - start
     manifest = Manifest(base=cfg.base or str(Path(target.name).resolve()), num_layers=cfg.layers,
-                        base_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer))
+                        base_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer), store=cfg.store)
     save_compact(student, head_ids, out, manifest)
+    round_to_storage(student, cfg.store)  # the final numbers are those of the saved weights
     final = evaluate(student.eval(), head_ids, heldout, dev)
     report = {"config": asdict(cfg), "train_samples": len(train), "train_tokens": sum(len(s.ids) - s.start for s in train),
               "heldout_samples": len(heldout), "train_s": train_s, "own_parameters": sum(v.numel() for v in own_state(student).values()),
@@ -117,13 +121,22 @@ def distill(cfg: DistillConfig) -> dict:
 
 
 @torch.inference_mode()
-def teacher_states(target: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
-    """Per sample, the target's final hidden states at the positions predicting response tokens (fp16)."""
+def teacher_states(target: LoadedModel, samples: list[Sample], batch_size: int = 16) -> list[torch.Tensor]:
+    """Per sample, the target's final hidden states at the positions predicting response tokens (fp16).
+
+    Right-padded batches: with causal attention, padding after a sequence cannot change it.
+    """
     states = []
-    for s in tqdm(samples, desc="target scores training data", unit="sample"):
-        ids = torch.tensor([s.ids], device=target.device)
-        hidden = target.model.model(input_ids=ids).last_hidden_state[0, s.start - 1: len(s.ids) - 1]
-        states.append(hidden.to(torch.float16))
+    for i in tqdm(range(0, len(samples), batch_size), desc="target scores training data", unit="batch"):
+        chunk = samples[i: i + batch_size]
+        width = max(len(s.ids) for s in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, s in enumerate(chunk):
+            ids[b, : len(s.ids)] = torch.tensor(s.ids)
+            mask[b, : len(s.ids)] = 1
+        hidden = target.model.model(input_ids=ids.to(target.device), attention_mask=mask.to(target.device)).last_hidden_state
+        states += [hidden[b, s.start - 1: len(s.ids) - 1].to("cpu", torch.float16) for b, s in enumerate(chunk)]
     return states
 
 

@@ -54,3 +54,21 @@ def test_distilled_drafter_drafts_through_the_edge_path(distilled, server, targe
         gen = EdgeWorker(drafter, client, config).generate(prompt)
     assert gen.token_ids == greedy_reference(target, prompt, 20)
     assert gen.stats.accepted > 0
+
+
+def test_int8_storage_halves_the_weights_and_keeps_the_predictions(model_dirs, target, tmp_path):
+    import torch
+
+    from hybridspec.common.compact import Manifest, build_student, save_compact
+
+    student = build_student(target.model, 2, torch.arange(200))
+    manifest = Manifest(base=str(model_dirs["target"]), num_layers=2, base_tokenizer_fingerprint="")
+    save_compact(student, torch.arange(200), tmp_path / "fp16", manifest)
+    save_compact(student, torch.arange(200), tmp_path / "int8", Manifest(**{**manifest.__dict__, "store": "int8"}))
+    fp16, int8 = (load_model(tmp_path / d, device="cpu") for d in ("fp16", "int8"))
+    assert (tmp_path / "int8" / WEIGHTS).stat().st_size < 0.6 * (tmp_path / "fp16" / WEIGHTS).stat().st_size
+    ids = torch.randint(4, 256, (4, 32))
+    with torch.inference_mode():
+        a, b = fp16.model(input_ids=ids).logits, int8.model(input_ids=ids).logits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    assert torch.allclose(a, b, atol=0.1 * a.abs().max().item())
