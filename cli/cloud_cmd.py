@@ -1,53 +1,95 @@
-"""`hybridspec cloud serve`: load the target and serve the Verifier over gRPC."""
+"""`hybridspec cloud serve`: the gRPC front door and the verifier pool behind it."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import sys
 
+READY_PREFIX = "hybridspec verifier serving on "
+
 
 def register(sub) -> None:
     """Add the `cloud` command group."""
-    cloud = sub.add_parser("cloud", help="run the cloud verifier")
+    cloud = sub.add_parser("cloud", help="run the cloud verifier pool")
     csub = cloud.add_subparsers(dest="cloud_command", required=True, metavar="ACTION")
-    serve = csub.add_parser("serve", help="serve the target model until SIGINT/SIGTERM")
+    serve = csub.add_parser("serve", help="serve the target model until SIGINT/SIGTERM",
+                            description="Flags override the --config file; with neither, the local CPU "
+                                        "defaults apply (the values of deploy/local-cpu.yaml).")
     serve.add_argument("--config", help="YAML file of ServeConfig keys (see deploy/)")
     serve.add_argument("--target", help="model directory, .gguf file or cached hub id")
     serve.add_argument("--host", help="interface to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to bind (default 50051; 0 = any free port)")
+    serve.add_argument("--backend", choices=["ray", "inprocess"], help="Ray replica pool (default) or one "
+                       "verifier inside the front door")
+    serve.add_argument("--replicas", type=int, help="Ray replicas, each with its own copy of the target")
+    serve.add_argument("--ray-address", help='join this Ray cluster ("auto", ray://HOST:10001); default: start one')
+    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (-1 = off, 0 = any free port)")
     serve.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
-    serve.add_argument("--torch-threads", type=int, help="CPU intra-op threads (0 = torch default)")
-    serve.add_argument("--max-sessions", type=int, help="sessions held at once")
+    serve.add_argument("--torch-threads", type=int, help="CPU intra-op threads per replica (0 = torch default)")
+    serve.add_argument("--max-batch-size", type=int, help="most rounds per forward pass (1 = no batching)")
+    serve.add_argument("--max-wait-ms", type=float, help="how long a round waits for others to batch with")
+    serve.add_argument("--max-sessions", type=int, help="sessions per replica")
     serve.add_argument("--max-context", type=int, help="committed + draft tokens per session")
     serve.add_argument("--max-draft", type=int, help="longest draft block accepted")
     serve.set_defaults(run=run_serve)
 
 
-def run_serve(args) -> int:
-    """Load the model, then serve; prints one 'serving' line once ready."""
-    import torch
-
+def serve_config(args):
+    """ServeConfig from defaults, --config and flags."""
     from ..cloud.config import ServeConfig
-    from ..cloud.server import serve_forever
-    from ..cloud.verifier import Verifier
     from ..common.config import load_config
-    from ..common.models import load_model
-    from .models_cmd import resolve
 
-    overrides = {"target": args.target, "host": args.host, "port": args.port, "device": args.device,
-                 "dtype": args.dtype, "torch_threads": args.torch_threads, "max_sessions": args.max_sessions,
-                 "max_context": args.max_context, "max_draft": args.max_draft}
-    config = load_config(ServeConfig, args.config, overrides)
+    keys = ["target", "host", "port", "backend", "replicas", "ray_address", "metrics_port", "device", "dtype",
+            "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_context", "max_draft"]
+    return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
+
+
+def run_serve(args) -> int:
+    """Start the backend, then serve; prints one 'serving on HOST:PORT' line once SERVING."""
+    config = serve_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    target = load_model(resolve(config.target, "target"), config.device, config.dtype)
-    core = Verifier(target, config.limits)
+    backend, what = _backend(config)
 
-    def ready(port: int) -> None:
-        print(f"hybridspec verifier serving {target.name} on {config.host}:{port} ({target.device})", flush=True)
+    def ready(running) -> None:
+        metrics = f", metrics on {config.metrics_host}:{running.metrics_port}" if running.metrics_port else ""
+        print(f"{READY_PREFIX}{config.host}:{running.port} ({what}{metrics})", flush=True)
 
-    asyncio.run(serve_forever(core, config.host, config.port, config.grace_s, ready))
+    from ..cloud.server import serve_forever
+
+    metrics_port = None if config.metrics_port < 0 else config.metrics_port
+    asyncio.run(serve_forever(backend, config.host, config.port, config.grace_s, metrics_port, config.metrics_host,
+                              ready))
     print("hybridspec verifier stopped", file=sys.stderr)
     return 0
+
+
+def _backend(config):
+    """The backend the config asks for, and a few words describing it."""
+    from .models_cmd import resolve
+
+    from ..common.models import check_model_spec
+
+    target = resolve(config.target, "target")
+    check_model_spec(target)
+    if config.backend == "ray":
+        from ..cloud.pool import RayPool
+
+        return RayPool(config.pool_spec(target)), f"{target}, {config.replicas} Ray replica(s)"
+    import torch
+
+    from ..cloud.backend import InProcessBackend
+    from ..cloud.verifier import Verifier
+    from ..common.models import load_model
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    verifier = Verifier(load_model(target, config.device, config.dtype), config.limits)
+    return InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms), f"{target}, in-process"
+
+
+def parse_ready_line(line: str) -> str | None:
+    """HOST:PORT from the 'serving on' line, or None for any other line."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    return line[len(READY_PREFIX):].split()[0]

@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from rich.console import Console
 from rich.table import Table
 
-DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+from ..common.errors import Unavailable
+
+DEFAULT_PROMPT = "Write a short poem about the sea."
 
 
 def register(sub) -> None:
@@ -81,15 +84,23 @@ def run_demo(args) -> int:
 
 
 def _start_cloud(core: int | None) -> tuple[subprocess.Popen, str]:
-    """Start `hybridspec cloud serve` on a free port and wait for its 'serving' line."""
-    cmd = [sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--port", "0"]
+    """Start `hybridspec cloud serve` (a local Ray pool of one replica) on a free port; wait until SERVING.
+
+    Pinning the serve process pins everything it spawns too: the Ray processes inherit its affinity.
+    """
+    from .cloud_cmd import parse_ready_line
+
+    cmd = [sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--port", "0", "--metrics-port", "-1"]
     if core is not None:
         cmd += ["--torch-threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+    # The cloud's log (Ray's included) goes to a file, so the demo's own output stays readable.
+    log = tempfile.NamedTemporaryFile("w", prefix="hybridspec-demo-cloud-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                             preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("hybridspec verifier serving"):
-            return proc, line.split(" on ")[-1].split()[0]
+        address = parse_ready_line(line)
+        if address is not None:
+            return proc, address
     proc.wait()
-    raise RuntimeError(f"the cloud verifier exited with status {proc.returncode} before serving")
+    raise Unavailable(f"the cloud verifier exited with status {proc.returncode} before serving; see {log.name}")

@@ -1,9 +1,13 @@
-"""The verifier server's configuration (deploy/*.yaml holds ready-made ones)."""
+"""The cloud side's configuration (deploy/*.yaml holds ready-made ones)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .pool import PoolSpec
+from .replica import ReplicaSpec
 from .verifier import VerifierLimits
+
+BACKENDS = ("ray", "inprocess")
 
 
 @dataclass(frozen=True)
@@ -13,26 +17,55 @@ class ServeConfig:
     target: str = ""  # model directory, .gguf file or cached hub id; "" = embedded default
     host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 to serve other hosts
     port: int = 50051  # 0 picks a free port
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    backend: str = "ray"  # ray = a pool of replica actors; inprocess = one verifier in the front door
+    replicas: int = 1  # Ray replicas, each owning one copy of the target
+    replica_num_cpus: float = 1.0  # Ray CPUs reserved per replica (fractions allowed)
+    replica_num_gpus: float = 0.0  # Ray GPUs per replica (1 on a GPU cluster)
+    ray_address: str = ""  # "" = start a local Ray cluster; "auto" or ray://HOST:10001 joins one
+    ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (inside each replica)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    torch_threads: int = 0  # intra-op threads on CPU; 0 keeps torch's default
+    torch_threads: int = 0  # intra-op threads per replica on CPU; 0 keeps torch's default
+    max_batch_size: int = 16  # most rounds scored in one forward pass; 1 turns batching off
+    max_wait_ms: float = 2.0  # a round waits at most this long for others to batch with
     max_context: int = 4096  # committed + draft tokens per session
     max_draft: int = 32  # longest draft block accepted
-    max_sessions: int = 64  # sessions held at once; more get RESOURCE_EXHAUSTED
+    max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED
+    max_cached_tokens: int = 0  # per replica: LRU sessions are evicted beyond this many tokens; 0 = no cap
     idle_timeout_s: int = 600  # idle sessions are dropped after this
+    metrics_port: int = 9464  # Prometheus /metrics port; -1 = off, 0 = any free port
+    metrics_host: str = "127.0.0.1"  # interface for /metrics
     grace_s: float = 5.0  # on SIGTERM/SIGINT, in-flight calls get this long to finish
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_context", "max_draft", "max_sessions", "idle_timeout_s"):
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "max_cached_tokens", "ray_num_cpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
     @property
     def limits(self) -> VerifierLimits:
-        """The per-session limits the verifier enforces."""
+        """The per-session limits each replica enforces."""
         return VerifierLimits(max_context=self.max_context, max_draft=self.max_draft,
-                              max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s)
+                              max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s,
+                              max_cached_tokens=self.max_cached_tokens)
+
+    def replica_spec(self, target: str) -> ReplicaSpec:
+        """What each replica loads (`target` already resolved to a path or hub id)."""
+        return ReplicaSpec(target=target, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
+                           limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms)
+
+    def pool_spec(self, target: str) -> PoolSpec:
+        """The Ray pool this config describes."""
+        return PoolSpec(replica=self.replica_spec(target), replicas=self.replicas, num_cpus=self.replica_num_cpus,
+                        num_gpus=self.replica_num_gpus, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus)

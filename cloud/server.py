@@ -1,7 +1,12 @@
-"""The gRPC front door: Verifier service, standard health checking, reflection, graceful drain."""
+"""The gRPC front door: Verifier service, health checking, reflection, metrics, graceful drain.
+
+The port is bound before the models load, so health checks answer NOT_SERVING while replicas
+start; the server reports SERVING once the backend is ready and NOT_SERVING again when draining.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -14,6 +19,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ..common.proto import verifier_pb2 as pb
 from ..common.proto import verifier_pb2_grpc as pb_grpc
+from .backend import Backend, InProcessBackend
+from .metrics import Metrics
 from .service import VerifierService
 from .verifier import Verifier
 
@@ -30,27 +37,39 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+STATUS_REFRESH_S = 2.0  # how often replica gauges (sessions, evictions, liveness) are refreshed
 
 
 @dataclass
 class RunningServer:
-    """A started server with the port it bound and its health servicer."""
+    """A started front door: its port, health servicer, metrics and backend."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    backend: Backend
+    metrics: Metrics
+    metrics_port: int | None
+    refresher: asyncio.Task
 
     async def drain(self, grace_s: float) -> None:
-        """Report NOT_SERVING, let in-flight calls finish for up to grace_s, then stop."""
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """Report NOT_SERVING, let in-flight calls finish for up to grace_s, then stop the backend."""
+        await _set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
+        self.refresher.cancel()
+        await self.backend.stop()
+
+    async def refresh_metrics(self) -> None:
+        """Pull replica state into the gauges now (also done every STATUS_REFRESH_S)."""
+        self.metrics.observe_replicas(await self.backend.status())
 
 
-async def start_server(core: Verifier, host: str, port: int) -> RunningServer:
-    """Bind and start; health reports SERVING because the model is already loaded."""
+async def start_server(backend: Backend, host: str, port: int, metrics_port: int | None = None,
+                       metrics_host: str = "127.0.0.1") -> RunningServer:
+    """Bind, start the backend, then report SERVING. metrics_port None: no /metrics endpoint."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_VerifierServicer_to_server(VerifierService(core), server)
+    metrics = Metrics()
+    pb_grpc.add_VerifierServicer_to_server(VerifierService(backend, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -58,40 +77,70 @@ async def start_server(core: Verifier, host: str, port: int) -> RunningServer:
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port} (in use or not a local address)")
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=bound, health=health_servicer)
+    try:
+        await backend.start()
+    except BaseException:
+        await server.stop(0)
+        raise
+    bound_metrics = metrics.serve_http(metrics_host, metrics_port) if metrics_port is not None else None
+    running = RunningServer(server, bound, health_servicer, backend, metrics, bound_metrics,
+                            asyncio.get_running_loop().create_task(_refresh_forever(backend, metrics)))
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    return running
 
 
-async def serve_forever(core: Verifier, host: str, port: int, grace_s: float,
-                        on_ready: Callable[[int], None] | None = None) -> None:
+async def serve_forever(backend: Backend, host: str, port: int, grace_s: float, metrics_port: int | None = None,
+                        metrics_host: str = "127.0.0.1", on_ready: Callable[[RunningServer], None] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
-    running = await start_server(core, host, port)
-    if on_ready is not None:
-        on_ready(running.port)
+    running = await start_server(backend, host, port, metrics_port, metrics_host)
+    # Installed after the backend started, so they replace any handler Ray installed meanwhile.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(running)
     await stop.wait()
     log.info("draining for up to %.1f s", grace_s)
     await running.drain(grace_s)
 
 
-class BackgroundServer:
-    """A real gRPC server on its own event loop thread, for tests and in-process experiments."""
+async def _set_health(servicer: health.aio.HealthServicer, status) -> None:
+    await servicer.set("", status)
+    await servicer.set(SERVICE_NAME, status)
 
-    def __init__(self, core: Verifier, host: str = "127.0.0.1", port: int = 0) -> None:
+
+async def _refresh_forever(backend: Backend, metrics: Metrics) -> None:
+    while True:
+        with contextlib.suppress(Exception):  # metrics must never take the server down
+            metrics.observe_replicas(await backend.status())
+        await asyncio.sleep(STATUS_REFRESH_S)
+
+
+class BackgroundServer:
+    """A real gRPC front door on its own event-loop thread, for tests and in-process experiments."""
+
+    def __init__(self, backend: Backend | Verifier, host: str = "127.0.0.1", port: int = 0,
+                 metrics_port: int | None = None) -> None:
+        """A bare Verifier is served in-process with default batching."""
+        if isinstance(backend, Verifier):
+            backend = InProcessBackend(backend)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="grpc-server")
         self._thread.start()
-        self._running = asyncio.run_coroutine_threadsafe(start_server(core, host, port), self._loop).result()
-        self.address = f"{host}:{self._running.port}"
+        self.running = self.call(start_server(backend, host, port, metrics_port))
+        self.backend = backend
+        self.address = f"{host}:{self.running.port}"
+
+    def call(self, coro):
+        """Run a coroutine on the server's loop and return its result (for tests poking the backend)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def stop(self, grace_s: float = 0.5) -> None:
         """Drain, stop the loop and join its thread."""
-        asyncio.run_coroutine_threadsafe(self._running.drain(grace_s), self._loop).result()
+        self.call(self.running.drain(grace_s))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -85,13 +85,13 @@ def block_from_pb(m: pb.VerifyRequest) -> DraftBlock:
 def result_to_pb(r: VerifyResult) -> pb.VerifyReply:
     """Encode a verification result."""
     return pb.VerifyReply(round=r.round, num_accepted=r.num_accepted, next_token=r.next_token,
-                          committed_len=r.committed_len, verify_ms=r.verify_ms)
+                          committed_len=r.committed_len, verify_ms=r.verify_ms, batch_size=r.batch_size)
 
 
 def result_from_pb(m: pb.VerifyReply) -> VerifyResult:
     """Decode a verification result."""
     return VerifyResult(round=m.round, num_accepted=m.num_accepted, next_token=m.next_token,
-                        committed_len=m.committed_len, verify_ms=m.verify_ms)
+                        committed_len=m.committed_len, verify_ms=m.verify_ms, batch_size=m.batch_size)
 
 
 def generate_to_pb(g: GenerateSpec) -> pb.GenerateRequest:

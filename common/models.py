@@ -92,6 +92,30 @@ def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> L
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev)
 
 
+def check_model_spec(spec: str | Path) -> None:
+    """Raise FileNotFoundError unless `spec` names something `load_model` can load offline (no loading).
+
+    For failing fast in one process before other processes (Ray replicas) try to load it.
+    """
+    path = Path(str(spec)).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+    elif path.exists():
+        if not (compact.is_compact(path) or (path / "config.json").is_file()):
+            raise FileNotFoundError(f"{spec} is not a model directory (no config.json)")
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(str(spec), "config.json")
+        except ValueError:  # not even a well-formed hub id
+            cached = None
+        if not isinstance(cached, str):
+            raise FileNotFoundError(
+                f"cannot load model {str(spec)!r} offline: not a local directory, a .gguf file or a cached hub id")
+
+
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """sha256 over the vocabulary and the special tokens: equal iff both sides tokenize alike."""
     payload = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),

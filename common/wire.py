@@ -146,7 +146,8 @@ class VerifyResult:
     num_accepted: int
     next_token: int
     committed_len: int
-    verify_ms: float = 0.0
+    verify_ms: float = 0.0  # time the verifier spent on the round: queueing + forward pass
+    batch_size: int = 1  # rounds scored in the same forward pass
 
 
 @dataclass(frozen=True)

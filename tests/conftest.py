@@ -51,6 +51,18 @@ def verifier(target) -> Verifier:
 
 
 @pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster for the pool tests; replicas ask for fractions of its CPUs."""
+    import ray
+
+    from hybridspec.cloud.pool import WORKER_ENV
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
 def server(verifier):
     """A real gRPC server on a free localhost port."""
     srv = BackgroundServer(verifier)

@@ -53,12 +53,16 @@ def test_bad_flag_value(model_dirs):
 @pytest.fixture(scope="module")
 def served(model_dirs):
     """`hybridspec cloud serve` as a real subprocess on a free port."""
+    from hybridspec.cli.cloud_cmd import parse_ready_line
+
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
-                             str(model_dirs["target"]), "--port", "0", "--torch-threads", "1"],
+                             str(model_dirs["target"]), "--port", "0", "--metrics-port", "-1", "--torch-threads", "1",
+                             "--backend", "inprocess"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     line = proc.stdout.readline()
-    assert line.startswith("hybridspec verifier serving"), proc.stderr.read() if proc.poll() is not None else line
-    yield proc, line.split(" on ")[-1].split()[0]
+    address = parse_ready_line(line)
+    assert address, proc.stderr.read() if proc.poll() is not None else line
+    yield proc, address
     if proc.poll() is None:
         proc.kill()
 
@@ -89,3 +93,34 @@ def test_sigterm_drains_and_exits_zero(served):
     proc, _ = served
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs):
+    """The default backend: a real local Ray cluster with one replica, started and stopped by the CLI."""
+    import re
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from hybridspec.cli.cloud_cmd import parse_ready_line
+
+    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
+                             str(model_dirs["target"]), "--port", "0", "--metrics-port", "0", "--replicas", "1",
+                             "--torch-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()
+        address = parse_ready_line(line)
+        assert address and "1 Ray replica" in line, line
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        metrics_port = re.search(r"metrics on [\d.]+:(\d+)", line).group(1)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert "hybridspec_replicas_alive" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

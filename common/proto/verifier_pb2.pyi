@@ -110,18 +110,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_len: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftPosition, _Mapping]]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms")
+    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
     committed_len: int
     verify_ms: float
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,166 @@
+"""The Ray verifier pool behind the real gRPC front door: affinity, batching, recovery, statuses, metrics."""
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import ray
+
+from hybridspec.cloud.pool import PoolSpec, RayPool
+from hybridspec.cloud.replica import ReplicaSpec
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import VerifierLimits
+from hybridspec.common.proto import verifier_pb2 as pb
+from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.wire import GenerateSpec
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.worker import EdgeWorker
+
+from tinymodels import greedy_reference
+
+MAX_SESSIONS = 8  # per replica
+PROMPTS = [[5 + i, 17, 33 + 2 * i, 80] for i in range(8)]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def pool_server(ray_cluster, model_dirs):
+    """Two replica actors (half a Ray CPU each) behind a front door with a /metrics endpoint."""
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, max_batch=16,
+                          max_wait_ms=20.0,  # generous, so that concurrent test edges really share passes
+                          limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
+    pool = RayPool(PoolSpec(replica=replica, replicas=2, num_cpus=0.5, name="test-pool"))
+    server = BackgroundServer(pool, metrics_port=0)
+    yield server, pool
+    server.stop()
+
+
+def metric(server, name: str, **labels) -> float:
+    """One sample of the front door's /metrics, as Prometheus would scrape it."""
+    server.call(server.running.refresh_metrics())
+    url = f"http://127.0.0.1:{server.running.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(want + " ") or (not labels and line.startswith(name + "{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_edges(address, drafters, prompts, **cfg):
+    """One edge worker per prompt, all at once, each on its own channel."""
+    results, errors = [None] * len(prompts), []
+
+    def one(i):
+        try:
+            config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, **cfg)
+            with VerifierClient(address) as client:
+                results[i] = EdgeWorker(drafters[i % len(drafters)], client, config).generate(prompts[i])
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def test_eight_concurrent_edges_get_the_target_greedy_output(pool_server, target, random_drafter):
+    server, pool = pool_server
+    routed_before = [metric(server, "hybridspec_sessions_routed_total", replica=r.name) for r in pool.replicas]
+    batches_before = metric(server, "hybridspec_batch_size_count")
+    singles_before = metric(server, "hybridspec_batch_size_bucket", le="1.0")
+    gens = run_edges(server.address, [target, random_drafter], PROMPTS, max_draft=4, fallback_threshold=0.0)
+    for prompt, gen in zip(PROMPTS, gens):
+        assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
+    routed = [metric(server, "hybridspec_sessions_routed_total", replica=r.name) - b
+              for r, b in zip(pool.replicas, routed_before)]
+    assert all(n >= 2 for n in routed), routed  # spread over both replicas
+    batches = metric(server, "hybridspec_batch_size_count") - batches_before
+    singles = metric(server, "hybridspec_batch_size_bucket", le="1.0") - singles_before
+    assert batches > 0 and singles < batches  # some rounds shared a forward pass
+
+
+def test_killed_replica_is_recovered_transparently(pool_server, target, random_drafter):
+    server, pool = pool_server
+    reopens_before = metric(server, "hybridspec_session_reopens_total")
+    failures_before = metric(server, "hybridspec_replica_failures_total")
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0)
+    prompt = PROMPTS[3]
+    with VerifierClient(server.address) as client:
+        worker = EdgeWorker(random_drafter, client, config)
+        original, calls = client.verify, {"n": 0}
+
+        def verify_after_killing(block):
+            calls["n"] += 1
+            if calls["n"] == 3:  # mid-generation: crash the process that holds this session's cache
+                owner = next(r for r in pool.replicas if r.name == pool.replica_of(block.session_id))
+                ray.kill(owner.handle, no_restart=False)
+            return original(block)
+
+        client.verify = verify_after_killing  # the real call still goes over gRPC to the pool
+        gen = worker.generate(prompt, session_id="doomed")
+    assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
+    assert gen.stats.reopens >= 1
+    assert metric(server, "hybridspec_session_reopens_total") > reopens_before
+    assert metric(server, "hybridspec_replica_failures_total") > failures_before
+    deadline = time.monotonic() + 120
+    while not all(r.alive for r in pool.replicas):  # Ray restarts it; later tests want both back
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.5)
+
+
+def test_cloud_only_generate_through_the_pool(pool_server, target):
+    server, _ = pool_server
+    with VerifierClient(server.address) as client:
+        tokens = list(client.generate(GenerateSpec(prompt_ids=tuple(PROMPTS[1]), max_new_tokens=NEW_TOKENS)))
+    assert tokens == greedy_reference(target, PROMPTS[1], NEW_TOKENS)
+
+
+def test_bad_and_over_limit_requests_get_their_status(pool_server):
+    server, pool = pool_server
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        stub.OpenSession(pb.OpenSessionRequest(session_id="limits-0", committed_ids=[5, 6]))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(pb.VerifyRequest(session_id="limits-0", round=0, committed_len=2, draft_ids=[4, 999]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_ids[1] = 999" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(pb.VerifyRequest(session_id="never-opened", round=0, committed_len=1))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        opened = ["limits-0"]
+        try:
+            for i in range(1, 2 * MAX_SESSIONS):
+                stub.OpenSession(pb.OpenSessionRequest(session_id=f"limits-{i}", committed_ids=[5]))
+                opened.append(f"limits-{i}")
+            with pytest.raises(grpc.RpcError) as info:
+                stub.OpenSession(pb.OpenSessionRequest(session_id="one-too-many", committed_ids=[5]))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            for sid in opened:
+                stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        # Still serving, with room again.
+        stub.OpenSession(pb.OpenSessionRequest(session_id="after", committed_ids=[5]))
+        assert stub.Verify(pb.VerifyRequest(session_id="after", round=0, committed_len=1)).committed_len == 2
+        stub.CloseSession(pb.CloseSessionRequest(session_id="after"))
+    assert metric(server, "hybridspec_errors_total", code="RESOURCE_EXHAUSTED") >= 1
+
+
+def test_health_is_serving_and_metrics_count_rounds(pool_server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server, _ = pool_server
+    with grpc.insecure_channel(server.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="")).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert metric(server, "hybridspec_rounds_total") > 0
+    assert metric(server, "hybridspec_replicas_alive") == 2
+    drafted1 = metric(server, "hybridspec_drafted_at_position_total", position="1")
+    accepted1 = metric(server, "hybridspec_accepted_at_position_total", position="1")
+    assert drafted1 >= accepted1 > 0
