@@ -5,7 +5,7 @@ import asyncio
 import logging
 import sys
 
-READY_PREFIX = "hybridspec verifier serving on "
+from ..cloud.process import READY_PREFIX
 
 
 def register(sub) -> None:
@@ -86,10 +86,3 @@ def _backend(config):
         torch.set_num_threads(config.torch_threads)
     verifier = Verifier(load_model(target, config.device, config.dtype), config.limits)
     return InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms), f"{target}, in-process"
-
-
-def parse_ready_line(line: str) -> str | None:
-    """HOST:PORT from the 'serving on' line, or None for any other line."""
-    if not line.startswith(READY_PREFIX):
-        return None
-    return line[len(READY_PREFIX):].split()[0]

@@ -6,15 +6,10 @@ pinned to different cores with one torch thread each, so they behave like two ho
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
 import time
 
 from rich.console import Console
 from rich.table import Table
-
-from ..common.errors import Unavailable
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
 
@@ -32,6 +27,7 @@ def register(sub) -> None:
 
 def run_demo(args) -> int:
     """Pull if needed, serve, generate, compare with cloud-only decoding, stop."""
+    from ..cloud.process import start_cloud_process, stop_cloud_process
     from ..common import embedded
     from ..common.wire import GenerateSpec
     from ..edge.prompt import encode_prompt
@@ -43,7 +39,8 @@ def run_demo(args) -> int:
         embedded.pull(log=lambda msg: console.print(f"  {msg}"))
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
     cores = sorted(os.sched_getaffinity(0))
-    server, address = _start_cloud(cores[1] if pin else None)
+    with console.status("starting the cloud side: a local Ray pool with one replica..."):
+        server, address, _ = start_cloud_process({"torch_threads": 1} if pin else {}, {cores[1]} if pin else None)
     try:
         if pin:
             os.sched_setaffinity(0, {cores[0]})
@@ -64,15 +61,18 @@ def run_demo(args) -> int:
             baseline_s = time.perf_counter() - t0
         worker.client.close()
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop_cloud_process(server)
     s = gen.stats
     table = Table(title=f"edge-cloud speculative decoding ({'pinned to separate cores' if pin else 'unpinned'})")
     table.add_column("stat")
     table.add_column("value", justify="right")
     rows = [("new tokens", s.new_tokens), ("rounds", s.rounds), ("drafted", s.drafted), ("accepted", s.accepted),
             ("acceptance rate", f"{s.acceptance_rate:.3f}"), ("tokens per round", f"{s.mean_tokens_per_round:.2f}"),
-            ("fallbacks (BiLD α_FB)", s.fallbacks), ("uplink bytes", s.uplink_bytes),
+            ("fallbacks (BiLD α_FB)", s.fallbacks), ("mean block length γ (adaptive)", f"{s.mean_gamma:.2f}"),
+            ("blocks drafted ahead and used (pipelining)", s.pipeline_hits),
+            ("tokens decoded by the cloud alone", s.cloud_only_tokens),
+            ("switches to cloud-only / back", f"{s.switches_to_cloud} / {s.switches_to_hybrid}"),
+            ("uplink bytes", s.uplink_bytes),
             ("downlink bytes", s.downlink_bytes), ("bytes per token", f"{s.bytes_per_token:.1f}"),
             ("wall s", f"{s.wall_s:.2f}"), ("tokens/s (hybrid)", f"{s.tokens_per_s:.1f}"),
             ("tokens/s (cloud-only)", f"{len(baseline) / baseline_s:.1f}"),
@@ -81,26 +81,3 @@ def run_demo(args) -> int:
         table.add_row(name, str(value))
     console.print(table)
     return 0
-
-
-def _start_cloud(core: int | None) -> tuple[subprocess.Popen, str]:
-    """Start `hybridspec cloud serve` (a local Ray pool of one replica) on a free port; wait until SERVING.
-
-    Pinning the serve process pins everything it spawns too: the Ray processes inherit its affinity.
-    """
-    from .cloud_cmd import parse_ready_line
-
-    cmd = [sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--port", "0", "--metrics-port", "-1"]
-    if core is not None:
-        cmd += ["--torch-threads", "1"]
-    # The cloud's log (Ray's included) goes to a file, so the demo's own output stays readable.
-    log = tempfile.NamedTemporaryFile("w", prefix="hybridspec-demo-cloud-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        address = parse_ready_line(line)
-        if address is not None:
-            return proc, address
-    proc.wait()
-    raise Unavailable(f"the cloud verifier exited with status {proc.returncode} before serving; see {log.name}")

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def build_parser() -> argparse.ArgumentParser:
     """The full command tree."""
-    from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, models_cmd
+    from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd
 
     parser = argparse.ArgumentParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     edge_cmd.register(sub)
     demo_cmd.register(sub)
     distill_cmd.register(sub)
+    netem_cmd.register(sub)
+    experiment_cmd.register(sub)
     return parser
 
 

@@ -48,6 +48,20 @@ class _Replica:
     routed_total: int = 0  # sessions ever routed here
 
 
+def init_ray(attempts: int = 2, **kwargs) -> None:
+    """ray.init, tried again once: on a loaded machine a local raylet can miss Ray's fixed 30 s
+    registration window. Call it on the main thread, where Ray installs its signal handlers."""
+    for attempt in range(attempts):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for a node that timed out starting
+            ray.shutdown()
+            if attempt == attempts - 1:
+                raise Unavailable(f"could not start or join the Ray cluster: {_last_line(exc)}") from None
+            log.warning("Ray did not start (%s); trying again", _last_line(exc))
+
+
 class _ReplicaLost(FailedPrecondition):
     """The replica holding the session died: the edge re-opens and lands on a live one."""
 
@@ -74,7 +88,7 @@ class RayPool:
                 kwargs["address"] = self.spec.ray_address
             elif self.spec.ray_num_cpus:
                 kwargs["num_cpus"] = self.spec.ray_num_cpus
-            ray.init(**kwargs)  # on the main thread: Ray installs signal handlers there
+            init_ray(**kwargs)
             self._started_ray = True
         actor = ray.remote(VerifierReplica)
         for i in range(self.spec.replicas):

@@ -135,9 +135,14 @@ def resolve_base(path: Path, manifest: Manifest) -> Path:
     return base if base.is_absolute() else (path / base).resolve()
 
 
-def load_compact(path: Path, dtype: torch.dtype):
+def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
     """(model, tokenizer, head_ids) for a compact drafter; the target's shared tensors are read
-    straight from its safetensors files, without loading the whole target."""
+    straight from its safetensors files, without loading the whole target.
+
+    full_head: give the model the target's whole output head instead of its slice (head_ids then
+    covers the vocabulary), for code that needs a drop-in full-vocabulary model, such as Hugging
+    Face assisted generation. It predicts the same over the slice, and may pick tokens outside it.
+    """
     manifest = Manifest(**json.loads((path / MANIFEST).read_text()))
     base = resolve_base(path, manifest)
     if not (base / "config.json").is_file():
@@ -161,6 +166,8 @@ def load_compact(path: Path, dtype: torch.dtype):
     missing = set(model.load_state_dict(state, strict=False).missing_keys) - {"lm_head.weight"}
     if missing:
         raise FileNotFoundError(f"drafter {path} lacks weights: {', '.join(sorted(missing)[:3])}")
+    if full_head:
+        head_ids = torch.arange(head.shape[0])
     model.lm_head = nn.Linear(head.shape[1], head_ids.numel(), bias=False, dtype=dtype)
     model.lm_head.weight = nn.Parameter(head[head_ids].to(dtype), requires_grad=False)
     return model, tokenizer, head_ids

@@ -16,23 +16,26 @@ class ConfigError(ValueError):
     """A config file or flag that cannot be used; the message names the key."""
 
 
+def read_mapping(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in a file; ConfigError if it is missing, not YAML, or not a mapping."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of keys to values")
+    return loaded
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
     """Build `cls` from defaults, then the YAML file at `path`, then `overrides` (None values skipped).
 
     Unknown keys and values the dataclass rejects raise ConfigError naming the key.
     """
-    values: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of keys to values")
-        values.update(loaded)
+    values: dict[str, Any] = read_mapping(path) if path is not None else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)

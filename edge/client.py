@@ -1,17 +1,25 @@
 """gRPC client for the verifier: wire dataclasses in and out, gRPC errors as domain errors.
 
-Verification rounds travel on one bidirectional stream per session; a failed stream is reopened
-on the next call. Uplink/downlink counters hold serialized message bytes (no HTTP/2 framing).
+Verification rounds travel on one bidirectional stream per session. `submit` sends a round and
+returns at once with a handle whose reply a reader thread fills in, so the edge can keep drafting
+while the round is verified (pipelining); `verify` waits for it. A failed stream is replaced on the
+next round. Uplink/downlink counters hold serialized message bytes (no HTTP/2 framing).
 """
 from __future__ import annotations
 
+import collections
 import queue
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
 import grpc
 
 from ..common import codec
-from ..common.errors import error_for_code
+from ..common.errors import HybridSpecError, Unavailable, error_for_code
 from ..common.proto import verifier_pb2 as pb
 from ..common.proto import verifier_pb2_grpc as pb_grpc
 from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionSpec, VerifyResult
@@ -21,22 +29,70 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # After an outage, reconnect within a second or two rather than gRPC's default of up to 2 min.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 _END = object()
 
 
+@dataclass
+class PendingRound:
+    """A round in flight: its reply arrives in `future`; `arrived` is set when it does."""
+
+    block: DraftBlock
+    sent: float
+    future: Future = field(default_factory=Future)
+    arrived: float = 0.0
+
+    def done(self) -> bool:
+        """True once the reply (or an error) is in."""
+        return self.future.done()
+
+
+class _Stream:
+    """One VerifyStream call: a request queue, the rounds awaiting replies, and the reader thread."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, client: VerifierClient) -> None:
+        self.requests: queue.Queue = queue.Queue()
+        self.pending: collections.deque[PendingRound] = collections.deque()
+        self.dead = False
+        self.call = stub.VerifyStream(iter(self.requests.get, _END))
+        threading.Thread(target=self._read, args=(client,), daemon=True, name="verify-stream").start()
+
+    def _read(self, client: VerifierClient) -> None:
+        error: HybridSpecError
+        try:
+            for reply in self.call:
+                round_ = self.pending.popleft()
+                round_.arrived = time.perf_counter()
+                client._count(down=reply.ByteSize())
+                round_.future.set_result(codec.result_from_pb(reply))
+            error = Unavailable(f"the verifier at {client.address} ended the stream")
+        except grpc.RpcError as exc:
+            error = _domain_error(exc, client.address)
+        self.dead = True
+        while self.pending:
+            self.pending.popleft().future.set_exception(error)
+
+    def close(self) -> None:
+        self.dead = True
+        self.requests.put(_END)
+
+
 class VerifierClient:
-    """A connection to one verifier endpoint."""
+    """A connection to one verifier endpoint (the front door of a pool)."""
 
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.uplink_bytes = 0
         self.downlink_bytes = 0
+        self._lock = threading.Lock()
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.VerifierStub(self._channel)
-        self._requests: queue.Queue | None = None
-        self._replies: Iterator[pb.VerifyReply] | None = None
+        self._stream: _Stream | None = None
 
     def close(self) -> None:
         """End the stream and the channel."""
@@ -49,10 +105,16 @@ class VerifierClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def model_info(self) -> ModelInfo:
-        """What the verifier serves."""
-        reply = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest())
+    def model_info(self, timeout_s: float | None = None) -> ModelInfo:
+        """What the verifier serves (also a cheap round trip: see `ping`)."""
+        reply = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s)
         return codec.model_info_from_pb(reply)
+
+    def ping(self, timeout_s: float | None = None) -> float:
+        """Seconds for one small unary round trip."""
+        t0 = time.perf_counter()
+        self.model_info(timeout_s)
+        return time.perf_counter() - t0
 
     def open_session(self, spec: SessionSpec) -> int:
         """Open or re-open a session; returns the committed length the verifier now holds."""
@@ -64,52 +126,84 @@ class VerifierClient:
         self._end_stream()
         return self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).existed
 
-    def verify(self, block: DraftBlock) -> VerifyResult:
-        """Send one block on the session's stream and wait for its reply."""
+    def close_session_later(self, session_id: str) -> None:
+        """Free the session without waiting for the reply (a round trip the edge need not spend)."""
+        self._end_stream()
+
+        def close() -> None:
+            try:
+                self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+            except HybridSpecError:
+                pass  # the verifier expires idle sessions itself
+
+        threading.Thread(target=close, daemon=True, name="close-session").start()
+
+    def submit(self, block: DraftBlock) -> PendingRound:
+        """Send one round on the session's stream; the reply arrives in the returned handle."""
+        if self._stream is None or self._stream.dead:
+            self._stream = _Stream(self._stub, self)
         request = codec.block_to_pb(block)
-        if self._requests is None:
-            self._requests = queue.Queue()
-            self._replies = self._stub.VerifyStream(iter(self._requests.get, _END))
-        self._requests.put(request)
-        self.uplink_bytes += request.ByteSize()
+        round_ = PendingRound(block, time.perf_counter())
+        self._stream.pending.append(round_)  # before sending: the reader pops in reply order
+        self._stream.requests.put(request)
+        self._count(up=request.ByteSize())
+        return round_
+
+    def wait(self, round_: PendingRound, timeout_s: float | None = None) -> VerifyResult:
+        """The reply to a submitted round; Unavailable if none comes within the timeout."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            reply = next(self._replies)
-        except grpc.RpcError as exc:
-            self._end_stream()
-            raise _domain_error(exc, self.address) from None
-        self.downlink_bytes += reply.ByteSize()
-        return codec.result_from_pb(reply)
+            return round_.future.result(timeout=max(0.0, round_.sent + timeout - time.perf_counter()))
+        except FutureTimeout:
+            self._end_stream(cancel=True)
+            raise Unavailable(f"cloud verifier at {self.address} did not answer within {timeout:g} s") from None
+
+    def verify(self, block: DraftBlock) -> VerifyResult:
+        """Send one round and wait for its reply."""
+        return self.wait(self.submit(block))
 
     def generate(self, spec: GenerateSpec) -> Iterator[int]:
-        """Cloud-only decoding: yields the target's tokens as they stream in."""
+        """Cloud-only decoding: yields the target's tokens as they stream in; closing the iterator
+        early cancels the stream."""
         request = codec.generate_to_pb(spec)
-        self.uplink_bytes += request.ByteSize()
+        self._count(up=request.ByteSize())
+        # The whole stream's deadline: the usual timeout plus a generous second per token.
+        call = self._stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens)
         try:
-            for reply in self._stub.Generate(request):
-                self.downlink_bytes += reply.ByteSize()
+            for reply in call:
+                self._count(down=reply.ByteSize())
                 yield reply.token_id
         except grpc.RpcError as exc:
             raise _domain_error(exc, self.address) from None
+        finally:
+            call.cancel()  # a no-op after the last token; ends the stream when the caller stops early
 
-    def _unary(self, method, request):
-        self.uplink_bytes += request.ByteSize()
+    def _unary(self, method, request, timeout_s: float | None = None):
+        self._count(up=request.ByteSize())
         try:
-            reply = method(request, timeout=self.timeout_s)
+            reply = method(request, timeout=self.timeout_s if timeout_s is None else timeout_s)
         except grpc.RpcError as exc:
             raise _domain_error(exc, self.address) from None
-        self.downlink_bytes += reply.ByteSize()
+        self._count(down=reply.ByteSize())
         return reply
 
-    def _end_stream(self) -> None:
-        if self._requests is not None:
-            self._requests.put(_END)
-            self._requests = None
-            self._replies = None
+    def _count(self, up: int = 0, down: int = 0) -> None:
+        with self._lock:
+            self.uplink_bytes += up
+            self.downlink_bytes += down
+
+    def _end_stream(self, cancel: bool = False) -> None:
+        if self._stream is not None:
+            if cancel:
+                self._stream.call.cancel()
+            self._stream.close()
+            self._stream = None
 
 
-def _domain_error(exc: grpc.RpcError, address: str):
+def _domain_error(exc: grpc.RpcError, address: str) -> HybridSpecError:
     code = exc.code()
     detail = exc.details() or ""
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         detail = f"cloud verifier at {address} is unreachable or not responding ({code.name}: {detail})"
+        code = grpc.StatusCode.UNAVAILABLE
     return error_for_code(code.name, detail)

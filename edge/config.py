@@ -5,13 +5,18 @@ from dataclasses import dataclass
 
 from ..common.wire import Mode, SamplingParams
 
+DRAFTER_KINDS = ("model", "ngram")
+GAMMA_POLICIES = ("adaptive", "fixed")
+
 
 @dataclass(frozen=True)
 class EdgeConfig:
     """Every knob of `hybridspec edge generate`. Empty drafter means the embedded default."""
 
-    cloud: str = "127.0.0.1:50051"  # HOST:PORT of the verifier
+    cloud: str = "127.0.0.1:50051"  # HOST:PORT of the verifier pool's front door
     drafter: str = ""  # model directory, .gguf file or cached hub id; "" = embedded default
+    drafter_kind: str = "model"  # model = the drafter LM; ngram = prompt lookup (no model runs)
+    ngram_max: int = 3  # ngram: longest suffix looked up in the context
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     torch_threads: int = 0  # intra-op threads on CPU; 0 keeps torch's default
@@ -21,12 +26,19 @@ class EdgeConfig:
     top_p: float = 1.0  # 1 = off
     seed: int = 0  # seeds the drafter's sampling and the verifier's
     mode: str = ""  # greedy | speculative | bild | lenient; "" = greedy at T=0, else speculative
-    max_draft: int = 8  # γ: most tokens drafted per round (also capped by the server's limit)
-    fallback_threshold: float = 0.6  # BiLD α_FB: end the block after a token drafted with max q below this
+    max_draft: int = 8  # γ cap: most tokens drafted per round (also capped by the server's limit)
+    gamma_policy: str = "adaptive"  # adaptive = pick γ each round for the most tokens/s; fixed = max_draft
+    fallback_threshold: float = 0.6  # BiLD α_FB: end the block when the drafter's max q falls below this
+    keep_low_confidence: bool = True  # send the token that triggered α_FB (HF) or drop it (BiLD)
     rollback_threshold: float = 5.0  # BiLD α_RB in nats, mode bild only
     lenience: float = 1.0  # mode lenient only, in (0, 1]
     wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
-    timeout_s: float = 30.0  # deadline for unary calls to the cloud
+    pipeline: bool = True  # draft the next block while the current one is being verified
+    cloud_only_switch: bool = True  # let the cloud decode alone while that is predicted to be faster
+    probe_tokens: int = 32  # while cloud-only: tokens per stream before measuring and deciding again
+    allow_unverified: bool = False  # cloud unreachable: keep generating with the drafter alone, marked
+    reconnect_s: float = 1.0  # offline: seconds between attempts to reach the cloud again
+    timeout_s: float = 30.0  # no reply within this long = the cloud is unreachable
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -35,8 +47,17 @@ class EdgeConfig:
             raise ValueError(f"max_draft must be >= 0, got {self.max_draft}")
         if not 0.0 <= self.fallback_threshold <= 1.0:
             raise ValueError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
-        if self.wire_top_k < 0:
-            raise ValueError(f"wire_top_k must be >= 0, got {self.wire_top_k}")
+        for name in ("wire_top_k", "probe_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ngram_max < 1:
+            raise ValueError(f"ngram_max must be >= 1, got {self.ngram_max}")
+        if not (self.timeout_s > 0 and self.reconnect_s > 0):
+            raise ValueError("timeout_s and reconnect_s must be > 0")
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter_kind must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter_kind!r}")
+        if self.gamma_policy not in GAMMA_POLICIES:
+            raise ValueError(f"gamma_policy must be one of {', '.join(GAMMA_POLICIES)}, got {self.gamma_policy!r}")
         if self.mode and self.mode not in {m.value for m in Mode}:
             raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
         self.sampling  # validates temperature, top_k, top_p

@@ -1,6 +1,12 @@
-"""Drafters: propose a block of tokens and the exact q each was sampled from."""
+"""Drafters: propose a block of tokens and the exact q each was sampled from.
+
+Two kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds, and `NgramDrafter`
+(prompt lookup), which copies what followed the latest earlier occurrence of the context's last
+n-gram and needs no model. A proposal's `dists` is None at temperature 0, where q is one-hot.
+"""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,63 +22,68 @@ from ..common.wire import SamplingParams
 
 @dataclass(frozen=True)
 class Proposal:
-    """A draft block. `dists` is None at temperature 0 (q is one-hot)."""
+    """A draft block."""
 
     ids: list[int]
-    dists: list[SparseDist] | None
-    fell_back: bool  # the block ended because confidence dropped below α_FB
+    dists: list[SparseDist] | None  # the q each token was sampled from; None at temperature 0
+    fell_back: bool  # the block ended because the drafter's confidence dropped below α_FB
+
+    def tail(self, start: int) -> Proposal:
+        """The proposal without its first `start` tokens."""
+        return Proposal(self.ids[start:], None if self.dists is None else self.dists[start:], self.fell_back)
 
 
 class Drafter(Protocol):
     """Anything that can propose the next tokens after a committed context."""
 
-    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float,
-                stop_ids: frozenset[int]) -> Proposal:
-        """Draft up to `max_tokens` tokens after `context`."""
+    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float, stop_ids: frozenset[int],
+                interrupt: Callable[[], bool] | None = None) -> Proposal:
+        """Draft up to `max_tokens` tokens after `context`; stop early when `interrupt()` turns true."""
         ...
 
 
 class ModelDrafter:
     """A small causal LM with a KV cache kept across rounds and cropped to what was accepted."""
 
-    def __init__(self, loaded: LoadedModel, sampling: SamplingParams, vocab_size: int,
-                 wire_top_k: int, generator: torch.Generator | None) -> None:
-        """vocab_size: the target's; drafter logits are cut or padded to it so ids always agree."""
+    def __init__(self, loaded: LoadedModel, sampling: SamplingParams, vocab_size: int, wire_top_k: int,
+                 generator: torch.Generator | None, keep_low_confidence: bool = True) -> None:
+        """vocab_size: the target's; drafter logits are cut or padded to it so ids always agree.
+
+        keep_low_confidence: when the BiLD fallback ends a block, keep the token that triggered it
+        (as Hugging Face assisted generation does: the verifier scores it at almost no cost) or
+        drop it (as BiLD does: the small model never emits a token it is unsure of).
+        """
         self.loaded = loaded
         self.sampling = sampling
         self.vocab_size = vocab_size
         self.wire_top_k = wire_top_k
         self.generator = generator
+        self.keep_low_confidence = keep_low_confidence
         self._cache = DynamicCache(config=loaded.model.config)
         self._cached: list[int] = []  # the tokens whose KV is in the cache
         self._head_ids = None if loaded.head_ids is None else loaded.head_ids.cpu()
 
-    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float,
-                stop_ids: frozenset[int]) -> Proposal:
-        """Draft up to `max_tokens`, ending after a token drafted with max q < α_FB or a stop id.
-
-        The low-confidence token is kept in the block (as Hugging Face assisted generation does):
-        the verifier scores it in the same pass at almost no cost, and it is often right.
-        """
-        if max_tokens == 0:
-            return Proposal([], None if self.sampling.greedy else [], False)
-        logits = self._advance(context)
+    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float, stop_ids: frozenset[int],
+                interrupt: Callable[[], bool] | None = None) -> Proposal:
+        """Draft up to `max_tokens`, ending at low confidence (max q < α_FB), a stop id or an interrupt."""
         ids: list[int] = []
         dists: list[SparseDist] = []
         fell_back = False
-        while True:
-            probs = logits_to_probs(logits, self.sampling)
+        while len(ids) < max_tokens and not (interrupt is not None and interrupt()):
+            probs = logits_to_probs(self._advance(context + ids), self.sampling)
+            if should_fall_back(probs, fallback_threshold):
+                fell_back = True
+                if not self.keep_low_confidence:
+                    break
             if self.sampling.greedy:
-                token = int(logits.argmax().item())
+                token = int(probs.argmax().item())
             else:
                 dist = truncate(probs, self.wire_top_k)
                 token = dist.sample(self.generator)
                 dists.append(dist)
             ids.append(token)
-            fell_back = should_fall_back(probs, fallback_threshold)
-            if fell_back or token in stop_ids or len(ids) == max_tokens:
+            if fell_back or token in stop_ids:
                 break
-            logits = self._advance(context + ids)
         return Proposal(ids, None if self.sampling.greedy else dists, fell_back)
 
     @torch.inference_mode()
@@ -102,3 +113,35 @@ class ModelDrafter:
             pad = torch.full((self.vocab_size - logits.shape[0],), float("-inf"))
             logits = torch.cat([logits, pad])
         return logits
+
+
+class NgramDrafter:
+    """Prompt lookup: after the latest earlier occurrence of the context's last n tokens, copy what
+    followed (longest n first). q is one-hot on the copied token, which keeps sampling exact too."""
+
+    def __init__(self, sampling: SamplingParams, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.sampling = sampling
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float, stop_ids: frozenset[int],
+                interrupt: Callable[[], bool] | None = None) -> Proposal:
+        """The copied continuation (empty when no n-gram repeats); fallback does not apply."""
+        ids = self._lookup(context, max_tokens)
+        for i, token in enumerate(ids):
+            if token in stop_ids:
+                ids = ids[: i + 1]
+                break
+        dists = None if self.sampling.greedy else [
+            SparseDist(torch.tensor([t]), torch.tensor([1.0])) for t in ids]
+        return Proposal(ids, dists, False)
+
+    def _lookup(self, context: list[int], max_tokens: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            suffix = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start: start + n] == suffix:
+                    return context[start + n: start + n + max_tokens]
+        return []

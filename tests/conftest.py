@@ -55,9 +55,9 @@ def ray_cluster():
     """A local Ray cluster for the pool tests; replicas ask for fractions of its CPUs."""
     import ray
 
-    from hybridspec.cloud.pool import WORKER_ENV
+    from hybridspec.cloud.pool import WORKER_ENV, init_ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
     yield
     ray.shutdown()
 

@@ -53,7 +53,7 @@ def test_bad_flag_value(model_dirs):
 @pytest.fixture(scope="module")
 def served(model_dirs):
     """`hybridspec cloud serve` as a real subprocess on a free port."""
-    from hybridspec.cli.cloud_cmd import parse_ready_line
+    from hybridspec.cloud.process import parse_ready_line
 
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
                              str(model_dirs["target"]), "--port", "0", "--metrics-port", "-1", "--torch-threads", "1",
@@ -72,7 +72,8 @@ def test_generate_json(served, model_dirs, target):
 
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
-                   str(model_dirs["random"]), "--max-new-tokens", "12", "--max-draft", "3", "--json")
+                   str(model_dirs["random"]), "--max-new-tokens", "12", "--max-draft", "3", "--json",
+                   "--gamma-policy", "fixed", "--no-cloud-only-switch")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == greedy_reference(target, [5, 17, 33], 12)
@@ -103,7 +104,7 @@ def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from hybridspec.cli.cloud_cmd import parse_ready_line
+    from hybridspec.cloud.process import parse_ready_line
 
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
                              str(model_dirs["target"]), "--port", "0", "--metrics-port", "0", "--replicas", "1",

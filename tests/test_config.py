@@ -28,3 +28,15 @@ def test_flags_override_the_file():
 def test_bad_values_name_the_key(bad, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(ServeConfig, None, bad)
+
+
+def test_edge_file_lists_every_knob_at_its_default():
+    import dataclasses
+
+    import yaml
+
+    from hybridspec.edge.config import EdgeConfig
+
+    raw = yaml.safe_load((DEPLOY / "edge.yaml").read_text())
+    assert set(raw) == {f.name for f in dataclasses.fields(EdgeConfig)}
+    assert load_config(EdgeConfig, DEPLOY / "edge.yaml") == EdgeConfig()

@@ -13,7 +13,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from tinymodels import greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,8 @@ def test_distilled_drafter_drafts_through_the_edge_path(distilled, server, targe
     out, _ = distilled
     drafter = load_model(out, device="cpu")
     assert drafter.head_ids is not None and drafter.head_ids.numel() == 128
-    config = EdgeConfig(cloud=server.address, max_new_tokens=20, max_draft=4, fallback_threshold=0.0)
+    config = EdgeConfig(cloud=server.address, max_new_tokens=20, max_draft=4, fallback_threshold=0.0,
+                        **EVERY_ROUND)
     prompt = [5, 17, 33, 80]
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(drafter, client, config).generate(prompt)

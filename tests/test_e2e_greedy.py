@@ -6,31 +6,33 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker, Origin
 
-from tinymodels import greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPTS = [[7], [5, 17, 33, 80], [9, 200, 31, 31, 64, 12, 100, 8, 41, 77, 5, 190, 6]]
 NEW_TOKENS = 24
 
 
 def run(server, drafter, **cfg):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, **cfg)
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, **{**EVERY_ROUND, **cfg})
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(drafter, client, config)
         return [worker.generate(p) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 @pytest.mark.parametrize("gamma", range(1, 9))
-def test_drafter_that_always_agrees(server, target, gamma):
-    gens = run(server, target, max_draft=gamma, fallback_threshold=0.0)
+def test_drafter_that_always_agrees(server, target, gamma, pipeline):
+    gens = run(server, target, max_draft=gamma, fallback_threshold=0.0, pipeline=pipeline)
     for prompt, gen in zip(PROMPTS, gens):
         assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
         assert gen.stats.acceptance_rate == 1.0
         assert Origin.CORRECTED not in gen.origins
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 @pytest.mark.parametrize("gamma", range(1, 9))
-def test_drafter_that_never_agrees(server, target, random_drafter, gamma):
-    gens = run(server, random_drafter, max_draft=gamma, fallback_threshold=0.0)
+def test_drafter_that_never_agrees(server, target, random_drafter, gamma, pipeline):
+    gens = run(server, random_drafter, max_draft=gamma, fallback_threshold=0.0, pipeline=pipeline)
     for prompt, gen in zip(PROMPTS, gens):
         assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
         assert gen.stats.acceptance_rate < 0.5
@@ -53,7 +55,7 @@ def test_generation_stops_at_eos_with_eos_included(server, target, verifier):
             break
     else:
         pytest.skip("no prompt of the tiny target reaches EOS")
-    config = EdgeConfig(cloud=server.address, max_new_tokens=60, max_draft=4)
+    config = EdgeConfig(cloud=server.address, max_new_tokens=60, max_draft=4, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(target, client, config).generate([first])
     assert gen.token_ids == ref[: ref.index(eos) + 1]
@@ -68,19 +70,19 @@ def test_cloud_only_generate_matches_the_reference(server, target):
 
 def test_lost_session_is_reopened_transparently(server, target, random_drafter, verifier):
     """The verifier forgets the session mid-generation; the edge re-opens it and nothing changes."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3)
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(random_drafter, client, config)
         calls = {"n": 0}
-        original = client.verify
+        original = client.submit
 
-        def verify_and_forget(block):
+        def submit_and_forget(block):
             calls["n"] += 1
             if calls["n"] == 4:
                 verifier.close_session("forgetful")  # as after a replica restart or eviction
             return original(block)
 
-        client.verify = verify_and_forget  # the real call still goes over gRPC
+        client.submit = submit_and_forget  # the real call still goes over gRPC
         gen = worker.generate(PROMPTS[1], session_id="forgetful")
     assert gen.stats.reopens == 1
     assert gen.token_ids == greedy_reference(target, PROMPTS[1], NEW_TOKENS)

@@ -5,11 +5,13 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
+from tinymodels import EVERY_ROUND
+
 PROMPT = [5, 17, 33, 80]
 
 
 def generate(server, drafter, **cfg):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=20, max_draft=4, **cfg)
+    config = EdgeConfig(cloud=server.address, max_new_tokens=20, max_draft=4, **{**EVERY_ROUND, **cfg})
     with VerifierClient(server.address) as client:
         return EdgeWorker(drafter, client, config).generate(PROMPT)
 

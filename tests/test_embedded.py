@@ -10,7 +10,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 
-from tinymodels import greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 pytestmark = pytest.mark.embedded
 
@@ -29,7 +29,7 @@ def test_embedded_pair_is_lossless_over_grpc(pair):
     server = BackgroundServer(Verifier(target))
     try:
         prompt = encode_prompt(target.tokenizer, "What is the capital of France?", chat=True)
-        config = EdgeConfig(cloud=server.address, max_new_tokens=16, max_draft=4)
+        config = EdgeConfig(cloud=server.address, max_new_tokens=16, max_draft=4, **EVERY_ROUND)
         with VerifierClient(server.address) as client:
             gen = EdgeWorker(drafter, client, config).generate(prompt)
     finally:

@@ -18,7 +18,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from tinymodels import greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 MAX_SESSIONS = 8  # per replica
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 80] for i in range(8)]
@@ -56,7 +56,7 @@ def run_edges(address, drafters, prompts, **cfg):
 
     def one(i):
         try:
-            config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, **cfg)
+            config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, **EVERY_ROUND, **cfg)
             with VerifierClient(address) as client:
                 results[i] = EdgeWorker(drafters[i % len(drafters)], client, config).generate(prompts[i])
         except Exception as exc:  # surfaced by the assertion below
@@ -91,20 +91,21 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
     server, pool = pool_server
     reopens_before = metric(server, "hybridspec_session_reopens_total")
     failures_before = metric(server, "hybridspec_replica_failures_total")
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0)
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
+                        **EVERY_ROUND)
     prompt = PROMPTS[3]
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(random_drafter, client, config)
-        original, calls = client.verify, {"n": 0}
+        original, calls = client.submit, {"n": 0}
 
-        def verify_after_killing(block):
+        def submit_after_killing(block):
             calls["n"] += 1
             if calls["n"] == 3:  # mid-generation: crash the process that holds this session's cache
                 owner = next(r for r in pool.replicas if r.name == pool.replica_of(block.session_id))
                 ray.kill(owner.handle, no_restart=False)
             return original(block)
 
-        client.verify = verify_after_killing  # the real call still goes over gRPC to the pool
+        client.submit = submit_after_killing  # the real call still goes over gRPC to the pool
         gen = worker.generate(prompt, session_id="doomed")
     assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
     assert gen.stats.reopens >= 1

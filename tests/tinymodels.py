@@ -49,3 +49,8 @@ def greedy_reference(target: LoadedModel, prompt: list[int], max_new_tokens: int
     out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
+
+
+# Edge settings that send every token through verification rounds of exactly max_draft (no adaptive
+# block length, no hand-over to cloud-only decoding): what the verification tests exercise.
+EVERY_ROUND = dict(gamma_policy="fixed", cloud_only_switch=False)

@@ -1,0 +1,57 @@
+"""`hybridspec netem`: the user-space link emulator between edges and the cloud."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+
+def register(sub) -> None:
+    """Add the `netem` command."""
+    n = sub.add_parser("netem", help="relay TCP (gRPC) through an emulated network link",
+                       description="Shapes each direction of every relayed TCP connection: one-way delay, "
+                                   "jitter without reordering, a bandwidth cap, late (\"lost\") chunks and "
+                                   "periodic stalls. --delay-ms D adds D ms each way (RTT + 2D); --up-*/--down-* "
+                                   "flags override one direction (up = towards --upstream).")
+    n.add_argument("--config", help="YAML file of NetemConfig keys")
+    n.add_argument("--listen", help="HOST:PORT edges connect to (default 127.0.0.1:50052)")
+    n.add_argument("--upstream", help="HOST:PORT of the cloud front door (default 127.0.0.1:50051)")
+    for prefix in ("", "up-", "down-"):
+        which = f" ({prefix[:-1]} only)" if prefix else " (each direction)"
+        n.add_argument(f"--{prefix}delay-ms", type=float, help=f"one-way delay{which}")
+        n.add_argument(f"--{prefix}jitter-ms", type=float, help=f"delay varies by ± this{which}")
+        n.add_argument(f"--{prefix}bandwidth-mbps", type=float, help=f"bandwidth cap, 0 = none{which}")
+        n.add_argument(f"--{prefix}loss-pct", type=float, help=f"%% of chunks one 200 ms RTO late{which}")
+        n.add_argument(f"--{prefix}stall-ms", type=float, help=f"stall length{which}")
+        n.add_argument(f"--{prefix}stall-every-s", type=float, help=f"stall period{which}")
+    n.add_argument("--seed", type=int, help="seed for jitter and loss")
+    n.set_defaults(run=run_netem)
+
+
+def run_netem(args) -> int:
+    """Relay until SIGINT/SIGTERM, then print what crossed the link."""
+    from ..common.config import load_config
+    from ..netem.config import CONFIG_KEYS, NetemConfig, describe
+    from ..netem.relay import LinkEmulator
+
+    config = load_config(NetemConfig, args.config, {k: getattr(args, k) for k in CONFIG_KEYS})
+    spec = config.link_spec()
+
+    async def serve() -> LinkEmulator:
+        link = LinkEmulator(spec, config.upstream, config.listen, config.seed)
+        address = await link.start()
+        print(f"hybridspec netem relaying {address} -> {config.upstream} "
+              f"(up: {describe(spec.up)}; down: {describe(spec.down)})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await link.stop()
+        return link
+
+    link = asyncio.run(serve())
+    c = link.counters
+    print(f"hybridspec netem stopped: {c.connections} connections, {c.up_bytes} bytes up, {c.down_bytes} bytes down",
+          file=sys.stderr)
+    return 0

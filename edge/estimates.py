@@ -1,0 +1,139 @@
+"""Running estimates of acceptance, drafting, verification and network times (feeds edge/policy.py).
+
+Everything decays, so the estimates follow a link whose RTT changes or a text that gets easier.
+Priors keep the first rounds sensible: α_j starts at `prior_alpha` with the weight of a few rounds,
+times start at the values given (or are learnt from the first measurement).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .policy import Rates
+
+DECAY = 0.9  # weight of the past per new observation (≈ the last 10 observations count)
+
+
+@dataclass
+class Ewma:
+    """An exponentially weighted mean; None until the first observation unless given a prior."""
+
+    value: float | None = None
+    decay: float = DECAY
+
+    def add(self, x: float) -> None:
+        """Fold in one observation."""
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+    def get(self, default: float) -> float:
+        """The mean, or `default` before any observation."""
+        return default if self.value is None else self.value
+
+
+@dataclass
+class LinearFit:
+    """y ≈ a + b·x by decayed least squares; flat (b = 0) while the x seen are too alike."""
+
+    decay: float = DECAY
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σw, Σwx, Σwy, Σwxx, Σwxy
+
+    def add(self, x: float, y: float) -> None:
+        """Fold in one (x, y)."""
+        self._s = [self.decay * s for s in self._s]
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self._s[i] += v
+
+    @property
+    def fitted(self) -> bool:
+        """True once any observation came in."""
+        return self._s[0] > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b); (mean y, 0) when the x spread is too small to tell a slope, or the slope is negative."""
+        w, sx, sy, sxx, sxy = self._s
+        var = sxx / w - (sx / w) ** 2
+        if var < 0.5:  # x within about ±0.7 of its mean
+            return sy / w, 0.0
+        b = (sxy / w - (sx / w) * (sy / w)) / var
+        return (sy / w, 0.0) if b < 0 else (sy / w - b * sx / w, b)
+
+
+@dataclass
+class VerifyCost:
+    """The verifier's time per round. An empty block (γ = 0) scores one position and is measured on
+    its own: on CPUs the jump from one position to several is larger than any later step. Blocks
+    of γ ≥ 1 are fitted as a line in γ."""
+
+    single: Ewma = field(default_factory=Ewma)
+    blocks: LinearFit = field(default_factory=LinearFit)
+
+    def add(self, gamma: int, seconds: float) -> None:
+        """One round of γ drafts took `seconds` on the verifier."""
+        if gamma == 0:
+            self.single.add(seconds)
+        else:
+            self.blocks.add(gamma, seconds)
+
+
+class Estimates:
+    """What the edge has measured so far."""
+
+    def __init__(self, max_positions: int, prior_alpha: float = 0.5, prior_weight: float = 2.0) -> None:
+        self._tries = [prior_weight] * (max_positions + 1)
+        self._hits = [prior_weight * prior_alpha] * (max_positions + 1)
+        self.draft_s = Ewma()
+        self.rtt_s = Ewma()
+        self.cloud_token_s = Ewma()
+        self.prefill_per_token_s = Ewma()  # opening a session: the verifier's cost per context token
+        self.verify = VerifyCost()
+
+    def switch_cost_s(self, context_tokens: int) -> float:
+        """What changing mode costs: a round trip and a prefill of the context (re-open or new stream)."""
+        return self.rtt_s.get(0.0) + self.prefill_per_token_s.get(0.0) * context_tokens
+
+    def observe_verify(self, gamma: int, seconds: float) -> None:
+        """The verifier's own time for a round of γ drafts."""
+        self.verify.add(gamma, seconds)
+
+    @property
+    def alphas(self) -> list[float]:
+        """α_1, α_2, ... (the last entry stands for every deeper position)."""
+        return [h / t for h, t in zip(self._hits, self._tries)]
+
+    def observe_round(self, drafted: int, accepted: int, bonus_guess_right: bool | None = None) -> None:
+        """One verify round: positions 1..accepted were accepted, position accepted+1 (if drafted) was not.
+
+        bonus_guess_right: with a fully accepted block, whether the pipelined guess of the bonus
+        token matched (a sample of position drafted+1); None when there was no guess.
+        """
+        for j in range(len(self._tries)):
+            self._tries[j] *= DECAY
+            self._hits[j] *= DECAY
+        for j in range(min(accepted + 1, drafted)):
+            self._tries[j] += 1
+            self._hits[j] += j < accepted
+        if accepted == drafted and bonus_guess_right is not None and drafted < len(self._tries):
+            self._tries[drafted] += 1
+            self._hits[drafted] += bonus_guess_right
+
+    def observe_shadow(self, agreed: bool, position: int = 0) -> None:
+        """A drafter guess checked against a token the cloud decoded alone (cloud-only mode)."""
+        j = min(position, len(self._tries) - 1)
+        self._tries[j] = self._tries[j] * DECAY + 1
+        self._hits[j] = self._hits[j] * DECAY + agreed
+
+    def rates(self, defaults: Rates) -> Rates:
+        """Current beliefs; `defaults` fills in what was never measured.
+
+        Until an empty block was verified, t_v(0) is taken as the cloud's per-token time T (and T
+        as t_v(0) until a cloud-only stream was timed): both are the target decoding one token.
+        """
+        t_cloud = self.cloud_token_s.value
+        single = self.verify.single.value
+        single = single if single is not None else t_cloud if t_cloud is not None else defaults.verify_single_s
+        if self.verify.blocks.fitted:
+            a, b = self.verify.blocks.coefficients()
+        else:
+            a, b = defaults.verify_block_s, defaults.verify_per_draft_s
+        return Rates(alphas=self.alphas, draft_s=self.draft_s.get(defaults.draft_s),
+                     rtt_s=self.rtt_s.get(defaults.rtt_s), verify_single_s=single, verify_block_s=a,
+                     verify_per_draft_s=b, cloud_token_s=t_cloud if t_cloud is not None else single)

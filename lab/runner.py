@@ -1,0 +1,355 @@
+"""Runs an experiment: the cloud pool, an emulated link per grid point, edges, and the baselines.
+
+Results go to OUT/results.jsonl, one row per generation, appended as they finish; a run that is
+interrupted and started again skips the rows already there (resume). OUT/results.csv is rewritten
+from all rows at the end and OUT/meta.json records the spec and the environment.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..cloud.process import start_cloud_process, stop_cloud_process
+from ..common.models import LoadedModel, load_model
+from ..common.wire import GenerateSpec
+from ..edge.client import VerifierClient
+from ..edge.config import EdgeConfig
+from ..edge.prompt import encode_prompt
+from ..edge.worker import DEFAULT_RATES, EdgeWorker
+from ..netem.relay import BackgroundLink
+from ..netem.shaping import LinkSpec
+from . import baselines
+from .spec import LINKED, ExperimentSpec, GridPoint, Strategy
+
+CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "temperature", "edges", "edge", "prompt",
+              "repeat", "new_tokens", "wall_s", "tokens_per_s", "same_as_target", "acceptance_rate",
+              "mean_tokens_per_round", "rounds", "mean_gamma", "cloud_calls_per_token", "bytes_per_token",
+              "uplink_bytes", "downlink_bytes", "cloud_only_tokens", "switches_to_cloud", "pipeline_hits",
+              "fallbacks"]
+STATS_KEYS = ["acceptance_rate", "mean_tokens_per_round", "rounds", "drafted", "accepted", "mean_gamma",
+              "cloud_calls_per_token", "bytes_per_token", "uplink_bytes", "downlink_bytes", "cloud_only_tokens",
+              "switches_to_cloud", "switches_to_hybrid", "pipeline_hits", "fallbacks", "drafted_at", "accepted_at"]
+
+
+class Lab:
+    """One experiment's run: models, cores, the cloud process, and the results file."""
+
+    def __init__(self, spec: ExperimentSpec, out: Path) -> None:
+        from ..cli.models_cmd import resolve
+
+        self.spec = spec
+        self.out = out
+        self.target_path = resolve(spec.target, "target")
+        self.drafter_path = resolve(spec.drafter, "drafter")
+        cores = sorted(os.sched_getaffinity(0))
+        self.pin = spec.pin and len(cores) >= 2
+        self.edge_cores = {cores[0]} if self.pin else set(cores)
+        self.cloud_cores = {cores[1]} if self.pin else set(cores)
+        self.drafter = load_model(self.drafter_path, device="cpu")
+        self.prompts = [encode_prompt(self.drafter.tokenizer, p, spec.chat) for p in spec.prompt_texts()]
+        self.rows_file = out / "results.jsonl"
+        self.done = _done_keys(self.rows_file)
+        self.references: dict[tuple, list[int]] = _references(self.rows_file)  # greedy cloud-only tokens
+        self._local: dict[str, object] = {}  # target, verifier, assistant for the local baselines
+
+    # ---- the sweep --------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run every missing row; returns how many were run."""
+        spec = self.spec
+        todo = [(p, s) for p in spec.points() for s in spec.strategies if s.kind in LINKED] + \
+               [(p, s) for p in self._local_points() for s in spec.strategies if s.kind not in LINKED]
+        total = sum(self._count(p, s) for p, s in todo)
+        if total == 0:
+            return 0
+        self._write_meta()
+        if self.pin:
+            os.sched_setaffinity(0, self.edge_cores)
+            torch.set_num_threads(1)
+        ran = 0
+        with tqdm(total=total, desc=f"experiment {spec.name}", unit="generation") as bar:
+            linked = [(p, s) for p, s in todo if s.kind in LINKED and self._count(p, s)]
+            if linked:
+                cloud_config = {"target": self.target_path, **({"torch_threads": 1} if self.pin else {}), **spec.cloud}
+                proc, address, log = start_cloud_process(cloud_config, self.cloud_cores if self.pin else None)
+                try:
+                    for point in spec.points():
+                        jobs = [s for p, s in linked if p == point]
+                        if jobs:
+                            ran += self._run_linked(point, jobs, address, bar)
+                finally:
+                    stop_cloud_process(proc)
+            for point, strategy in todo:
+                if strategy.kind not in LINKED and self._count(point, strategy):
+                    ran += self._run_local(point, strategy, bar)
+        return ran
+
+    def _local_points(self) -> list[GridPoint]:
+        """Baselines without a link run once per temperature."""
+        temps = self.spec.grid.get("temperature", [0])
+        return [GridPoint(rtt_ms=None, jitter_ms=None, bandwidth_mbps=None, temperature=t, edges=1) for t in temps]
+
+    def _keys(self, point: GridPoint, strategy: Strategy) -> list[tuple]:
+        """Rows a (point, strategy) pair produces. Over the link, edges run in groups of `edges`
+        concurrent generations, keyed by the group's first prompt and the edge's place in it."""
+        repeats, n = range(self.spec.repeats), len(self.prompts)
+        if strategy.kind in LINKED:
+            return [_key(strategy.name, point, first, repeat, edge) for repeat in repeats
+                    for first in range(0, n, point.edges) for edge in range(point.edges)]
+        return [_key(strategy.name, point, prompt, repeat, 0) for repeat in repeats for prompt in range(n)]
+
+    def _count(self, point: GridPoint, strategy: Strategy) -> int:
+        return sum(k not in self.done for k in self._keys(point, strategy))
+
+    # ---- strategies over the link -----------------------------------------------------------
+
+    def _run_linked(self, point: GridPoint, strategies: list[Strategy], address: str, bar) -> int:
+        link_spec = LinkSpec.symmetric(delay_ms=point.rtt_ms / 2, jitter_ms=point.jitter_ms,
+                                       bandwidth_mbps=point.bandwidth_mbps)
+        ran = 0
+        with BackgroundLink(link_spec, address, seed=self.spec.seed) as link:
+            for strategy in strategies:
+                # One edge per concurrent slot, kept across prompts: like a device serving many requests,
+                # it keeps its connection and its measured rates from one generation to the next.
+                edges = [_Edge(self, strategy, point, link.address) for _ in range(point.edges)]
+                try:
+                    for repeat in range(self.spec.repeats):
+                        for first in range(0, len(self.prompts), point.edges):
+                            keys = [_key(strategy.name, point, first, repeat, e) for e in range(point.edges)]
+                            if all(k in self.done for k in keys):
+                                continue
+                            rows = self._concurrent(point, strategy, edges, first, repeat)
+                            for key, row in zip(keys, rows):
+                                self._record(key, row)
+                            ran += len(rows)
+                            bar.update(len(rows))
+                finally:
+                    for edge in edges:
+                        edge.close()
+        return ran
+
+    def _concurrent(self, point: GridPoint, strategy: Strategy, edges: list[_Edge], first: int,
+                    repeat: int) -> list[dict]:
+        """Each edge generates for its own prompt, all at once."""
+        rows: list[dict] = [{} for _ in edges]
+
+        def one(i: int) -> None:
+            prompt = (first + i) % len(self.prompts)
+            try:
+                rows[i] = edges[i].generate(self.prompts[prompt], repeat)
+            except Exception as exc:  # recorded, so one failed generation does not end the sweep
+                rows[i] = {"error": f"{type(exc).__name__}: {exc}"}
+            rows[i].update(edge=i, prompt=prompt)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(edges))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [self._row(point, strategy, r, repeat) for r in rows]
+
+    # ---- strategies without a link ----------------------------------------------------------
+
+    def _run_local(self, point: GridPoint, strategy: Strategy, bar) -> int:
+        if self.pin:  # the cloud's core: what the user would run on the cloud host alone
+            os.sched_setaffinity(0, self.edge_cores if strategy.kind == "edge_only" else self.cloud_cores)
+        ran = 0
+        try:
+            for repeat in range(self.spec.repeats):
+                for prompt_index, prompt in enumerate(self.prompts):
+                    key = _key(strategy.name, point, prompt_index, repeat, 0)
+                    if key in self.done:
+                        continue
+                    cfg = self._edge_config(strategy, point, "", repeat)
+                    try:
+                        result = self._local_once(strategy, prompt, cfg)
+                        raw = {"tokens": result.tokens, "wall_s": result.wall_s, **result.stats}
+                    except Exception as exc:
+                        raw = {"error": f"{type(exc).__name__}: {exc}"}
+                    raw.update(edge=0, prompt=prompt_index)
+                    self._record(key, self._row(point, strategy, raw, repeat))
+                    ran += 1
+                    bar.update(1)
+        finally:
+            if self.pin:
+                os.sched_setaffinity(0, self.edge_cores)
+        return ran
+
+    def _local_once(self, strategy: Strategy, prompt: list[int], cfg: EdgeConfig) -> baselines.LocalRun:
+        if strategy.kind == "edge_only":
+            info = self._verifier().info
+            return baselines.edge_only(self.drafter, info.vocab_size, info.eos_token_ids, prompt, cfg)
+        if strategy.kind == "colocated":
+            return baselines.colocated(self._verifier(), self.drafter, prompt, cfg)
+        return baselines.hf_assisted(self._target(), self._assistant(), prompt, cfg)
+
+    def _target(self) -> LoadedModel:
+        if "target" not in self._local:
+            self._local["target"] = load_model(self.target_path, device="cpu")
+        return self._local["target"]
+
+    def _verifier(self):
+        from ..cloud.verifier import Verifier, VerifierLimits
+
+        if "verifier" not in self._local:
+            self._local["verifier"] = Verifier(self._target(), VerifierLimits(max_context=8192))
+        return self._local["verifier"]
+
+    def _assistant(self):
+        """The drafter as a full-vocabulary model, as transformers' assisted generation needs."""
+        from ..common import compact
+
+        if "assistant" not in self._local:
+            path = Path(self.drafter_path)
+            if compact.is_compact(path):
+                model, _, _ = compact.load_compact(path, torch.float32, full_head=True)
+                self._local["assistant"] = model.eval()
+            else:
+                self._local["assistant"] = self.drafter.model
+        return self._local["assistant"]
+
+    # ---- rows -------------------------------------------------------------------------------
+
+    def _edge_config(self, strategy: Strategy, point: GridPoint, address: str, repeat: int) -> EdgeConfig:
+        values = {"cloud": address or "127.0.0.1:1", "max_new_tokens": self.spec.max_new_tokens,
+                  "temperature": point.temperature, "seed": self.spec.seed + repeat,
+                  "torch_threads": 1 if self.pin else 0, **strategy.edge}
+        return EdgeConfig(**values)
+
+    def _row(self, point: GridPoint, strategy: Strategy, raw: dict, repeat: int) -> dict:
+        tokens = raw.pop("tokens", [])
+        row = {"experiment": self.spec.name, "strategy": strategy.name, "kind": strategy.kind,
+               **dataclasses.asdict(point), "repeat": repeat, "new_tokens": len(tokens), **raw}
+        if "wall_s" in row:
+            row["tokens_per_s"] = len(tokens) / row["wall_s"] if row["wall_s"] else 0.0
+        ref_key = (row["prompt"], point.temperature)
+        if point.temperature == 0 and tokens:
+            if strategy.kind == "cloud_only" and ref_key not in self.references:
+                self.references[ref_key] = tokens
+            ref = self.references.get(ref_key)
+            row["same_as_target"] = None if ref is None else tokens == ref
+        row["tokens"] = tokens
+        return row
+
+    def _record(self, key: tuple, row: dict) -> None:
+        row["key"] = list(key)
+        with self.rows_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.done.add(key)
+
+    def _write_meta(self) -> None:
+        import grpc
+        import ray
+        import transformers
+
+        meta = {"spec": dataclasses.asdict(self.spec), "target": self.target_path, "drafter": self.drafter_path,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "pinned": self.pin,
+                "edge_cores": sorted(self.edge_cores), "cloud_cores": sorted(self.cloud_cores),
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+                "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                             "transformers": transformers.__version__, "ray": ray.__version__,
+                             "grpcio": grpc.__version__},
+                "git": _git_commit()}
+        (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class _Edge:
+    """One edge slot over the link: a connection, and for hybrid strategies a worker that keeps its
+    estimates across generations."""
+
+    def __init__(self, lab: Lab, strategy: Strategy, point: GridPoint, address: str) -> None:
+        self.lab, self.strategy, self.point = lab, strategy, point
+        self.config = lab._edge_config(strategy, point, address, 0)
+        self.client = VerifierClient(address, timeout_s=self.config.timeout_s)
+        self.worker: EdgeWorker | None = None
+
+    def generate(self, prompt: list[int], repeat: int) -> dict:
+        """One generation; the raw row fields."""
+        cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
+        if self.strategy.kind == "cloud_only":
+            spec = GenerateSpec(prompt_ids=tuple(prompt), sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
+                                seed=cfg.seed)
+            self.client.model_info()  # connected before the clock starts, as an edge worker is
+            up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
+            start = time.perf_counter()
+            tokens = list(self.client.generate(spec))
+            wall = time.perf_counter() - start
+            up, down = self.client.uplink_bytes - up0, self.client.downlink_bytes - down0
+            return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 1 / max(len(tokens), 1),
+                    "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1)}
+        if self.worker is None:
+            self.worker = EdgeWorker(self.lab.drafter, self.client, cfg)
+        self.worker.config = cfg
+        gen = self.worker.generate(prompt)
+        stats = gen.stats.to_dict()
+        rates = self.worker.estimates.rates(DEFAULT_RATES)
+        return {"tokens": gen.token_ids, "wall_s": gen.stats.wall_s, **{k: stats[k] for k in STATS_KEYS},
+                "rates": {k: v for k, v in dataclasses.asdict(rates).items() if k != "alphas"}}
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.client.close()
+
+
+def run_experiment(spec: ExperimentSpec, out: Path, fresh: bool = False) -> Path:
+    """Run (or resume) the experiment into `out`; returns the results file."""
+    out.mkdir(parents=True, exist_ok=True)
+    if fresh and (out / "results.jsonl").exists():
+        (out / "results.jsonl").unlink()
+    lab = Lab(spec, out)
+    lab.run()
+    write_csv(lab.rows_file, out / "results.csv")
+    return lab.rows_file
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Every row of a results.jsonl (a directory means its results.jsonl)."""
+    path = path / "results.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_csv(rows_file: Path, csv_file: Path) -> None:
+    """The rows as CSV with the main columns (the JSONL keeps everything)."""
+    rows = read_rows(rows_file)
+    with csv_file.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS + ["error"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _key(strategy: str, point: GridPoint, prompt: int, repeat: int, edge: int) -> tuple:
+    return (strategy, point.rtt_ms, point.jitter_ms, point.bandwidth_mbps, point.temperature, point.edges,
+            prompt, repeat, edge)
+
+
+def _done_keys(rows_file: Path) -> set[tuple]:
+    return {tuple(r["key"]) for r in read_rows(rows_file) if "key" in r and "error" not in r}
+
+
+def _references(rows_file: Path) -> dict[tuple, list[int]]:
+    refs = {}
+    for r in read_rows(rows_file):
+        if r.get("kind") == "cloud_only" and r.get("temperature") == 0 and r.get("tokens"):
+            refs.setdefault((r["prompt"], 0), r["tokens"])
+    return refs
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,1 @@
+"""A user-space network link emulator (delay, jitter, bandwidth, loss, stalls) for experiments."""

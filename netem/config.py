@@ -1,0 +1,71 @@
+"""`hybridspec netem` configuration: symmetric shaping, with per-direction overrides."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .shaping import DirectionSpec, LinkSpec
+
+SHAPING_KEYS = ("delay_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "stall_ms", "stall_every_s")
+
+
+@dataclass(frozen=True)
+class NetemConfig:
+    """A relay from `listen` to `upstream`. Each shaping key applies to both directions unless an
+    `up_`/`down_` key overrides it (up = edge → cloud, towards upstream; down = back)."""
+
+    listen: str = "127.0.0.1:50052"  # HOST:PORT edges connect to
+    upstream: str = "127.0.0.1:50051"  # HOST:PORT of the real server (the cloud front door)
+    delay_ms: float = 0.0  # one-way delay in each direction: the round trip grows by 2 × delay_ms
+    jitter_ms: float = 0.0  # delay varies uniformly by ± jitter_ms, never reordering bytes
+    bandwidth_mbps: float = 0.0  # 0 = unlimited
+    loss_pct: float = 0.0  # % of chunks delivered one 200 ms retransmission timeout late
+    stall_ms: float = 0.0  # the link freezes this long ...
+    stall_every_s: float = 0.0  # ... this often (0 = never)
+    up_delay_ms: float | None = None
+    up_jitter_ms: float | None = None
+    up_bandwidth_mbps: float | None = None
+    up_loss_pct: float | None = None
+    up_stall_ms: float | None = None
+    up_stall_every_s: float | None = None
+    down_delay_ms: float | None = None
+    down_jitter_ms: float | None = None
+    down_bandwidth_mbps: float | None = None
+    down_loss_pct: float | None = None
+    down_stall_ms: float | None = None
+    down_stall_every_s: float | None = None
+    seed: int | None = None  # seeds jitter and loss; None = different each run
+
+    def __post_init__(self) -> None:
+        self.link_spec()  # validates every value
+
+    def direction(self, which: str) -> DirectionSpec:
+        """The shaping of `up` or `down`."""
+        values = {}
+        for key in SHAPING_KEYS:
+            override = getattr(self, f"{which}_{key}")
+            values[key] = getattr(self, key) if override is None else override
+        try:
+            return DirectionSpec(**values)
+        except ValueError as exc:
+            raise ValueError(f"{which}: {exc}") from None
+
+    def link_spec(self) -> LinkSpec:
+        """Both directions."""
+        return LinkSpec(up=self.direction("up"), down=self.direction("down"))
+
+
+def describe(spec: DirectionSpec) -> str:
+    """A short human description of one direction's shaping."""
+    parts = [f"{spec.delay_ms:g} ms"]
+    if spec.jitter_ms:
+        parts.append(f"± {spec.jitter_ms:g} ms")
+    if spec.bandwidth_mbps:
+        parts.append(f"{spec.bandwidth_mbps:g} Mbit/s")
+    if spec.loss_pct:
+        parts.append(f"{spec.loss_pct:g}% late by an RTO")
+    if spec.stall_ms:
+        parts.append(f"stalls {spec.stall_ms:g} ms every {spec.stall_every_s:g} s")
+    return ", ".join(parts)
+
+
+CONFIG_KEYS = tuple(f.name for f in fields(NetemConfig))

@@ -1,0 +1,123 @@
+"""The edge worker's modes over real gRPC: adaptive γ, cloud-only hand-over, offline and recovery,
+pipelining, and the event stream. Every output must still be the target's own greedy decoding."""
+import threading
+
+import pytest
+
+from hybridspec.common.errors import Unavailable
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.worker import EdgeWorker, EventKind, Origin
+from hybridspec.netem.relay import BackgroundLink
+from hybridspec.netem.shaping import LinkSpec
+
+from tinymodels import greedy_reference
+
+PROMPT = [5, 17, 33, 80]
+NEW = 40
+
+
+def generate(address, drafter, **cfg):
+    config = EdgeConfig(cloud=address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0, **cfg)
+    with VerifierClient(address, timeout_s=config.timeout_s) as client:
+        return EdgeWorker(drafter, client, config).generate(PROMPT)
+
+
+def test_adaptive_policy_is_lossless(server, target, random_drafter):
+    for drafter in (target, random_drafter):
+        gen = generate(server.address, drafter, gamma_policy="adaptive", cloud_only_switch=False)
+        assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+        assert gen.stats.rounds >= 2
+
+
+def test_cloud_only_decoding_when_hybrid_cannot_win(server, target, random_drafter):
+    """The tiny drafter costs about as much as the tiny target: no block length can pay off, so the
+    edge measures that in its first tokens and leaves decoding to the cloud."""
+    gen = generate(server.address, random_drafter, gamma_policy="adaptive", cloud_only_switch=True, probe_tokens=8)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.cloud_only_tokens > NEW // 2 and gen.stats.cloud_streams >= 1
+    assert Origin.CLOUD in gen.origins and any("cloud-only" in n for n in gen.stats.notices)
+
+
+def test_pipelined_drafting_uses_its_predrafts(server, target):
+    gen = generate(server.address, target, gamma_policy="fixed", cloud_only_switch=False, pipeline=True)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.predrafted > 0 and gen.stats.pipeline_hits > 0
+
+
+def test_events_add_up_to_the_generation(server, target, random_drafter):
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, gamma_policy="fixed",
+                        cloud_only_switch=False)
+    with VerifierClient(server.address) as client:
+        run = EdgeWorker(random_drafter, client, config).stream(PROMPT)
+        events = list(run)
+    committed = [t for e in events if e.kind is EventKind.COMMIT for t in e.tokens]
+    assert committed == run.generation.token_ids == greedy_reference(target, PROMPT, NEW)
+    drafts = [e for e in events if e.kind is EventKind.DRAFT]
+    assert drafts and all(e.provisional for e in drafts)
+
+
+@pytest.fixture
+def link(server):
+    """An emulated link in front of the shared server, which tests can cut and restore."""
+    with BackgroundLink(LinkSpec(), server.address) as link:
+        yield link
+
+
+def _cut_during_round(client, link, at_round: int, outage_s: float):
+    """Cut the link just before the at_round-th round is sent; restore it outage_s later."""
+    original, calls = client.submit, {"n": 0}
+
+    def submit(block):
+        calls["n"] += 1
+        if calls["n"] == at_round:
+            link.set_down(True)
+            threading.Timer(outage_s, link.set_down, args=(False,)).start()
+        return original(block)
+
+    client.submit = submit
+
+
+@pytest.mark.parametrize("drafter_name", ["target", "random"])
+def test_offline_tokens_are_verified_when_the_cloud_returns(link, target, random_drafter, drafter_name):
+    drafter = target if drafter_name == "target" else random_drafter
+    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
+                        gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
+                        reconnect_s=0.2)
+    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(drafter, client, config)
+        _cut_during_round(client, link, at_round=3, outage_s=1.0)
+        run = worker.stream(PROMPT)
+        events = list(run)
+    gen = run.generation
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert Origin.UNVERIFIED not in gen.origins, (gen.stats, [e for e in events if e.kind is not EventKind.UNVERIFIED])
+    assert gen.stats.offline_tokens > 0
+    assert any(e.kind is EventKind.UNVERIFIED for e in events)
+    if drafter_name == "random":  # its offline guesses are wrong: they are withdrawn and corrected
+        assert gen.stats.rolled_back > 0 and any(e.kind is EventKind.ROLLBACK for e in events)
+    else:
+        assert gen.stats.rolled_back == 0
+
+
+def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
+    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, max_draft=4, gamma_policy="fixed",
+                        cloud_only_switch=False, timeout_s=3)
+    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        _cut_during_round(client, link, at_round=2, outage_s=2.0)
+        with pytest.raises(Unavailable, match="unreachable"):
+            worker.generate(PROMPT)
+
+
+def test_a_worker_that_measured_a_fast_cloud_starts_cloud_only(server, target, random_drafter):
+    """Rates carry over between generations: a worker that measured a fast cloud starts cloud-only."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
+                        cloud_only_switch=True, probe_tokens=8)
+    with VerifierClient(server.address) as client:
+        worker = EdgeWorker(random_drafter, client, config)
+        worker.estimates.cloud_token_s.add(1e-5)  # as if measured by an earlier generation
+        gen = worker.generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.cloud_only_tokens == NEW and gen.stats.rounds == 0
+    assert any("starting with cloud-only" in n for n in gen.stats.notices)

@@ -1,0 +1,190 @@
+"""The link emulator: shaping maths exactly, and the relay's measured RTT and throughput within tolerance."""
+import random
+import socket
+import socketserver
+import statistics
+import threading
+import time
+
+import pytest
+
+from hybridspec.netem.relay import BackgroundLink
+from hybridspec.netem.shaping import RTO_S, DirectionSpec, LinkSpec, Shaper
+
+# Timing tolerances for the socket tests: this is a shared 2-core machine, so a few ms of scheduling
+# noise on top of asyncio's ~1 ms timer resolution.
+RTT_TOLERANCE_MS = 15
+THROUGHPUT_TOLERANCE = 0.2
+
+
+# ---- shaping (pure) -------------------------------------------------------------------------------
+
+def test_delay_and_bandwidth_add_up():
+    shaper = Shaper(DirectionSpec(delay_ms=30, bandwidth_mbps=8))  # 1 MB/s
+    assert shaper.release_time(0.0, 1000) == pytest.approx(0.001 + 0.030)
+    # The second chunk queues behind the first on the serialiser.
+    assert shaper.release_time(0.0, 1000) == pytest.approx(0.002 + 0.030)
+    # An idle link starts serialising at once.
+    assert shaper.release_time(5.0, 1000) == pytest.approx(5.001 + 0.030)
+
+
+def test_jitter_never_reorders_and_keeps_the_mean():
+    shaper = Shaper(DirectionSpec(delay_ms=50, jitter_ms=40), random.Random(0))
+    arrivals = [i * 0.001 for i in range(5000)]
+    releases = [shaper.release_time(t, 10) for t in arrivals]
+    assert releases == sorted(releases)
+    spaced = Shaper(DirectionSpec(delay_ms=50, jitter_ms=40), random.Random(1))
+    delays = [spaced.release_time(i * 1.0, 10) - i * 1.0 for i in range(5000)]  # far apart: no holding back
+    assert min(delays) >= 0.010 - 1e-9 and max(delays) <= 0.090 + 1e-9
+    assert statistics.mean(delays) == pytest.approx(0.050, abs=0.002)
+
+
+def test_loss_delays_about_the_stated_share_by_one_rto():
+    shaper = Shaper(DirectionSpec(delay_ms=10, loss_pct=10), random.Random(0))
+    delays = [shaper.release_time(i * 1.0, 10) - i * 1.0 for i in range(10000)]
+    late = [d for d in delays if d > 0.011]
+    assert all(d == pytest.approx(0.010 + RTO_S) for d in late)
+    assert 0.08 < len(late) / len(delays) < 0.12  # 10% ± 2%: > 6 standard deviations at n = 10^4
+
+
+def test_stall_holds_chunks_until_it_ends():
+    shaper = Shaper(DirectionSpec(stall_ms=100, stall_every_s=1.0), origin=0.0)
+    assert shaper.release_time(0.5, 10) == pytest.approx(0.5)
+    assert shaper.release_time(0.95, 10) == pytest.approx(1.0)  # inside [0.9, 1.0): waits for 1.0
+    assert shaper.release_time(1.2, 10) == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("bad", [dict(delay_ms=-1), dict(loss_pct=100), dict(stall_ms=10),
+                                 dict(stall_ms=2000, stall_every_s=1), dict(bandwidth_mbps=float("inf"))])
+def test_bad_specs_are_refused(bad):
+    with pytest.raises(ValueError):
+        DirectionSpec(**bad)
+
+
+# ---- the relay over real sockets ----------------------------------------------------------------
+
+class _Echo(socketserver.BaseRequestHandler):
+    def handle(self):
+        while data := self.request.recv(65536):
+            self.request.sendall(data)
+
+
+class _Sink(socketserver.BaseRequestHandler):
+    def handle(self):
+        total = 0
+        while data := self.request.recv(65536):
+            total += len(data)
+        self.request.sendall(str(total).encode())
+
+
+def _serve(handler):
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"127.0.0.1:{server.server_address[1]}"
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _median_rtt_ms(address: str, n: int = 30) -> float:
+    with _connect(address) as sock:
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sock.sendall(b"x" * 32)
+            got = b""
+            while len(got) < 32:
+                got += sock.recv(64)
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+@pytest.fixture(scope="module")
+def echo():
+    server, address = _serve(_Echo)
+    yield address
+    server.shutdown()
+
+
+def test_added_rtt_matches_the_configured_delay(echo):
+    base = _median_rtt_ms(echo)
+    with BackgroundLink(LinkSpec.symmetric(delay_ms=20), echo) as link:
+        shaped = _median_rtt_ms(link.address)
+    assert abs((shaped - base) - 40) < RTT_TOLERANCE_MS, (base, shaped)
+
+
+def test_per_direction_delays_add_up(echo):
+    spec = LinkSpec(up=DirectionSpec(delay_ms=30), down=DirectionSpec(delay_ms=5))
+    with BackgroundLink(spec, echo) as link:
+        shaped = _median_rtt_ms(link.address)
+    assert abs(shaped - 35) < RTT_TOLERANCE_MS
+
+
+def test_throughput_matches_the_bandwidth_cap():
+    server, sink = _serve(_Sink)
+    payload = b"\0" * 500_000  # 4 Mbit: one second at 4 Mbps
+    try:
+        with BackgroundLink(LinkSpec(up=DirectionSpec(bandwidth_mbps=4)), sink) as link:
+            with _connect(link.address) as sock:
+                t0 = time.perf_counter()
+                sock.sendall(payload)
+                sock.shutdown(socket.SHUT_WR)
+                assert int(sock.recv(64)) == len(payload)
+                elapsed = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+    mbps = len(payload) * 8 / elapsed / 1e6
+    assert abs(mbps - 4) / 4 < THROUGHPUT_TOLERANCE, mbps
+
+
+def test_outage_cuts_connections_and_recovery_lets_new_ones_through(echo):
+    with BackgroundLink(LinkSpec(), echo) as link:
+        sock = _connect(link.address)
+        sock.sendall(b"ping")
+        assert sock.recv(16) == b"ping"
+        link.set_down(True)
+        time.sleep(0.1)
+        with pytest.raises(OSError):
+            sock.sendall(b"x" * 65536)
+            for _ in range(10):
+                if not sock.recv(16):
+                    raise ConnectionResetError("closed by the link")
+        sock.close()
+        link.set_down(False)
+        assert _median_rtt_ms(link.address, n=3) < 50
+
+
+def test_the_cli_relays_with_the_configured_delay_and_stops_cleanly(echo):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "netem", "--listen", "127.0.0.1:0",
+                             "--upstream", echo, "--delay-ms", "15", "--down-delay-ms", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("hybridspec netem relaying"), line + proc.stderr.read()
+        address = line.split()[3]
+        assert abs(_median_rtt_ms(address) - 20) < RTT_TOLERANCE_MS  # 15 ms up + 5 ms down
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert "connections" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_cli_names_a_bad_value():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "netem", "--upstream", "127.0.0.1:9",
+                        "--loss-pct", "150"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "loss_pct" in r.stderr
