@@ -158,13 +158,13 @@ def _pool_runs(args, target, refs, cores):
     """Batched and unbatched Ray pools behind real front doors; also the per-round hop latency."""
     import ray
 
-    from hybridspec.cloud.pool import WORKER_ENV, PoolSpec, RayPool
+    from hybridspec.cloud.pool import WORKER_ENV, PoolSpec, RayPool, init_ray
     from hybridspec.cloud.replica import ReplicaSpec
     from hybridspec.cloud.server import BackgroundServer
 
     if cores:
         os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
+    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
              logging_level="ERROR")
     servers = {}
     for name, max_batch in (("unbatched", 1), ("batched", MAX_BATCH)):

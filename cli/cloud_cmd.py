@@ -66,7 +66,7 @@ def run_serve(args) -> int:
 
 def _backend(config):
     """The backend the config asks for, and a few words describing it."""
-    from .models_cmd import resolve
+    from ..common.embedded import resolve
 
     from ..common.models import check_model_spec
 

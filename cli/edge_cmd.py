@@ -78,7 +78,7 @@ def build_worker(config):
     from ..common.models import load_model
     from ..edge.client import VerifierClient
     from ..edge.worker import EdgeWorker
-    from .models_cmd import resolve
+    from ..common.embedded import resolve
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

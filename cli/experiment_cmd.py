@@ -1,6 +1,7 @@
 """`hybridspec experiment run|report`: network-latency experiments with baselines in the same run."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 
@@ -30,7 +31,7 @@ def run_experiment(args) -> int:
     rows = run(spec, out, fresh=args.fresh)
     print(f"results: {rows} and {out / 'results.csv'}")
     if args.report:
-        return run_report(argparse_namespace(results=str(out), out=None))
+        return run_report(argparse.Namespace(results=str(out), out=None))
     return 0
 
 
@@ -45,10 +46,3 @@ def run_report(args) -> int:
     for path in report(results, out):
         print(path)
     return 0
-
-
-def argparse_namespace(**values):
-    """A bare namespace for calling one command from another."""
-    import argparse
-
-    return argparse.Namespace(**values)

@@ -27,15 +27,3 @@ def run_pull(args) -> int:
         for role, path in paths.items():
             print(f"{role}: {path}")
     return 0
-
-
-def resolve(model: str, role: str) -> str:
-    """The model to load for `role`: the given one, else the pulled default (or a clear error)."""
-    from ..common import embedded
-
-    if model:
-        return model
-    path = embedded.default_paths()[role]
-    if not embedded.is_pulled():
-        raise FileNotFoundError(f"the default {role} is not at {path}; run `hybridspec models pull` first")
-    return str(path)

@@ -44,9 +44,7 @@ class Metrics:
                                        registry=r)
         self.replica_failures = Counter("hybridspec_replica_failures", "Replica crashes seen by the pool", registry=r)
         self.errors = Counter("hybridspec_errors", "Calls answered with an error status", ["code"], registry=r)
-        self._evictions_seen: dict[str, int] = {}
-        self._failures_seen: dict[str, int] = {}
-        self._routed_seen: dict[str, int] = {}
+        self._seen: dict[tuple[str, str], int] = {}  # (counter, replica) -> the replica's last total
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Count one answered round with γ draft tokens."""
@@ -64,17 +62,19 @@ class Metrics:
         """Refresh the per-replica gauges and add new evictions (a restarted replica counts from 0 again)."""
         self.replicas_alive.set(sum(r.alive for r in replicas))
         for r in replicas:
-            self.replica_failures.inc(r.failures - self._failures_seen.get(r.name, 0))
-            self._failures_seen[r.name] = r.failures
-            self.sessions_routed.labels(r.name).inc(r.routed_total - self._routed_seen.get(r.name, 0))
-            self._routed_seen[r.name] = r.routed_total
+            self._add_new("failures", r.name, r.failures, self.replica_failures)
+            self._add_new("routed", r.name, r.routed_total, self.sessions_routed.labels(r.name))
             self.sessions_open.labels(r.name).set(r.sessions)
             self.cached_tokens.labels(r.name).set(r.cached_tokens)
-            if not r.alive:
-                continue
-            seen = self._evictions_seen.get(r.name, 0)
-            self.evictions.inc(r.evictions - seen if r.evictions >= seen else r.evictions)
-            self._evictions_seen[r.name] = r.evictions
+            if r.alive:  # a dead replica reports zeros, not a reset
+                self._add_new("evictions", r.name, r.evictions, self.evictions)
+
+    def _add_new(self, what: str, replica: str, total: int, counter) -> None:
+        """Add what a replica's running total gained since last time; a smaller total means the
+        replica restarted and counts from 0 again."""
+        seen = self._seen.get((what, replica), 0)
+        counter.inc(total - seen if total >= seen else total)
+        self._seen[(what, replica)] = total
 
     def serve_http(self, host: str, port: int) -> int:
         """Expose /metrics on host:port (0 picks a free port); returns the bound port."""

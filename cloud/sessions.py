@@ -44,9 +44,6 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._sessions
-
     @property
     def cached_tokens(self) -> int:
         """Committed tokens held by all sessions (a proxy for KV memory)."""

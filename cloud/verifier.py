@@ -67,11 +67,6 @@ class Verifier:
             self._sessions.expire_idle()
             return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions)
 
-    def has_session(self, session_id: str) -> bool:
-        """True when this verifier holds the session."""
-        with self._lock:
-            return session_id in self._sessions
-
     def open_session(self, spec: SessionSpec) -> int:
         """Open (or re-open, replacing) a session from its committed tokens; returns its length."""
         spec.validate(self.info.vocab_size)

@@ -39,6 +39,17 @@ def default_paths() -> dict[str, Path]:
     return {"target": home / TARGET_DIR, "drafter": home / DRAFTER_DIR}
 
 
+def resolve(model: str, role: str) -> str:
+    """The model to load for `role` ("target" or "drafter"): the given one, else the pulled default
+    (or FileNotFoundError saying how to get it)."""
+    if model:
+        return model
+    path = default_paths()[role]
+    if not is_pulled():
+        raise FileNotFoundError(f"the default {role} is not at {path}; run `hybridspec models pull` first")
+    return str(path)
+
+
 def is_pulled() -> bool:
     """True when the target is converted and the installed drafter is the one this package ships."""
     paths = default_paths()

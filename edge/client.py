@@ -41,7 +41,6 @@ _END = object()
 class PendingRound:
     """A round in flight: its reply arrives in `future`; `arrived` is set when it does."""
 
-    block: DraftBlock
     sent: float
     future: Future = field(default_factory=Future)
     arrived: float = 0.0
@@ -143,7 +142,7 @@ class VerifierClient:
         if self._stream is None or self._stream.dead:
             self._stream = _Stream(self._stub, self)
         request = codec.block_to_pb(block)
-        round_ = PendingRound(block, time.perf_counter())
+        round_ = PendingRound(time.perf_counter())
         self._stream.pending.append(round_)  # before sending: the reader pops in reply order
         self._stream.requests.put(request)
         self._count(up=request.ByteSize())

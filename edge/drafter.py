@@ -17,7 +17,7 @@ from ..common.bild import should_fall_back
 from ..common.models import LoadedModel, truncate_cache
 from ..common.sampling import logits_to_probs
 from ..common.sparse import SparseDist, truncate
-from ..common.wire import SamplingParams
+from ..common.wire import DraftBlock, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,14 @@ class Proposal:
     ids: list[int]
     dists: list[SparseDist] | None  # the q each token was sampled from; None at temperature 0
     fell_back: bool  # the block ended because the drafter's confidence dropped below α_FB
+
+    def block(self, session_id: str, round_index: int, committed_len: int, with_probs: bool) -> DraftBlock:
+        """This proposal as a verify request; with_probs: send q (the modes that read it)."""
+        dists = self.dists if with_probs else None
+        return DraftBlock(session_id=session_id, round=round_index, committed_len=committed_len,
+                          draft_ids=tuple(self.ids),
+                          support_ids=tuple(tuple(d.ids.tolist()) for d in dists or ()),
+                          probs=tuple(tuple(d.probs.tolist()) for d in dists or ()))
 
     def tail(self, start: int) -> Proposal:
         """The proposal without its first `start` tokens."""
@@ -69,8 +77,11 @@ class ModelDrafter:
         ids: list[int] = []
         dists: list[SparseDist] = []
         fell_back = False
+        logits = None
         while len(ids) < max_tokens and not (interrupt is not None and interrupt()):
-            probs = logits_to_probs(self._advance(context + ids), self.sampling)
+            # The cache is brought to the context once; each drafted token is then fed alone.
+            logits = self._advance(context) if logits is None else self._feed([ids[-1]])
+            probs = logits_to_probs(logits, self.sampling)
             if should_fall_back(probs, fallback_threshold):
                 fell_back = True
                 if not self.keep_low_confidence:
@@ -97,7 +108,11 @@ class ModelDrafter:
         if keep < len(self._cached):
             truncate_cache(self._cache, keep)
             del self._cached[keep:]
-        feed = tokens[keep:]
+        return self._feed(tokens[keep:])
+
+    @torch.inference_mode()
+    def _feed(self, feed: list[int]) -> torch.Tensor:
+        """Append `feed` to the cache; the float32 CPU logits [V] for the position after it."""
         ids = torch.tensor([feed], dtype=torch.long, device=self.loaded.device)
         out = self.loaded.model(input_ids=ids, past_key_values=self._cache, use_cache=True)
         self._cached.extend(feed)

@@ -380,11 +380,7 @@ class GenerationRun:
             self.pre = ahead.tail(1)
 
     def _block(self, proposal: Proposal) -> DraftBlock:
-        dists = proposal.dists if self.spec.mode.uses_draft_probs else None
-        return DraftBlock(session_id=self.spec.session_id, round=self.round, committed_len=len(self.committed),
-                          draft_ids=tuple(proposal.ids),
-                          support_ids=tuple(tuple(d.ids.tolist()) for d in dists or ()),
-                          probs=tuple(tuple(d.probs.tolist()) for d in dists or ()))
+        return proposal.block(self.spec.session_id, self.round, len(self.committed), self.spec.mode.uses_draft_probs)
 
     def _submit(self, block: DraftBlock, proposal: Proposal) -> PendingRound:
         try:

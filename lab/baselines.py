@@ -10,7 +10,7 @@ import torch
 from ..cloud.verifier import Verifier
 from ..common.models import LoadedModel
 from ..common.sampling import round_generator
-from ..common.wire import DraftBlock, SessionSpec
+from ..common.wire import SessionSpec
 from ..edge.config import EdgeConfig
 from ..edge.drafter import ModelDrafter
 
@@ -39,10 +39,7 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
         while len(committed) - len(prompt) < cfg.max_new_tokens:
             budget = min(cfg.max_draft, cfg.max_new_tokens - (len(committed) - len(prompt)) - 1)
             proposal = draft.propose(committed, budget, cfg.fallback_threshold, stop)
-            dists = proposal.dists if cfg.resolved_mode.uses_draft_probs else None
-            result = verifier.verify(DraftBlock(
-                sid, rounds, len(committed), tuple(proposal.ids),
-                tuple(tuple(d.ids.tolist()) for d in dists or ()), tuple(tuple(d.probs.tolist()) for d in dists or ())))
+            result = verifier.verify(proposal.block(sid, rounds, len(committed), cfg.resolved_mode.uses_draft_probs))
             new = [*proposal.ids[:result.num_accepted], result.next_token]
             rounds, drafted, accepted = rounds + 1, drafted + len(proposal.ids), accepted + result.num_accepted
             committed += new

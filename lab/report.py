@@ -129,6 +129,13 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
 def _plot_throughput(table: dict[str, dict], path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -140,10 +147,7 @@ def _plot_throughput(table: dict[str, dict], path: Path) -> Path:
             ax.plot(rtts, [curve[r] for r in rtts], marker="o", label=strategy)
     ax.set(xlabel="emulated RTT (ms)", ylabel="tokens / s", title="throughput vs round-trip time")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_speedup(table: dict[str, dict], kinds: dict[str, str], fit: dict | None, path: Path) -> Path:
@@ -161,10 +165,7 @@ def _plot_speedup(table: dict[str, dict], kinds: dict[str, str], fit: dict | Non
     ax.axhline(1.0, color="grey", lw=1)
     ax.set(xlabel="emulated RTT (ms)", ylabel="speed-up over cloud-only", title="hybrid speed-up vs round-trip time")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_positions(rows: list[dict], path: Path) -> Path:
@@ -187,10 +188,7 @@ def _plot_positions(rows: list[dict], path: Path) -> Path:
     ax.set(xlabel="draft position j", ylabel="P(accepted | drafted)", ylim=(0, 1),
            title="acceptance per draft position (all RTTs)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_costs(rows: list[dict], path: Path) -> Path:
@@ -204,10 +202,7 @@ def _plot_costs(rows: list[dict], path: Path) -> Path:
     left.set(xlabel="cloud calls per token (verify rounds + streams)")
     right.barh(names, [statistics.mean(bytes_[n].values()) for n in names])
     right.set(xlabel="bytes per token (protobuf payload, both ways)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ---- summary ------------------------------------------------------------------------------------

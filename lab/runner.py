@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..cloud.process import start_cloud_process, stop_cloud_process
+from ..common.embedded import resolve
 from ..common.models import LoadedModel, load_model
 from ..common.wire import GenerateSpec
 from ..edge.client import VerifierClient
@@ -45,8 +46,6 @@ class Lab:
     """One experiment's run: models, cores, the cloud process, and the results file."""
 
     def __init__(self, spec: ExperimentSpec, out: Path) -> None:
-        from ..cli.models_cmd import resolve
-
         self.spec = spec
         self.out = out
         self.target_path = resolve(spec.target, "target")
@@ -269,7 +268,7 @@ class _Edge:
     estimates across generations."""
 
     def __init__(self, lab: Lab, strategy: Strategy, point: GridPoint, address: str) -> None:
-        self.lab, self.strategy, self.point = lab, strategy, point
+        self.lab, self.strategy = lab, strategy
         self.config = lab._edge_config(strategy, point, address, 0)
         self.client = VerifierClient(address, timeout_s=self.config.timeout_s)
         self.worker: EdgeWorker | None = None
