@@ -78,7 +78,7 @@ def run_core(verifier: Verifier, refs, gamma: int, rounds: int, batched: bool) -
     return committed / elapsed
 
 
-def run_edges(address: str, refs, gamma: int, rounds: int, tag: str) -> tuple[float, float]:
+def run_edges(address: str, refs, gamma: int, rounds: int) -> tuple[float, float]:
     """(committed tokens/s, median round latency ms) with one concurrent edge thread per session."""
     from hybridspec.edge.client import VerifierClient
 
@@ -88,8 +88,8 @@ def run_edges(address: str, refs, gamma: int, rounds: int, tag: str) -> tuple[fl
     def edge(i: int) -> None:
         try:
             with VerifierClient(address) as client:
-                sid = f"{tag}-{i}"
-                length = client.open_session(SessionSpec(sid, tuple(refs[i][0])))
+                opened = client.open_session(SessionSpec("", tuple(refs[i][0])))
+                sid, length = opened.session_id, opened.committed_len
                 barrier.wait()
                 for r in range(rounds):
                     t0 = time.perf_counter()
@@ -175,18 +175,18 @@ def _pool_runs(args, target, refs, cores):
         os.sched_setaffinity(0, {cores[0]})  # the front doors' loops and the edges
     try:
         for server in servers.values():
-            run_edges(server.address, refs[:2], args.gamma, 2, "warm")
+            run_edges(server.address, refs[:2], args.gamma, 2)
         rows = []
         for n in args.sessions:
             row = {"sessions": n}
             for name, server in servers.items():
-                tok_s, ms = run_edges(server.address, refs[:n], args.gamma, args.rounds, f"{name}-{n}")
+                tok_s, ms = run_edges(server.address, refs[:n], args.gamma, args.rounds)
                 row[f"{name}_tok_s"], row[f"{name}_round_ms"] = tok_s, ms
             rows.append(row)
             print(row, flush=True)
         # One session, one round at a time: the cost of front door + Ray over a direct call.
-        via_pool = statistics.median(run_edges(servers["unbatched"].address, refs[i:i + 1], args.gamma, args.rounds,
-                                               f"hop-{i}")[1] for i in range(3))
+        via_pool = statistics.median(run_edges(servers["unbatched"].address, refs[i:i + 1], args.gamma,
+                                               args.rounds)[1] for i in range(3))
     finally:
         for server in servers.values():
             server.stop()

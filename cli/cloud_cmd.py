@@ -30,6 +30,7 @@ def register(sub) -> None:
     serve.add_argument("--max-batch-size", type=int, help="most rounds per forward pass (1 = no batching)")
     serve.add_argument("--max-wait-ms", type=float, help="how long a round waits for others to batch with")
     serve.add_argument("--max-sessions", type=int, help="sessions per replica")
+    serve.add_argument("--max-sessions-per-client", type=int, help="sessions one client (peer address) may hold")
     serve.add_argument("--max-context", type=int, help="committed + draft tokens per session")
     serve.add_argument("--max-draft", type=int, help="longest draft block accepted")
     serve.set_defaults(run=run_serve)
@@ -41,7 +42,8 @@ def serve_config(args):
     from ..common.config import load_config
 
     keys = ["target", "host", "port", "backend", "replicas", "ray_address", "metrics_port", "device", "dtype",
-            "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_context", "max_draft"]
+            "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client", "max_context",
+            "max_draft"]
     return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
 
 
@@ -85,4 +87,5 @@ def _backend(config):
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     verifier = Verifier(load_model(target, config.device, config.dtype), config.limits)
-    return InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms), f"{target}, in-process"
+    backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client)
+    return backend, f"{target}, in-process"

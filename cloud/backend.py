@@ -1,6 +1,8 @@
 """What the gRPC front door needs from the verifiers behind it, and the in-process implementation.
 
-A backend speaks the wire dataclasses (never protobuf) and raises the domain errors. Two exist: the
+A backend speaks the wire dataclasses (never protobuf) and raises the domain errors. `Backend` holds
+what every backend shares — issuing session ids, routing each session to the replica holding its
+cache, per-client limits (cloud/routing.py) — and leaves the calls to one replica to subclasses:
 `InProcessBackend` here (one Verifier in the front door's process: tests, single-box use, and the
 baseline for the Ray hop's cost) and `RayPool` in pool.py (the production pool). Cloud-only
 generation is written once, on top of any backend, in `generate_tokens`.
@@ -8,15 +10,21 @@ generation is written once, on top of any backend, in `generate_tokens`.
 from __future__ import annotations
 
 import asyncio
-import uuid
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Protocol
 
-from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted
-from ..common.wire import DraftBlock, GenerateSpec, Mode, ModelInfo, SessionSpec, VerifyResult
-from .batcher import RoundBatcher
-from .verifier import Verifier
+from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
+from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
+                           VerifyResult)
+from .routing import SessionTable
+from .runner import VerifierRunner
+from .verifier import Verifier, VerifierStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,64 +40,175 @@ class ReplicaStatus:
     routed_total: int = 0  # sessions ever routed to this replica
 
 
-class Backend(Protocol):
-    """The verifier side of the front door."""
+class ReplicaLost(FailedPrecondition):
+    """The replica holding the session died: the edge re-opens and lands on a live one."""
+
+
+class Backend(ABC):
+    """Session ids and routing over named replicas; subclasses make the calls to one replica."""
 
     info: ModelInfo  # valid once start() returned
 
+    def __init__(self, max_sessions_per_client: int) -> None:
+        self.table = SessionTable(max_sessions_per_client)
+        self.routed_total: dict[str, int] = {}  # replica -> sessions ever routed there
+
+    # ---- what a front door calls --------------------------------------------------------------
+
+    @abstractmethod
     async def start(self) -> None:
         """Load models; the front door reports SERVING only after this returns."""
 
+    @abstractmethod
     async def stop(self) -> None:
         """Release replicas."""
 
-    async def open_session(self, spec: SessionSpec) -> int:
-        """Open or re-open a session; returns its committed length."""
+    async def open_session(self, spec: SessionSpec, client: str) -> SessionOpened:
+        """Open a session for `client`, or re-open the live session spec.session_id names.
+
+        Everything is checked before the session is routed; a failed open leaves nothing behind.
+        """
+        session_id, route = self.table.claim(spec.session_id, client)
+        spec = replace(spec, session_id=session_id)
+        spec.check_against(self.info)
+        for _ in range(len(self._replica_names()) + 1):  # a replica may die under us: try another
+            if route is None:
+                route = self.table.add(session_id, await self._place(), client)
+                self.routed_total[route.replica] = self.routed_total.get(route.replica, 0) + 1
+            route.opening = True
+            try:
+                committed_len = await self._open_on(route.replica, spec)
+            except ReplicaLost:
+                self.table.remove(session_id)  # the replica took the session with it
+                route = None
+                continue
+            except HybridSpecError:
+                self.table.remove(session_id)
+                self._close_quietly(route.replica, session_id)  # a re-open may have left the old one
+                raise
+            route.opening, route.routed_at = False, time.monotonic()
+            if self.table.lookup(session_id) is not route:  # closed while it was being opened
+                self._close_quietly(route.replica, session_id)
+                raise FailedPrecondition("the session was closed while it was being opened")
+            return SessionOpened(session_id, committed_len)
+        raise Unavailable("no verifier replica could open the session; retry shortly")
 
     async def verify(self, block: DraftBlock) -> VerifyResult:
-        """Verify one round on the replica that owns the session."""
+        """Verify one round on the replica that holds the session."""
+        return await self._verify_on(self.table.get(block.session_id).replica, block)
 
     async def close_session(self, session_id: str) -> bool:
         """Free a session; True if it existed."""
+        route = self.table.remove(session_id)
+        if route is None:
+            return False
+        try:
+            return await self._close_on(route.replica, session_id)
+        except HybridSpecError:
+            return False  # a soft cache: the replica expires it on its own
 
     async def status(self) -> list[ReplicaStatus]:
-        """Per-replica state for the metrics."""
+        """Per-replica state for the metrics; also drops routes of sessions replicas no longer hold."""
+        async def one(name: str) -> ReplicaStatus:
+            asked_at = time.monotonic()
+            stats = await self._stats_of(name)
+            failures = self._failures(name)
+            if stats is None:
+                return ReplicaStatus(name, False, 0, 0, 0, failures, self.routed_total.get(name, 0))
+            held = set(stats.session_ids)
+            self.table.reconcile(name, held, asked_at)
+            for orphan in self.table.unrouted(name, held):  # held there, routed nowhere: free it
+                self._close_quietly(name, orphan)
+            return ReplicaStatus(name, True, stats.sessions, stats.cached_tokens, stats.evictions, failures,
+                                 self.routed_total.get(name, 0))
+
+        return list(await asyncio.gather(*(one(name) for name in self._replica_names())))
+
+    # ---- what a subclass provides -------------------------------------------------------------
+
+    @abstractmethod
+    def _replica_names(self) -> list[str]:
+        """Every replica, alive or not."""
+
+    @abstractmethod
+    async def _place(self) -> str:
+        """The replica a new session goes to (Unavailable if none can take it)."""
+
+    @abstractmethod
+    async def _open_on(self, replica: str, spec: SessionSpec) -> int:
+        """Open on that replica; ReplicaLost if it died."""
+
+    @abstractmethod
+    async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:
+        """Verify on that replica; ReplicaLost if it died."""
+
+    @abstractmethod
+    async def _close_on(self, replica: str, session_id: str) -> bool:
+        """Close on that replica."""
+
+    @abstractmethod
+    async def _stats_of(self, replica: str) -> VerifierStats | None:
+        """That replica's stats, or None if it is not answering."""
+
+    def _failures(self, replica: str) -> int:
+        """Times that replica died (0 where replicas cannot die on their own)."""
+        return 0
+
+    def _close_quietly(self, replica: str, session_id: str) -> None:
+        async def close() -> None:
+            with contextlib.suppress(HybridSpecError):
+                await self._close_on(replica, session_id)
+
+        asyncio.get_running_loop().create_task(close())
 
 
-class InProcessBackend:
+class InProcessBackend(Backend):
     """One Verifier in this process, with the same round batching as a Ray replica."""
 
-    def __init__(self, verifier: Verifier, max_batch: int = 16, max_wait_ms: float = 2.0) -> None:
+    NAME = "in-process"
+
+    def __init__(self, verifier: Verifier, max_batch: int = 16, max_wait_ms: float = 2.0,
+                 max_sessions_per_client: int | None = None) -> None:
+        super().__init__(max_sessions_per_client or verifier.limits.max_sessions)
         self.verifier = verifier
         self.info = verifier.info
-        self._batcher = RoundBatcher(verifier.verify_batch, max_batch, max_wait_ms)
+        self._runner: VerifierRunner | None = None
+        self._batching = (max_batch, max_wait_ms)
 
     async def start(self) -> None:
         """Nothing to load: the verifier came loaded."""
+        self._runner = VerifierRunner(self.verifier, *self._batching)
 
     async def stop(self) -> None:
         """Stop batching."""
-        await self._batcher.close()
+        if self._runner is not None:
+            await self._runner.stop()
 
-    async def open_session(self, spec: SessionSpec) -> int:
-        """Prefill runs in a worker thread so the event loop stays free."""
-        return await asyncio.to_thread(self.verifier.open_session, spec)
+    def _replica_names(self) -> list[str]:
+        return [self.NAME]
 
-    async def verify(self, block: DraftBlock) -> VerifyResult:
-        """Queue the round for the next batch."""
-        return await self._batcher.submit(block)
+    async def _place(self) -> str:
+        return self.NAME
 
-    async def close_session(self, session_id: str) -> bool:
-        """Drop the session's cache."""
-        return await asyncio.to_thread(self.verifier.close_session, session_id)
+    async def _open_on(self, replica: str, spec: SessionSpec) -> int:
+        return await self._live().open_session(spec)
 
-    async def status(self) -> list[ReplicaStatus]:
-        """The single in-process verifier."""
-        s = self.verifier.stats()
-        return [ReplicaStatus("in-process", True, s.sessions, s.cached_tokens, s.evictions)]
+    async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:
+        return await self._live().verify(block)
+
+    async def _close_on(self, replica: str, session_id: str) -> bool:
+        return await self._live().close_session(session_id)
+
+    async def _stats_of(self, replica: str) -> VerifierStats | None:
+        return await self._live().stats()
+
+    def _live(self) -> VerifierRunner:
+        if self._runner is None:
+            raise Unavailable("the verifier is not started")
+        return self._runner
 
 
-async def generate_tokens(backend: Backend, spec: GenerateSpec) -> AsyncIterator[int]:
+async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> AsyncIterator[int]:
     """Cloud-only decoding: the target alone, one token per round of an empty draft.
 
     Every token is the 'bonus' of an empty block, so cloud-only streams are batched with the
@@ -100,26 +219,23 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec) -> AsyncIterator
     if len(spec.prompt_ids) + spec.max_new_tokens > info.max_context:
         raise ResourceExhausted(f"prompt + max_new_tokens exceeds max_context {info.max_context}")
     mode = Mode.GREEDY if spec.sampling.greedy else Mode.SPECULATIVE
-    session = SessionSpec(session_id=f"generate-{uuid.uuid4().hex}", committed_ids=tuple(spec.prompt_ids),
-                          sampling=spec.sampling, mode=mode, seed=spec.seed,
-                          tokenizer_fingerprint=spec.tokenizer_fingerprint)
+    session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling, mode=mode,
+                          seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint)
     committed = list(spec.prompt_ids)
-    await backend.open_session(session)
+    session_id = (await backend.open_session(session, client)).session_id
     eos = set(info.eos_token_ids)
     try:
         for round_index in range(spec.max_new_tokens):
-            block = DraftBlock(session.session_id, round_index, len(committed), ())
             try:
-                result = await backend.verify(block)
+                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()))
             except FailedPrecondition:
-                await backend.open_session(replace(session, committed_ids=tuple(committed), next_round=round_index))
-                result = await backend.verify(block)
+                reopen = replace(session, session_id=session_id, committed_ids=tuple(committed),
+                                 next_round=round_index)
+                session_id = (await backend.open_session(reopen, client)).session_id
+                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()))
             committed.append(result.next_token)
             yield result.next_token
             if result.next_token in eos:
                 return
     finally:
-        try:
-            await backend.close_session(session.session_id)
-        except HybridSpecError:
-            pass  # a soft cache: the replica expires it on its own
+        await backend.close_session(session_id)

@@ -23,6 +23,7 @@ class ServeConfig:
     replica_num_gpus: float = 0.0  # Ray GPUs per replica (1 on a GPU cluster)
     ray_address: str = ""  # "" = start a local Ray cluster; "auto" or ray://HOST:10001 joins one
     ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
+    ray_local_only: bool = True  # a cluster this server starts listens on 127.0.0.1 only and admits no other node
     device: str = "auto"  # auto | cpu | cuda | cuda:N (inside each replica)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     torch_threads: int = 0  # intra-op threads per replica on CPU; 0 keeps torch's default
@@ -32,6 +33,9 @@ class ServeConfig:
     max_draft: int = 32  # longest draft block accepted
     max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED
     max_cached_tokens: int = 0  # per replica: LRU sessions are evicted beyond this many tokens; 0 = no cap
+    max_sessions_per_client: int = 32  # per client (peer address) over the whole pool; more get RESOURCE_EXHAUSTED
+    prefill_chunk: int = 128  # prompt tokens per prefill pass; other sessions' rounds run between chunks
+    replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
     idle_timeout_s: int = 600  # idle sessions are dropped after this
     metrics_port: int = 9464  # Prometheus /metrics port; -1 = off, 0 = any free port
     metrics_host: str = "127.0.0.1"  # interface for /metrics
@@ -44,10 +48,12 @@ class ServeConfig:
             raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s"):
+        for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s",
+                     "max_sessions_per_client", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "max_cached_tokens", "ray_num_cpus"):
+        for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "max_cached_tokens", "ray_num_cpus",
+                     "replica_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -58,7 +64,7 @@ class ServeConfig:
         """The per-session limits each replica enforces."""
         return VerifierLimits(max_context=self.max_context, max_draft=self.max_draft,
                               max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s,
-                              max_cached_tokens=self.max_cached_tokens)
+                              max_cached_tokens=self.max_cached_tokens, prefill_chunk=self.prefill_chunk)
 
     def replica_spec(self, target: str) -> ReplicaSpec:
         """What each replica loads (`target` already resolved to a path or hub id)."""
@@ -68,4 +74,6 @@ class ServeConfig:
     def pool_spec(self, target: str) -> PoolSpec:
         """The Ray pool this config describes."""
         return PoolSpec(replica=self.replica_spec(target), replicas=self.replicas, num_cpus=self.replica_num_cpus,
-                        num_gpus=self.replica_num_gpus, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus)
+                        num_gpus=self.replica_num_gpus, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus,
+                        max_sessions_per_client=self.max_sessions_per_client, replica_wait_s=self.replica_wait_s,
+                        ray_local_only=self.ray_local_only)

@@ -39,6 +39,9 @@ class Metrics:
                                     registry=r)
         self.verify_seconds = Histogram("hybridspec_verify_seconds", "Front-door time per round (routing, queue, "
                                         "forward)", buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("hybridspec_queue_seconds", "Time a round waited on its replica before its "
+                                       "forward pass (batching, other batches, prefill chunks): the overload signal",
+                                       buckets=LATENCY_BUCKETS, registry=r)
         self.evictions = Counter("hybridspec_evictions", "Sessions evicted by replicas (idle or LRU)", registry=r)
         self.sessions_routed = Counter("hybridspec_sessions_routed", "Sessions routed to each replica", ["replica"],
                                        registry=r)
@@ -57,6 +60,7 @@ class Metrics:
                 self.accepted_at.labels(str(position)).inc()
         self.batch_size.observe(result.batch_size)
         self.verify_seconds.observe(seconds)
+        self.queue_seconds.observe(result.queue_ms / 1e3)
 
     def observe_replicas(self, replicas: list[ReplicaStatus]) -> None:
         """Refresh the per-replica gauges and add new evictions (a restarted replica counts from 0 again)."""

@@ -1,23 +1,29 @@
-"""The Ray-managed verifier pool: N replica actors and session affinity (design brief §3).
+"""The Ray-managed verifier pool: N replica actors and session affinity.
 
-Each session is pinned to the replica that opened it, because that replica holds its KV cache. New
-sessions go to the live replica with the fewest sessions. When a replica dies, Ray restarts it
-(with an empty cache); meanwhile its sessions answer FAILED_PRECONDITION, the edge re-opens them
-with its committed tokens, and the re-open lands on a live replica. The pool never parses protobuf.
+Each session is pinned to the replica that opened it, because that replica holds its KV cache
+(routing lives in the Backend base class). New sessions go to the live replica with the fewest
+sessions. When a replica dies, Ray restarts it (with an empty cache); meanwhile its sessions answer
+FAILED_PRECONDITION and the edge re-opens them with its committed tokens: on another live replica,
+or — with a single replica — on the restarted one, which a new session waits for (bounded). The pool
+never parses protobuf, and no Ray error text (tracebacks, pids, addresses) ever reaches a client.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 
 import ray
+from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
-from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.wire import DraftBlock, ModelInfo, SessionSpec, VerifyResult
-from .backend import ReplicaStatus
+from ..common.errors import HybridSpecError, Unavailable, incident
+from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from .backend import Backend, ReplicaLost
+from .reaper import start_reaper
 from .replica import ReplicaSpec, VerifierReplica
+from .verifier import VerifierStats
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,9 @@ class PoolSpec:
     ray_address: str = ""  # "" starts a local cluster; "auto" or "ray://HOST:10001" joins one
     ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
     name: str = "hybridspec"  # prefix of the replicas' actor names
+    max_sessions_per_client: int = 32  # over the whole pool
+    replica_wait_s: float = 30.0  # a new session waits this long for a restarting replica
+    ray_local_only: bool = True  # a cluster the pool starts binds 127.0.0.1 and admits no other node
 
 
 @dataclass
@@ -43,14 +52,20 @@ class _Replica:
     name: str
     handle: ray.actor.ActorHandle
     alive: bool = True
-    sessions: int = 0  # sessions routed here
     failures: int = 0  # times this replica died
-    routed_total: int = 0  # sessions ever routed here
 
 
-def init_ray(attempts: int = 2, **kwargs) -> None:
+def init_ray(attempts: int = 2, local_only: bool = True, **kwargs) -> None:
     """ray.init, tried again once: on a loaded machine a local raylet can miss Ray's fixed 30 s
-    registration window. Call it on the main thread, where Ray installs its signal handlers."""
+    registration window. Call it on the main thread, where Ray installs its signal handlers.
+
+    local_only (for a cluster this process starts): no other node may join, and every Ray process
+    listens on 127.0.0.1 only. Ray's single-machine mode does this; on Linux it is off by default and
+    read from the environment, by the Ray processes themselves and (once, at import) by this one.
+    """
+    if local_only and "address" not in kwargs:
+        os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+        ray_constants.ENABLE_RAY_CLUSTER = False
     for attempt in range(attempts):
         try:
             ray.init(**kwargs)
@@ -62,21 +77,17 @@ def init_ray(attempts: int = 2, **kwargs) -> None:
             log.warning("Ray did not start (%s); trying again", _last_line(exc))
 
 
-class _ReplicaLost(FailedPrecondition):
-    """The replica holding the session died: the edge re-opens and lands on a live one."""
-
-
-class RayPool:
-    """Backend that routes each session to its replica actor."""
+class RayPool(Backend):
+    """Backend whose replicas are Ray actors."""
 
     def __init__(self, spec: PoolSpec) -> None:
         if spec.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {spec.replicas}")
+        super().__init__(spec.max_sessions_per_client)
         self.spec = spec
-        self.info: ModelInfo | None = None
-        self.replicas: list[_Replica] = []
-        self.routes: dict[str, _Replica] = {}  # session id -> the replica holding its cache
+        self.replicas: dict[str, _Replica] = {}
         self._started_ray = False
+        self._revived = asyncio.Event()  # set whenever a replica comes back
         self._watchers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -86,9 +97,11 @@ class RayPool:
                             "log_to_driver": False, "logging_level": logging.WARNING}
             if self.spec.ray_address:
                 kwargs["address"] = self.spec.ray_address
-            elif self.spec.ray_num_cpus:
-                kwargs["num_cpus"] = self.spec.ray_num_cpus
-            init_ray(**kwargs)
+            else:
+                start_reaper()  # no Ray process outlives this one, however it ends
+                if self.spec.ray_num_cpus:
+                    kwargs["num_cpus"] = self.spec.ray_num_cpus
+            init_ray(local_only=self.spec.ray_local_only, **kwargs)
             self._started_ray = True
         actor = ray.remote(VerifierReplica)
         for i in range(self.spec.replicas):
@@ -96,9 +109,9 @@ class RayPool:
             handle = actor.options(name=name, num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus,
                                    max_restarts=-1, max_task_retries=0, max_concurrency=1024,
                                    lifetime=None).remote(self.spec.replica)
-            self.replicas.append(_Replica(name, handle))
+            self.replicas[name] = _Replica(name, handle)
         try:
-            infos = await asyncio.gather(*(r.handle.ready.remote() for r in self.replicas))
+            infos = await asyncio.gather(*(r.handle.ready.remote() for r in self.replicas.values()))
         except RayActorError as exc:
             await self.stop()
             raise Unavailable(f"a verifier replica failed to start: {_last_line(exc)}") from None
@@ -106,101 +119,78 @@ class RayPool:
             await self.stop()
             raise Unavailable("replicas loaded different models; check the target setting")
         self.info = infos[0]
-        log.info("%d replicas ready: %s", len(self.replicas), ", ".join(r.name for r in self.replicas))
+        log.info("%d replicas ready: %s", len(self.replicas), ", ".join(self.replicas))
 
     async def stop(self) -> None:
         """Kill the replicas (and the local cluster, if this pool started it)."""
         for task in self._watchers:
             task.cancel()
-        for r in self.replicas:
+        for r in self.replicas.values():
             ray.kill(r.handle, no_restart=True)
         self.replicas.clear()
-        self.routes.clear()
         if self._started_ray:
             await asyncio.to_thread(ray.shutdown)
 
-    async def open_session(self, spec: SessionSpec) -> int:
-        """Open on the replica already holding the session, else on the least loaded live one.
-
-        The session is routed before the replica answers, so concurrent opens spread out; if the
-        chosen replica turns out to be dead, the next live one is tried.
-        """
-        sid = spec.session_id
-        for _ in range(len(self.replicas)):
-            replica = self.routes.get(sid)
-            if replica is None or not replica.alive:
-                self._route(sid, self._least_loaded())
-            replica = self.routes[sid]
-            try:
-                return await self._call(replica, replica.handle.open_session.remote(spec))
-            except _ReplicaLost:
-                continue  # _lost dropped the route; pick another replica
-            except HybridSpecError:
-                self._unroute(sid)
-                raise
-        raise Unavailable("no verifier replica could open the session; retry shortly")
-
-    async def verify(self, block: DraftBlock) -> VerifyResult:
-        """Verify on the owning replica; an unknown session must be re-opened."""
-        replica = self.routes.get(block.session_id)
-        if replica is None:
-            raise FailedPrecondition(f"session {block.session_id!r} is unknown to this pool; re-open it")
-        return await self._call(replica, replica.handle.verify.remote(block))
-
-    async def close_session(self, session_id: str) -> bool:
-        """Free the session on its replica."""
-        replica = self._unroute(session_id)
-        if replica is None or not replica.alive:
-            return False
-        try:
-            return await replica.handle.close_session.remote(session_id)
-        except RayActorError:
-            return False
-
-    async def status(self) -> list[ReplicaStatus]:
-        """Each replica's sessions, cached tokens and evictions (a dead one reports zeros)."""
-        async def one(r: _Replica) -> ReplicaStatus:
-            dead = ReplicaStatus(r.name, False, 0, 0, 0, r.failures, r.routed_total)
-            if not r.alive:
-                return dead
-            try:
-                s = await asyncio.wait_for(r.handle.stats.remote(), timeout=5)
-            except (RayActorError, asyncio.TimeoutError):
-                return dead
-            return ReplicaStatus(r.name, True, s.sessions, s.cached_tokens, s.evictions, r.failures, r.routed_total)
-
-        return list(await asyncio.gather(*(one(r) for r in self.replicas)))
-
     def replica_of(self, session_id: str) -> str | None:
         """Name of the replica holding a session, if routed."""
-        r = self.routes.get(session_id)
-        return None if r is None else r.name
+        try:
+            return self.table.get(session_id).replica
+        except HybridSpecError:
+            return None
 
-    def _least_loaded(self) -> _Replica:
-        live = [r for r in self.replicas if r.alive]
-        if not live:
-            raise Unavailable("no verifier replica is alive; Ray is restarting them, retry shortly")
-        return min(live, key=lambda r: (r.sessions, r.routed_total))
+    def _replica_names(self) -> list[str]:
+        return list(self.replicas)
 
-    def _route(self, session_id: str, replica: _Replica) -> None:
-        self._unroute(session_id)
-        self.routes[session_id] = replica
-        replica.sessions += 1
-        replica.routed_total += 1
+    async def _place(self) -> str:
+        """The live replica with the fewest sessions; with none alive, wait (bounded) for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.replica_wait_s
+        while True:
+            live = [r for r in self.replicas.values() if r.alive]
+            if live:
+                return min(live, key=lambda r: (self.table.count(r.name), self.routed_total.get(r.name, 0))).name
+            self._revived.clear()
+            try:
+                await asyncio.wait_for(self._revived.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise Unavailable("no verifier replica is alive; Ray is restarting them, retry shortly") from None
 
-    def _unroute(self, session_id: str) -> _Replica | None:
-        replica = self.routes.pop(session_id, None)
-        if replica is not None:
-            replica.sessions -= 1
-        return replica
+    async def _open_on(self, replica: str, spec: SessionSpec) -> int:
+        r = self.replicas[replica]
+        return await self._call(r, r.handle.open_session.remote(spec), "OpenSession")
 
-    async def _call(self, replica: _Replica, ref):
-        """Await an actor call; a replica failure drops its sessions and asks the edge to re-open."""
+    async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:
+        r = self.replicas[replica]
+        return await self._call(r, r.handle.verify.remote(block), "Verify")
+
+    async def _close_on(self, replica: str, session_id: str) -> bool:
+        r = self.replicas[replica]
+        if not r.alive:
+            return False
+        return await self._call(r, r.handle.close_session.remote(session_id), "CloseSession")
+
+    async def _stats_of(self, replica: str) -> VerifierStats | None:
+        r = self.replicas[replica]
+        if not r.alive:
+            return None
+        try:
+            return await asyncio.wait_for(self._call(r, r.handle.stats.remote(), "stats"), timeout=5)
+        except (HybridSpecError, asyncio.TimeoutError):
+            return None
+
+    def _failures(self, replica: str) -> int:
+        return self.replicas[replica].failures
+
+    async def _call(self, replica: _Replica, ref, what: str):
+        """Await an actor call. A dead replica drops its sessions (the edge re-opens them); any
+        other Ray failure is logged as an incident and reaches the client as INTERNAL."""
         try:
             result = await ref
         except RayActorError as exc:
             self._lost(replica, exc)
-            raise _ReplicaLost(f"replica {replica.name} was lost; re-open the session") from None
+            raise ReplicaLost("the replica holding the session was lost; re-open it") from None
+        except Exception as exc:
+            raise incident(log, exc, what) from None
         if isinstance(result, HybridSpecError):
             raise result
         return result
@@ -210,8 +200,8 @@ class RayPool:
             return
         replica.failures += 1
         replica.alive = False
-        for sid in [sid for sid, r in self.routes.items() if r is replica]:
-            self._unroute(sid)
+        for sid in self.table.on_replica(replica.name):
+            self.table.remove(sid)
         log.warning("replica %s failed (%s); Ray is restarting it", replica.name, type(exc).__name__)
         task = asyncio.get_running_loop().create_task(self._await_restart(replica))
         self._watchers.add(task)
@@ -222,11 +212,11 @@ class RayPool:
             try:
                 await replica.handle.ready.remote()
                 replica.alive = True
+                self._revived.set()
                 log.info("replica %s is back", replica.name)
                 return
             except RayActorError:
                 await asyncio.sleep(0.5)
-
 
 
 def _last_line(exc: Exception) -> str:

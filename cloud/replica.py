@@ -6,13 +6,16 @@ traceback, and a raised exception always means the replica itself failed.
 """
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..common.errors import HybridSpecError
 from ..common.wire import DraftBlock, ModelInfo, SessionSpec, VerifyResult
-from .batcher import RoundBatcher
+from .runner import VerifierRunner
 from .verifier import Verifier, VerifierLimits, VerifierStats
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,31 +41,33 @@ class VerifierReplica:
 
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
-        self.verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
-        self._batcher = RoundBatcher(self.verifier.verify_batch, spec.max_batch, spec.max_wait_ms)
+        verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
+        self.runner = VerifierRunner(verifier, spec.max_batch, spec.max_wait_ms)
 
     async def ready(self) -> ModelInfo:
         """Answers once the model is loaded (the constructor has run)."""
-        return self.verifier.info
+        return self.runner.verifier.info
 
     async def open_session(self, spec: SessionSpec) -> int | HybridSpecError:
         """Open or re-open a session."""
-        try:
-            return await asyncio.to_thread(self.verifier.open_session, spec)
-        except HybridSpecError as exc:
-            return exc
+        return await _as_value(self.runner.open_session(spec))
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch."""
-        try:
-            return await self._batcher.submit(block)
-        except HybridSpecError as exc:
-            return exc
+        return await _as_value(self.runner.verify(block))
 
-    async def close_session(self, session_id: str) -> bool:
+    async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
-        return await asyncio.to_thread(self.verifier.close_session, session_id)
+        return await _as_value(self.runner.close_session(session_id))
 
-    async def stats(self) -> VerifierStats:
-        """Sessions, cached tokens, evictions."""
-        return self.verifier.stats()
+    async def stats(self) -> VerifierStats | HybridSpecError:
+        """Sessions, cached tokens, evictions and the ids held."""
+        return await _as_value(self.runner.stats())
+
+
+async def _as_value(call: Awaitable[T]) -> T | HybridSpecError:
+    """The call's result, or the domain error it raised (the runner raises no other kind)."""
+    try:
+        return await call
+    except HybridSpecError as exc:
+        return exc

@@ -17,17 +17,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..common.proto import verifier_pb2 as pb
-from ..common.proto import verifier_pb2_grpc as pb_grpc
 from .backend import Backend, InProcessBackend
 from .metrics import Metrics
-from .service import VerifierService
+from .service import SERVICE_NAME, VerifierService
 from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary q for a long block still fits
+# A block of 32 positions with a full-vocabulary q over 49k tokens is about 11 MB; nothing a client
+# legitimately sends is larger, and a bigger body is refused before it is read into memory.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Calls in flight at once (a stream counts for its lifetime); beyond it gRPC answers RESOURCE_EXHAUSTED,
+# which bounds the memory that request bodies and waiting calls can take.
+MAX_CONCURRENT_RPCS = 1024
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -67,9 +69,9 @@ class RunningServer:
 async def start_server(backend: Backend, host: str, port: int, metrics_port: int | None = None,
                        metrics_host: str = "127.0.0.1") -> RunningServer:
     """Bind, start the backend, then report SERVING. metrics_port None: no /metrics endpoint."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     metrics = Metrics()
-    pb_grpc.add_VerifierServicer_to_server(VerifierService(backend, metrics), server)
+    VerifierService(backend, metrics).register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,76 +1,157 @@
-"""gRPC servicer: decode -> call the backend -> encode. No tensors, no verification logic, no Ray."""
+"""gRPC servicer: decode -> call the backend -> encode. No tensors, no verification logic, no Ray.
+
+Every request is untrusted. Bodies are parsed by deserializers that never raise, so an undecodable
+one is INVALID_ARGUMENT (and counted) rather than gRPC's UNKNOWN; session ids are length-checked
+before anything looks them up; domain errors become their status; anything else is logged under an
+incident id and answered INTERNAL with only that id — never a traceback.
+"""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from ..common import codec
-from ..common.errors import HybridSpecError
+from ..common.errors import HybridSpecError, InvalidArgument, incident
 from ..common.proto import verifier_pb2 as pb
-from ..common.proto import verifier_pb2_grpc as pb_grpc
+from ..common.wire import check_session_id
 from .backend import Backend, generate_tokens
 from .metrics import Metrics
 
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+T = TypeVar("T")
 
-class VerifierService(pb_grpc.VerifierServicer):
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What a lenient deserializer returns for bytes that are not the expected message."""
+
+    message_type: str
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except Exception:  # DecodeError, invalid UTF-8 in a string field, ...
+            return Undecodable(cls.DESCRIPTOR.name)
+
+    return parse
+
+
+def client_of(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling: the peer's address without its port (until per-edge credentials exist)."""
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
+class VerifierService:
     """Serves one backend (an in-process verifier or the Ray pool)."""
 
     def __init__(self, backend: Backend, metrics: Metrics) -> None:
         self.backend = backend
         self.metrics = metrics
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str):
-        self.metrics.errors.labels(code).inc()
-        await context.abort(getattr(grpc.StatusCode, code), message)
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add the Verifier RPCs to `server`, with lenient deserializers."""
+        unary, server_stream, bidi = (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
+                                      grpc.stream_stream_rpc_method_handler)
+        handlers = {
+            "GetModelInfo": unary(self.GetModelInfo, _lenient(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString),
+            "OpenSession": unary(self.OpenSession, _lenient(pb.OpenSessionRequest),
+                                 pb.OpenSessionReply.SerializeToString),
+            "Verify": unary(self.Verify, _lenient(pb.VerifyRequest), pb.VerifyReply.SerializeToString),
+            "VerifyStream": bidi(self.VerifyStream, _lenient(pb.VerifyRequest), pb.VerifyReply.SerializeToString),
+            "CloseSession": unary(self.CloseSession, _lenient(pb.CloseSessionRequest),
+                                  pb.CloseSessionReply.SerializeToString),
+            "Generate": server_stream(self.Generate, _lenient(pb.GenerateRequest), pb.GenerateReply.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
-    async def _call(self, context: grpc.aio.ServicerContext, work: Awaitable):
-        """Await `work` within the call's deadline; domain errors become their gRPC status."""
+    # ---- the RPCs -----------------------------------------------------------------------------
+
+    async def GetModelInfo(self, request, context):
+        await self._guard(context, "GetModelInfo", self._decoded(request))
+        return codec.model_info_to_pb(self.backend.info)
+
+    async def OpenSession(self, request, context):
+        async def work() -> pb.OpenSessionReply:
+            message = await self._decoded(request)
+            check_session_id(message.session_id, allow_empty=True)
+            spec = codec.session_from_pb(message)
+            opened = await self.backend.open_session(spec, client_of(context))
+            # A generation that already has rounds behind it is being resumed, whatever id it gets.
+            (self.metrics.reopens if spec.next_round > 0 else self.metrics.sessions_opened).inc()
+            return codec.opened_to_pb(opened)
+
+        return await self._guard(context, "OpenSession", work())
+
+    async def Verify(self, request, context):
+        return await self._guard(context, "Verify", self._verify(request))
+
+    async def VerifyStream(self, request_iterator, context) -> AsyncIterator[pb.VerifyReply]:
+        async for request in request_iterator:
+            yield await self._guard(context, "VerifyStream", self._verify(request))
+
+    async def CloseSession(self, request, context):
+        async def work() -> pb.CloseSessionReply:
+            message = await self._decoded(request)
+            check_session_id(message.session_id)
+            return pb.CloseSessionReply(existed=await self.backend.close_session(message.session_id))
+
+        return await self._guard(context, "CloseSession", work())
+
+    async def Generate(self, request, context) -> AsyncIterator[pb.GenerateReply]:
+        async def decode():
+            return codec.generate_from_pb(await self._decoded(request))
+
+        spec = await self._guard(context, "Generate", decode())
+        tokens = generate_tokens(self.backend, spec, client_of(context))
+        try:
+            while True:
+                token = await self._guard(context, "Generate", anext(tokens, None))
+                if token is None:
+                    return
+                self.metrics.generated_tokens.inc()
+                yield pb.GenerateReply(token_id=token)
+        finally:
+            await tokens.aclose()  # closes the session when the client leaves early
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    async def _verify(self, request) -> pb.VerifyReply:
+        block = codec.block_from_pb(await self._decoded(request))
+        check_session_id(block.session_id)
+        start = time.perf_counter()
+        result = await self.backend.verify(block)
+        self.metrics.observe_round(len(block.draft_ids), result, time.perf_counter() - start)
+        return codec.result_to_pb(result)
+
+    @staticmethod
+    async def _decoded(request: Message | Undecodable) -> Message:
+        if isinstance(request, Undecodable):
+            raise InvalidArgument(f"the request body is not a valid {request.message_type} message")
+        return request
+
+    async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Awaitable[T]) -> T:
+        """Await `work` within the call's deadline; every failure becomes one status with a message."""
         try:
             remaining = context.time_remaining()
             return await (asyncio.wait_for(work, remaining) if remaining is not None else work)
         except HybridSpecError as exc:
-            await self._abort(context, exc.code, str(exc))
+            code, message = exc.code, str(exc)
         except asyncio.TimeoutError:
-            await self._abort(context, "DEADLINE_EXCEEDED", "the verifier did not answer within the deadline")
-
-    async def GetModelInfo(self, request, context):
-        return codec.model_info_to_pb(self.backend.info)
-
-    async def OpenSession(self, request, context):
-        try:
-            spec = codec.session_from_pb(request)
-        except HybridSpecError as exc:
-            await self._abort(context, exc.code, str(exc))
-        n = await self._call(context, self.backend.open_session(spec))
-        (self.metrics.reopens if spec.next_round > 0 else self.metrics.sessions_opened).inc()
-        return pb.OpenSessionReply(committed_len=n)
-
-    async def Verify(self, request, context):
-        return await self._verify(request, context)
-
-    async def VerifyStream(self, request_iterator, context) -> AsyncIterator[pb.VerifyReply]:
-        async for request in request_iterator:
-            yield await self._verify(request, context)
-
-    async def _verify(self, request: pb.VerifyRequest, context) -> pb.VerifyReply:
-        block = codec.block_from_pb(request)
-        start = time.perf_counter()
-        result = await self._call(context, self.backend.verify(block))
-        self.metrics.observe_round(len(block.draft_ids), result, time.perf_counter() - start)
-        return codec.result_to_pb(result)
-
-    async def CloseSession(self, request, context):
-        existed = await self._call(context, self.backend.close_session(request.session_id))
-        return pb.CloseSessionReply(existed=existed)
-
-    async def Generate(self, request, context) -> AsyncIterator[pb.GenerateReply]:
-        try:
-            spec = codec.generate_from_pb(request)
-            async for token in generate_tokens(self.backend, spec):
-                self.metrics.generated_tokens.inc()
-                yield pb.GenerateReply(token_id=token)
-        except HybridSpecError as exc:
-            await self._abort(context, exc.code, str(exc))
+            code, message = "DEADLINE_EXCEEDED", "the verifier did not answer within the deadline"
+        except Exception as exc:
+            error = incident(log, exc, rpc)
+            code, message = error.code, str(error)
+        self.metrics.errors.labels(code).inc()
+        await context.abort(getattr(grpc.StatusCode, code), message)
+        raise AssertionError("context.abort returned")  # it always raises

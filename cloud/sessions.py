@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from transformers import DynamicCache
 
 from ..common.errors import FailedPrecondition, ResourceExhausted
-from ..common.wire import SessionSpec, VerifyResult
+from ..common.wire import DraftBlock, SessionSpec, VerifyResult
 
 
 @dataclass
@@ -25,7 +25,8 @@ class Session:
     committed: list[int]  # prompt + every committed token
     cache: DynamicCache  # the target's KV for committed[:-1]; the last token is fed with the next draft
     next_round: int
-    last_result: VerifyResult | None = None  # replayed verbatim when round next_round - 1 comes again
+    last_block: DraftBlock | None = None  # the last answered block: only this exact block is a replay
+    last_result: VerifyResult | None = None  # replayed verbatim when last_block comes again
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -44,6 +45,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def ids(self) -> tuple[str, ...]:
+        """The ids of the sessions held now."""
+        return tuple(self._sessions)
+
     @property
     def cached_tokens(self) -> int:
         """Committed tokens held by all sessions (a proxy for KV memory)."""
@@ -55,7 +60,7 @@ class SessionStore:
         session = self._sessions.get(session_id)
         if session is None:
             why = "was evicted" if session_id in self._evicted else "is unknown"
-            raise FailedPrecondition(f"session {session_id!r} {why} on this replica; re-open it")
+            raise FailedPrecondition(f"the session {why} on this replica; re-open it")
         session.last_used = time.monotonic()
         self._sessions.move_to_end(session_id)
         return session

@@ -1,13 +1,21 @@
 """The verifier core: the target model, its per-session KV caches and the verification rules.
 
 No gRPC and no Ray here: requests and replies are the plain dataclasses of common/wire.py, errors
-are the domain errors of common/errors.py. One lock serialises model use, which keeps each KV cache
-consistent whichever thread calls in. `verify_batch` scores many sessions' rounds in one forward
-pass; `verify` is the batch of one.
+are the domain errors of common/errors.py. `verify_batch` scores many sessions' rounds in one
+forward pass; `verify` is the batch of one.
+
+Integrity rules, enforced here for every caller:
+- Everything a request carries is validated before any state changes.
+- A round commits fully or leaves its session exactly as it was: if anything fails after the forward
+  pass extended a session's cache, the cache is cut back to the committed tokens. So a cache never
+  holds more than the committed tokens plus the block being scored, and one session's failure is
+  never another's.
+- A replayed round is answered from memory only when it is the very block that was answered.
+- A prefill runs in chunks and yields the model to waiting rounds between chunks (cloud/modellock.py).
 """
 from __future__ import annotations
 
-import threading
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,12 +24,15 @@ import torch
 from transformers import DynamicCache
 
 from ..common import verification as rules
-from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted
+from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, incident
 from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint, truncate_cache
 from ..common.sampling import logits_to_probs, round_generator
 from ..common.wire import DraftBlock, Mode, ModelInfo, SessionSpec, VerifyResult
 from .batched_forward import batched_forward, supports_batching
+from .modellock import ModelLock
 from .sessions import Session, SessionStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,7 @@ class VerifierLimits:
     max_sessions: int = 64  # sessions held at once; more get RESOURCE_EXHAUSTED
     idle_timeout_s: int = 600  # an idle session is dropped after this
     max_cached_tokens: int = 0  # LRU sessions are evicted while all hold more tokens than this; 0 = no cap
+    prefill_chunk: int = 128  # prompt tokens per prefill forward pass; waiting rounds run between chunks
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class VerifierStats:
     sessions: int
     cached_tokens: int
     evictions: int
+    session_ids: tuple[str, ...] = ()  # the sessions held right now, for the front door's routing table
 
 
 class Verifier:
@@ -59,33 +72,39 @@ class Verifier:
         self.batchable = supports_batching(target.model)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s,
                                       self.limits.max_cached_tokens)
-        self._lock = threading.Lock()
+        self._lock = ModelLock()
 
     def stats(self) -> VerifierStats:
         """Sessions held, their cached tokens, and evictions so far."""
-        with self._lock:
+        with self._lock.for_prefill():
             self._sessions.expire_idle()
-            return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions)
+            return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
+                                 self._sessions.ids())
 
     def open_session(self, spec: SessionSpec) -> int:
-        """Open (or re-open, replacing) a session from its committed tokens; returns its length."""
-        spec.validate(self.info.vocab_size)
-        self.check_fingerprints(spec.tokenizer_fingerprint, spec.model_fingerprint)
-        if len(spec.committed_ids) >= self.limits.max_context:
-            raise ResourceExhausted(
-                f"committed_ids holds {len(spec.committed_ids)} tokens; max_context is {self.limits.max_context}")
-        with self._lock:
+        """Open (or re-open, replacing) a session from its committed tokens; returns its length.
+
+        The prompt is fed in chunks of `prefill_chunk` tokens; rounds of other sessions run between
+        them. The session becomes visible only once its cache is complete.
+        """
+        spec.check_against(self.info)
+        with self._lock.for_prefill():
             self._sessions.reserve(spec.session_id)
-            cache = DynamicCache(config=self.target.model.config)
-            if len(spec.committed_ids) > 1:
-                self._forward(list(spec.committed_ids[:-1]), cache)
+        cache = DynamicCache(config=self.target.model.config)
+        context = list(spec.committed_ids[:-1])
+        chunk = self.limits.prefill_chunk
+        for start in range(0, len(context), chunk):
+            with self._lock.for_prefill():
+                self._forward(context[start:start + chunk], cache)
+        with self._lock.for_prefill():
+            self._sessions.reserve(spec.session_id)  # others may have taken the room meanwhile
             self._sessions.put(Session(spec=spec, committed=list(spec.committed_ids), cache=cache,
                                        next_round=spec.next_round))
         return len(spec.committed_ids)
 
     def close_session(self, session_id: str) -> bool:
         """Free a session's cache; True if it existed."""
-        with self._lock:
+        with self._lock.for_prefill():
             return self._sessions.pop(session_id)
 
     def verify(self, block: DraftBlock) -> VerifyResult:
@@ -103,7 +122,7 @@ class Verifier:
         """
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
         pending = list(range(len(blocks)))
-        with self._lock:
+        with self._lock.for_rounds():
             while pending:
                 wave, later, seen = [], [], set()
                 for i in pending:
@@ -113,25 +132,17 @@ class Verifier:
                 pending = later
         return results  # type: ignore[return-value]
 
-    def check_fingerprints(self, tokenizer_fp: str, model_fp: str) -> None:
-        """FailedPrecondition when the edge expects another tokenizer or model."""
-        if tokenizer_fp and tokenizer_fp != self.info.tokenizer_fingerprint:
-            raise FailedPrecondition(
-                f"tokenizer fingerprint mismatch: edge has {tokenizer_fp}, verifier has {self.info.tokenizer_fingerprint}")
-        if model_fp and model_fp != self.info.model_fingerprint:
-            raise FailedPrecondition(
-                f"model fingerprint mismatch: edge expects {model_fp}, verifier serves {self.info.model_fingerprint}")
-
     def _verify_wave(self, items: list[tuple[int, DraftBlock]], results: list) -> None:
         """One forward pass for blocks of distinct sessions (lock held)."""
-        start = time.perf_counter()
-        # 1. Admit: replays are answered from memory, bad blocks get their error, the rest go on.
+        # 1. Admit: identical replays are answered from memory, bad blocks get their error.
         admitted: list[tuple[int, DraftBlock, Session]] = []
         for i, block in items:
             try:
                 session = self._sessions.get(block.session_id)
-                if session.last_result is not None and block.round == session.next_round - 1:
-                    results[i] = session.last_result  # an idempotent replay
+                block.validate(self.info.vocab_size, self.limits.max_draft,
+                               needs_probs=session.spec.mode.uses_draft_probs)
+                if session.last_block is not None and block.round == session.next_round - 1:
+                    results[i] = self._replay(block, session)
                     continue
                 self._admit(block, session)
                 admitted.append((i, block, session))
@@ -140,35 +151,66 @@ class Verifier:
         if not admitted:
             return
         # 2. One pass over [last committed token, x_1..x_γ] per session gives p_1..p_{γ+1}.
+        start = time.perf_counter()
+        try:
+            logits = self._score(admitted)
+        except Exception as exc:  # a bug or a failed device: no session changes
+            error = incident(log, exc, "a verification forward pass")
+            for i, _, session in admitted:
+                self._roll_back(session)
+                results[i] = error
+            return
+        forward_ms = (time.perf_counter() - start) * 1e3
+        # 3. Apply each session's rule; keep the KV of committed + accepted draft (the new token is
+        #    fed at the head of the next block). A failure here is the failing session's alone.
+        for (i, block, session), session_logits in zip(admitted, logits):
+            try:
+                outcome = _apply_rule(session.spec, block, session_logits)
+            except Exception as exc:
+                self._roll_back(session)
+                results[i] = incident(log, exc, "a verification rule")
+                continue
+            truncate_cache(session.cache, len(session.committed) + outcome.num_accepted)
+            session.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
+            session.next_round = block.round + 1
+            session.last_block = block
+            session.last_result = VerifyResult(
+                round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
+                committed_len=len(session.committed), verify_ms=forward_ms, batch_size=len(admitted))
+            results[i] = session.last_result
+        self._sessions.enforce_budget(keep=admitted[-1][1].session_id)
+
+    def _score(self, admitted: list[tuple[int, DraftBlock, Session]]) -> list[torch.Tensor]:
+        """Logits [γ_i+1, V] per admitted block; each session's cache then also holds its block."""
         feeds = [[session.committed[-1], *block.draft_ids] for _, block, session in admitted]
         if len(admitted) > 1 and self.batchable:
             logits, caches = batched_forward(self.target.model, [s.cache for _, _, s in admitted], feeds)
             for (_, _, session), cache in zip(admitted, caches):
                 session.cache = cache
-        else:
-            logits = [self._forward(feed, session.cache) for feed, (_, _, session) in zip(feeds, admitted)]
-        elapsed_ms = (time.perf_counter() - start) * 1e3
-        # 3. Apply each session's rule; keep the KV of committed + accepted draft (the new token
-        #    is fed at the head of the next block).
-        for (i, block, session), session_logits in zip(admitted, logits):
-            outcome = _apply_rule(session.spec, block, session_logits)
-            truncate_cache(session.cache, len(session.committed) + outcome.num_accepted)
-            session.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
-            session.next_round = block.round + 1
-            session.last_result = VerifyResult(
-                round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
-                committed_len=len(session.committed), verify_ms=elapsed_ms, batch_size=len(admitted))
-            results[i] = session.last_result
-        self._sessions.enforce_budget(keep=admitted[-1][1].session_id)
+            return logits
+        return [self._forward(feed, session.cache) for feed, (_, _, session) in zip(feeds, admitted)]
+
+    @staticmethod
+    def _roll_back(session: Session) -> None:
+        """Cut the cache back to the committed tokens (all but the last, which the next block feeds)."""
+        truncate_cache(session.cache, len(session.committed) - 1)
+
+    @staticmethod
+    def _replay(block: DraftBlock, session: Session) -> VerifyResult:
+        """The stored answer, if this is exactly the block it answered."""
+        if block != session.last_block:
+            raise FailedPrecondition(f"round {block.round} was already answered for a different block; "
+                                     "send the next round")
+        assert session.last_result is not None
+        return session.last_result
 
     def _admit(self, block: DraftBlock, session: Session) -> None:
-        """Raise the error a block deserves, if any."""
+        """Raise the error a valid block still deserves, if any (messages name only what the request said)."""
         if block.round != session.next_round:
-            raise FailedPrecondition(f"round {block.round} does not follow round {session.next_round - 1}")
+            raise FailedPrecondition(f"round {block.round} is not this session's next round")
         if block.committed_len != len(session.committed):
             raise FailedPrecondition(
-                f"committed_len {block.committed_len} disagrees with the verifier's {len(session.committed)}")
-        block.validate(self.info.vocab_size, self.limits.max_draft, needs_probs=session.spec.mode.uses_draft_probs)
+                f"committed_len {block.committed_len} disagrees with this session's committed length")
         if len(session.committed) + len(block.draft_ids) + 1 > self.limits.max_context:
             raise ResourceExhausted(f"the block would grow the session past max_context {self.limits.max_context}")
 

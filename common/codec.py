@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .errors import InvalidArgument
 from .proto import verifier_pb2 as pb
-from .wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionSpec,
+from .wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionOpened, SessionSpec,
                    VerifyResult)
 
 _MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
@@ -64,6 +64,16 @@ def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
         next_round=m.next_round)
 
 
+def opened_to_pb(o: SessionOpened) -> pb.OpenSessionReply:
+    """Encode the answer to OpenSession."""
+    return pb.OpenSessionReply(session_id=o.session_id, committed_len=o.committed_len)
+
+
+def opened_from_pb(m: pb.OpenSessionReply) -> SessionOpened:
+    """Decode the answer to OpenSession."""
+    return SessionOpened(session_id=m.session_id, committed_len=m.committed_len)
+
+
 def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:
     """Encode a draft block."""
     return pb.VerifyRequest(
@@ -85,13 +95,15 @@ def block_from_pb(m: pb.VerifyRequest) -> DraftBlock:
 def result_to_pb(r: VerifyResult) -> pb.VerifyReply:
     """Encode a verification result."""
     return pb.VerifyReply(round=r.round, num_accepted=r.num_accepted, next_token=r.next_token,
-                          committed_len=r.committed_len, verify_ms=r.verify_ms, batch_size=r.batch_size)
+                          committed_len=r.committed_len, verify_ms=r.verify_ms, batch_size=r.batch_size,
+                          queue_ms=r.queue_ms)
 
 
 def result_from_pb(m: pb.VerifyReply) -> VerifyResult:
     """Decode a verification result."""
     return VerifyResult(round=m.round, num_accepted=m.num_accepted, next_token=m.next_token,
-                        committed_len=m.committed_len, verify_ms=m.verify_ms, batch_size=m.batch_size)
+                        committed_len=m.committed_len, verify_ms=m.verify_ms, batch_size=m.batch_size,
+                        queue_ms=m.queue_ms)
 
 
 def generate_to_pb(g: GenerateSpec) -> pb.GenerateRequest:

@@ -4,6 +4,9 @@ The verifier core raises these; the gRPC layer translates them, so neither side 
 """
 from __future__ import annotations
 
+import logging
+import secrets
+
 
 class HybridSpecError(Exception):
     """Base class; `code` names a grpc.StatusCode member."""
@@ -35,7 +38,23 @@ class Unavailable(HybridSpecError):
     code = "UNAVAILABLE"
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unavailable)}
+class Internal(HybridSpecError):
+    """A bug or a failed device, never the client's fault. The message carries an incident id that the
+    server logged with the traceback; nothing else about the server leaks to the client."""
+
+    code = "INTERNAL"
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unavailable,
+                                      Internal)}
+
+
+def incident(log: logging.Logger, exc: BaseException, during: str) -> Internal:
+    """Log an unexpected exception with its traceback under a fresh incident id, and return the
+    Internal error the client sees instead: the id, and nothing about the server's internals."""
+    incident_id = secrets.token_hex(4)
+    log.error("incident %s during %s", incident_id, during, exc_info=(type(exc), exc, exc.__traceback__))
+    return Internal(f"internal error during {during} (incident {incident_id}; the server log has the details)")
 
 
 def error_for_code(code: str, message: str) -> HybridSpecError:

@@ -10,9 +10,14 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .errors import InvalidArgument
+from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 PROB_SUM_TOLERANCE = 1e-3  # float32 renormalisation error stays far below this
+# Below this temperature logits / T overflows float32 for ordinary logits (1e-40 gives NaN
+# probabilities); above the upper bound the distribution is uniform to float precision anyway.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e3
+MAX_SESSION_ID_CHARS = 64  # server-issued ids are far shorter; longer ones are refused unread
 
 
 class Mode(str, Enum):
@@ -38,12 +43,13 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 keeps all
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature < math.inf):
-            raise InvalidArgument(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidArgument(f"sampling.temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
+                                  f"{MAX_TEMPERATURE:g}], got {self.temperature:g}")
         if self.top_k < 0:
             raise InvalidArgument(f"sampling.top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p:g}")
 
     @property
     def greedy(self) -> bool:
@@ -66,9 +72,21 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
 
 
+def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:
+    """InvalidArgument for an id no server could have issued (never echoing it back)."""
+    if not session_id and not allow_empty:
+        raise InvalidArgument("session_id must not be empty")
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidArgument(f"session_id is {len(session_id)} characters; at most {MAX_SESSION_ID_CHARS}")
+
+
 @dataclass(frozen=True)
 class SessionSpec:
-    """Everything needed to (re-)open a session on any replica."""
+    """Everything needed to (re-)open a session on any replica.
+
+    On the wire `session_id` is empty for a new generation and the server-issued id to re-open one;
+    inside the cloud it is always the id the front door issued.
+    """
 
     session_id: str
     committed_ids: tuple[int, ...]  # prompt + committed tokens
@@ -83,8 +101,7 @@ class SessionSpec:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
-        if not self.session_id:
-            raise InvalidArgument("session_id must not be empty")
+        check_session_id(self.session_id)
         if not self.committed_ids:
             raise InvalidArgument("committed_ids must hold at least one token")
         _check_ids("committed_ids", self.committed_ids, vocab_size)
@@ -93,9 +110,31 @@ class SessionSpec:
         if self.mode in (Mode.SPECULATIVE, Mode.LENIENT) and self.sampling.greedy:
             raise InvalidArgument(f"mode {self.mode.value} needs sampling.temperature > 0")
         if not (0.0 < self.lenience <= 1.0):
-            raise InvalidArgument(f"lenience must be in (0, 1], got {self.lenience}")
-        if not (self.rollback_threshold > 0.0):
-            raise InvalidArgument(f"rollback_threshold must be > 0, got {self.rollback_threshold}")
+            raise InvalidArgument(f"lenience must be in (0, 1], got {self.lenience:g}")
+        if not (0.0 < self.rollback_threshold < math.inf):
+            raise InvalidArgument(f"rollback_threshold must be finite and > 0, got {self.rollback_threshold:g}")
+
+    def check_against(self, info: ModelInfo) -> None:
+        """Everything a server checks before it touches any state for this open: the fields, the
+        fingerprints the edge expects, and the context limit."""
+        self.validate(info.vocab_size)
+        if self.tokenizer_fingerprint and self.tokenizer_fingerprint != info.tokenizer_fingerprint:
+            raise FailedPrecondition(f"tokenizer fingerprint mismatch: edge has {self.tokenizer_fingerprint[:64]}, "
+                                     f"verifier has {info.tokenizer_fingerprint}")
+        if self.model_fingerprint and self.model_fingerprint != info.model_fingerprint:
+            raise FailedPrecondition(f"model fingerprint mismatch: edge expects {self.model_fingerprint[:64]}, "
+                                     f"verifier serves {info.model_fingerprint}")
+        if len(self.committed_ids) >= info.max_context:
+            raise ResourceExhausted(
+                f"committed_ids holds {len(self.committed_ids)} tokens; max_context is {info.max_context}")
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    """The answer to OpenSession: the id every later call of the session carries, and its length."""
+
+    session_id: str
+    committed_len: int
 
 
 @dataclass(frozen=True)
@@ -111,6 +150,7 @@ class DraftBlock:
 
     def validate(self, vocab_size: int, max_draft: int, needs_probs: bool) -> None:
         """Raise InvalidArgument naming the first bad field."""
+        check_session_id(self.session_id)
         gamma = len(self.draft_ids)
         if gamma > max_draft:
             raise InvalidArgument(f"draft_ids holds {gamma} tokens; this server allows at most {max_draft}")
@@ -148,6 +188,7 @@ class VerifyResult:
     committed_len: int
     verify_ms: float = 0.0  # time the verifier spent on the round: queueing + forward pass
     batch_size: int = 1  # rounds scored in the same forward pass
+    queue_ms: float = 0.0  # of verify_ms, the time the round waited before its forward pass began
 
 
 @dataclass(frozen=True)

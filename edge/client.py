@@ -22,7 +22,7 @@ from ..common import codec
 from ..common.errors import HybridSpecError, Unavailable, error_for_code
 from ..common.proto import verifier_pb2 as pb
 from ..common.proto import verifier_pb2_grpc as pb_grpc
-from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionSpec, VerifyResult
+from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -115,10 +115,11 @@ class VerifierClient:
         self.model_info(timeout_s)
         return time.perf_counter() - t0
 
-    def open_session(self, spec: SessionSpec) -> int:
-        """Open or re-open a session; returns the committed length the verifier now holds."""
+    def open_session(self, spec: SessionSpec) -> SessionOpened:
+        """Open (spec.session_id empty) or re-open a session; returns the id the server issued for it,
+        which every later call must carry, and the committed length the verifier now holds."""
         self._end_stream()
-        return self._unary(self._stub.OpenSession, codec.session_to_pb(spec)).committed_len
+        return codec.opened_from_pb(self._unary(self._stub.OpenSession, codec.session_to_pb(spec)))
 
     def close_session(self, session_id: str) -> bool:
         """Free the session on the verifier."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
@@ -42,6 +41,9 @@ WARMUP_CLOUD_TOKENS_SAMPLED = 4  # sampling: no shadow acceptance, so hybrid is 
 MIN_HYBRID_ROUNDS = 4
 OPTIMISTIC_ALPHA = 0.9
 FIRST_GAMMA = 4  # the adaptive policy's first block, before the drafter's speed is known
+# A verifier that lost a session because its replica died needs a few seconds to restart it; the
+# re-open is retried with this backoff (seconds, doubling) until the edge's timeout runs out.
+REOPEN_BACKOFF_S = (0.25, 2.0)
 
 
 class Origin(str, Enum):
@@ -156,19 +158,16 @@ class EdgeWorker:
         self.estimates = Estimates(max(min(config.max_draft, self.info.max_draft), 1) + 1)
         self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
 
-    def generate(self, prompt_ids: list[int], session_id: str | None = None) -> Generation:
+    def generate(self, prompt_ids: list[int]) -> Generation:
         """Generate up to config.max_new_tokens tokens after `prompt_ids`."""
-        run = self.stream(prompt_ids, session_id)
+        run = self.stream(prompt_ids)
         for _ in run:
             pass
         return run.generation
 
-    def stream(self, prompt_ids: list[int], session_id: str | None = None) -> GenerationRun:
-        """The same generation as an iterator of Events; `.generation` is set once it is exhausted.
-
-        session_id: the verifier-side name of this generation; a fresh UUID when None.
-        """
-        return GenerationRun(self, list(prompt_ids), session_id or uuid.uuid4().hex)
+    def stream(self, prompt_ids: list[int]) -> GenerationRun:
+        """The same generation as an iterator of Events; `.generation` is set once it is exhausted."""
+        return GenerationRun(self, list(prompt_ids))
 
     def make_drafter(self, sampling: SamplingParams) -> Drafter:
         """A fresh drafter for one generation."""
@@ -192,12 +191,13 @@ class _CloudLost(Exception):
 class GenerationRun:
     """One generation, driven by iterating it."""
 
-    def __init__(self, worker: EdgeWorker, prompt: list[int], session_id: str) -> None:
+    def __init__(self, worker: EdgeWorker, prompt: list[int]) -> None:
         self.w = worker
         self.cfg = worker.config
         self.client = worker.client
         self.prompt = prompt
-        self.spec = SessionSpec(session_id=session_id, committed_ids=tuple(prompt), sampling=self.cfg.sampling,
+        self.session_id = ""  # issued by the verifier when the session is opened
+        self.spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=self.cfg.sampling,
                                 mode=self.cfg.resolved_mode, seed=self.cfg.seed,
                                 rollback_threshold=self.cfg.rollback_threshold, lenience=self.cfg.lenience,
                                 tokenizer_fingerprint=worker.tokenizer_fp)
@@ -231,9 +231,9 @@ class GenerationRun:
             yield from self._run()
         finally:
             end = time.perf_counter()  # the last token is out: closing the session is not waited for
-            if self.mode == "hybrid" and not self.gave_up:
+            if self.mode == "hybrid" and not self.gave_up and self.session_id:
                 try:
-                    self.client.close_session(self.spec.session_id)
+                    self.client.close_session(self.session_id)
                 except HybridSpecError:
                     pass  # a soft cache: the verifier expires it on its own
         tokens = self.committed[len(self.prompt):] + self.unverified
@@ -277,10 +277,27 @@ class GenerationRun:
         return len(self.committed) - len(self.prompt)
 
     def _open(self) -> None:
+        """Open the session (or re-open it under the id the verifier gave it) from the committed tokens."""
         t0 = time.perf_counter()
-        self.client.open_session(replace(self.spec, committed_ids=tuple(self.committed), next_round=self.round))
+        opened = self.client.open_session(replace(self.spec, session_id=self.session_id,
+                                                  committed_ids=tuple(self.committed), next_round=self.round))
+        self.session_id = opened.session_id
         spent = time.perf_counter() - t0 - self.estimates.rtt_s.get(0.0)
         self.estimates.prefill_per_token_s.add(max(0.0, spent) / len(self.committed))
+
+    def _reopen(self) -> None:
+        """Re-open after the verifier lost the session, waiting (bounded) for a restarting replica."""
+        self.stats.reopens += 1
+        deadline = time.perf_counter() + self.cfg.timeout_s
+        delay, max_delay = REOPEN_BACKOFF_S
+        while True:
+            try:
+                return self._open()
+            except Unavailable:
+                if time.perf_counter() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, max_delay)
 
     def _prefer_cloud(self, rates: policy.Rates, now_cloud_only: bool) -> bool:
         """The policy's verdict, with what a switch would cost here and what is left to gain."""
@@ -380,7 +397,7 @@ class GenerationRun:
             self.pre = ahead.tail(1)
 
     def _block(self, proposal: Proposal) -> DraftBlock:
-        return proposal.block(self.spec.session_id, self.round, len(self.committed), self.spec.mode.uses_draft_probs)
+        return proposal.block(self.session_id, self.round, len(self.committed), self.spec.mode.uses_draft_probs)
 
     def _submit(self, block: DraftBlock, proposal: Proposal) -> PendingRound:
         try:
@@ -406,9 +423,8 @@ class GenerationRun:
             try:
                 return self.client.wait(pending)
             except FailedPrecondition:
-                self.stats.reopens += 1
-                self._open()
-                return self.client.verify(block)
+                self._reopen()
+                return self.client.verify(replace(block, session_id=self.session_id))
         except Unavailable as exc:
             raise _CloudLost(exc, proposal) from None
         finally:
@@ -420,7 +436,8 @@ class GenerationRun:
         self.mode = "cloud"
         self.pre = None
         self.stats.switches_to_cloud += 1
-        self.client.close_session_later(self.spec.session_id)
+        self.client.close_session_later(self.session_id)
+        self.session_id = ""
         return self._notice(f"switched to cloud-only decoding: {why}")
 
     def _cloud_only_stream(self) -> Iterator[Event]:

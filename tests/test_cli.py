@@ -125,3 +125,34 @@ def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_cloud_serve_ray_listens_on_loopback_and_leaves_no_process_behind(model_dirs):
+    """Regression: Ray's ports listened on every interface, and a killed front door left two Ray
+    agents running (holding their ports for about a minute)."""
+    import time
+
+    import psutil
+
+    from hybridspec.cloud.process import parse_ready_line
+
+    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
+                             str(model_dirs["target"]), "--port", "0", "--metrics-port", "-1", "--replicas", "1",
+                             "--torch-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    try:
+        assert parse_ready_line(proc.stdout.readline())
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        assert any("raylet" in " ".join(p.cmdline()) for p in tree)  # the tree really holds Ray
+        listening = [(p.pid, c.laddr.ip) for p in tree for c in p.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for _, ip in listening), listening
+        proc.kill()  # SIGKILL: no handler of ours runs
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while (left := [p for p in tree[1:] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]):
+            assert time.monotonic() < deadline, [" ".join(p.cmdline())[:80] for p in left]
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

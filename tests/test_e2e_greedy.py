@@ -79,10 +79,10 @@ def test_lost_session_is_reopened_transparently(server, target, random_drafter, 
         def submit_and_forget(block):
             calls["n"] += 1
             if calls["n"] == 4:
-                verifier.close_session("forgetful")  # as after a replica restart or eviction
+                verifier.close_session(block.session_id)  # as after a replica restart or eviction
             return original(block)
 
         client.submit = submit_and_forget  # the real call still goes over gRPC
-        gen = worker.generate(PROMPTS[1], session_id="forgetful")
+        gen = worker.generate(PROMPTS[1])
     assert gen.stats.reopens == 1
     assert gen.token_ids == greedy_reference(target, PROMPTS[1], NEW_TOKENS)

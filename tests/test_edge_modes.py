@@ -106,7 +106,8 @@ def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
     with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         _cut_during_round(client, link, at_round=2, outage_s=2.0)
-        with pytest.raises(Unavailable, match="unreachable"):
+        # A reset stream says "unreachable"; on a loaded machine the reply timeout may fire first.
+        with pytest.raises(Unavailable, match="unreachable|did not answer within"):
             worker.generate(PROMPT)
 
 

@@ -73,14 +73,14 @@ def run_edges(address, drafters, prompts, **cfg):
 
 def test_eight_concurrent_edges_get_the_target_greedy_output(pool_server, target, random_drafter):
     server, pool = pool_server
-    routed_before = [metric(server, "hybridspec_sessions_routed_total", replica=r.name) for r in pool.replicas]
+    routed_before = [metric(server, "hybridspec_sessions_routed_total", replica=name) for name in pool.replicas]
     batches_before = metric(server, "hybridspec_batch_size_count")
     singles_before = metric(server, "hybridspec_batch_size_bucket", le="1.0")
     gens = run_edges(server.address, [target, random_drafter], PROMPTS, max_draft=4, fallback_threshold=0.0)
     for prompt, gen in zip(PROMPTS, gens):
         assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
-    routed = [metric(server, "hybridspec_sessions_routed_total", replica=r.name) - b
-              for r, b in zip(pool.replicas, routed_before)]
+    routed = [metric(server, "hybridspec_sessions_routed_total", replica=name) - b
+              for name, b in zip(pool.replicas, routed_before)]
     assert all(n >= 2 for n in routed), routed  # spread over both replicas
     batches = metric(server, "hybridspec_batch_size_count") - batches_before
     singles = metric(server, "hybridspec_batch_size_bucket", le="1.0") - singles_before
@@ -101,20 +101,48 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
         def submit_after_killing(block):
             calls["n"] += 1
             if calls["n"] == 3:  # mid-generation: crash the process that holds this session's cache
-                owner = next(r for r in pool.replicas if r.name == pool.replica_of(block.session_id))
-                ray.kill(owner.handle, no_restart=False)
+                ray.kill(pool.replicas[pool.replica_of(block.session_id)].handle, no_restart=False)
             return original(block)
 
         client.submit = submit_after_killing  # the real call still goes over gRPC to the pool
-        gen = worker.generate(prompt, session_id="doomed")
+        gen = worker.generate(prompt)
     assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
     assert gen.stats.reopens >= 1
     assert metric(server, "hybridspec_session_reopens_total") > reopens_before
     assert metric(server, "hybridspec_replica_failures_total") > failures_before
     deadline = time.monotonic() + 120
-    while not all(r.alive for r in pool.replicas):  # Ray restarts it; later tests want both back
+    while not all(r.alive for r in pool.replicas.values()):  # Ray restarts it; later tests want both back
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.5)
+
+
+def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target, random_drafter):
+    """Regression: with one replica the edge used to fail with UNAVAILABLE; it now waits for Ray to
+    restart the replica and re-opens from its committed tokens."""
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1,
+                          limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
+    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="solo-pool"))
+    server = BackgroundServer(pool)
+    try:
+        config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
+                            **EVERY_ROUND)
+        with VerifierClient(server.address) as client:
+            worker = EdgeWorker(random_drafter, client, config)
+            original, calls = client.submit, {"n": 0}
+
+            def submit_after_killing(block):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    ray.kill(pool.replicas[pool.replica_of(block.session_id)].handle, no_restart=False)
+                return original(block)
+
+            client.submit = submit_after_killing
+            gen = worker.generate(PROMPTS[5])
+        assert gen.token_ids == greedy_reference(target, PROMPTS[5], NEW_TOKENS)
+        assert gen.stats.reopens >= 1
+        assert sum(r.failures for r in pool.replicas.values()) == 1
+    finally:
+        server.stop()
 
 
 def test_cloud_only_generate_through_the_pool(pool_server, target):
@@ -128,28 +156,27 @@ def test_bad_and_over_limit_requests_get_their_status(pool_server):
     server, pool = pool_server
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.VerifierStub(channel)
-        stub.OpenSession(pb.OpenSessionRequest(session_id="limits-0", committed_ids=[5, 6]))
+        first = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6])).session_id
         with pytest.raises(grpc.RpcError) as info:
-            stub.Verify(pb.VerifyRequest(session_id="limits-0", round=0, committed_len=2, draft_ids=[4, 999]))
+            stub.Verify(pb.VerifyRequest(session_id=first, round=0, committed_len=2, draft_ids=[4, 999]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "draft_ids[1] = 999" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             stub.Verify(pb.VerifyRequest(session_id="never-opened", round=0, committed_len=1))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        opened = ["limits-0"]
+        opened = [first]
         try:
-            for i in range(1, 2 * MAX_SESSIONS):
-                stub.OpenSession(pb.OpenSessionRequest(session_id=f"limits-{i}", committed_ids=[5]))
-                opened.append(f"limits-{i}")
+            for _ in range(1, 2 * MAX_SESSIONS):
+                opened.append(stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5])).session_id)
             with pytest.raises(grpc.RpcError) as info:
-                stub.OpenSession(pb.OpenSessionRequest(session_id="one-too-many", committed_ids=[5]))
+                stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5]))
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
             for sid in opened:
                 stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
         # Still serving, with room again.
-        stub.OpenSession(pb.OpenSessionRequest(session_id="after", committed_ids=[5]))
-        assert stub.Verify(pb.VerifyRequest(session_id="after", round=0, committed_len=1)).committed_len == 2
-        stub.CloseSession(pb.CloseSessionRequest(session_id="after"))
+        after = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5])).session_id
+        assert stub.Verify(pb.VerifyRequest(session_id=after, round=0, committed_len=1)).committed_len == 2
+        stub.CloseSession(pb.CloseSessionRequest(session_id=after))
     assert metric(server, "hybridspec_errors_total", code="RESOURCE_EXHAUSTED") >= 1
 
 

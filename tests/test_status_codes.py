@@ -17,9 +17,10 @@ def stub(server):
         yield pb_grpc.VerifierStub(channel)
 
 
-def open_session(stub, sid, temperature=0.0, ids=(5, 6, 7)):
-    stub.OpenSession(pb.OpenSessionRequest(session_id=sid, committed_ids=list(ids),
-                                           sampling=pb.SamplingParams(temperature=temperature)))
+def open_session(stub, temperature=0.0, ids=(5, 6, 7), session_id=""):
+    """Open (or re-open) a session; returns the id the server issued."""
+    return stub.OpenSession(pb.OpenSessionRequest(session_id=session_id, committed_ids=list(ids),
+                                                  sampling=pb.SamplingParams(temperature=temperature))).session_id
 
 
 def expect(code, fragment, call, request):
@@ -31,7 +32,8 @@ def expect(code, fragment, call, request):
 
 def test_open_session_errors(stub):
     expect(INVALID, "committed_ids", stub.OpenSession, pb.OpenSessionRequest(session_id="s"))
-    expect(INVALID, "session_id", stub.OpenSession, pb.OpenSessionRequest(committed_ids=[1]))
+    expect(INVALID, "session_id is 65 characters", stub.OpenSession,
+           pb.OpenSessionRequest(session_id="x" * 65, committed_ids=[1]))
     expect(INVALID, "committed_ids[1] = 999", stub.OpenSession,
            pb.OpenSessionRequest(session_id="s", committed_ids=[1, 999]))
     expect(INVALID, "temperature", stub.OpenSession, pb.OpenSessionRequest(
@@ -52,14 +54,12 @@ def test_context_limit_is_resource_exhausted(stub):
 
 
 def test_verify_errors_name_the_field(stub):
-    open_session(stub, "greedy")
-    base = dict(session_id="greedy", round=0, committed_len=3)
+    base = dict(session_id=open_session(stub), round=0, committed_len=3)
     expect(INVALID, "draft_ids[1] = 256", stub.Verify, pb.VerifyRequest(**base, draft_ids=[4, 256]))
     expect(INVALID, "at most 16", stub.Verify, pb.VerifyRequest(**base, draft_ids=[4] * 17))
     expect(INVALID, "draft_probs must be empty", stub.Verify, pb.VerifyRequest(
         **base, draft_ids=[4], draft_probs=[pb.DraftPosition(support_ids=[4], probs=[1.0])]))
-    open_session(stub, "sampled", temperature=1.0)
-    base = dict(session_id="sampled", round=0, committed_len=3)
+    base = dict(session_id=open_session(stub, temperature=1.0), round=0, committed_len=3)
     bad = {
         "positions for 2 draft_ids": [pb.DraftPosition(support_ids=[4], probs=[1.0])],
         "2 support_ids but 1 probs": [pb.DraftPosition(support_ids=[4, 5], probs=[1.0])] * 2,
@@ -75,26 +75,25 @@ def test_verify_errors_name_the_field(stub):
 
 def test_session_state_errors(stub):
     expect(PRECONDITION, "unknown", stub.Verify, pb.VerifyRequest(session_id="nobody", round=0, committed_len=1))
-    open_session(stub, "rounds")
-    expect(PRECONDITION, "round 3", stub.Verify, pb.VerifyRequest(session_id="rounds", round=3, committed_len=3))
-    expect(PRECONDITION, "committed_len 9", stub.Verify,
-           pb.VerifyRequest(session_id="rounds", round=0, committed_len=9))
+    sid = open_session(stub)
+    expect(PRECONDITION, "round 3", stub.Verify, pb.VerifyRequest(session_id=sid, round=3, committed_len=3))
+    expect(PRECONDITION, "committed_len 9", stub.Verify, pb.VerifyRequest(session_id=sid, round=0, committed_len=9))
 
 
 def test_replayed_round_is_idempotent(stub):
-    open_session(stub, "replay")
-    first = stub.Verify(pb.VerifyRequest(session_id="replay", round=0, committed_len=3, draft_ids=[9, 9]))
-    again = stub.Verify(pb.VerifyRequest(session_id="replay", round=0, committed_len=3, draft_ids=[9, 9]))
+    sid = open_session(stub)
+    first = stub.Verify(pb.VerifyRequest(session_id=sid, round=0, committed_len=3, draft_ids=[9, 9]))
+    again = stub.Verify(pb.VerifyRequest(session_id=sid, round=0, committed_len=3, draft_ids=[9, 9]))
     assert (again.num_accepted, again.next_token, again.committed_len) == \
         (first.num_accepted, first.next_token, first.committed_len)
-    nxt = stub.Verify(pb.VerifyRequest(session_id="replay", round=1, committed_len=first.committed_len))
+    nxt = stub.Verify(pb.VerifyRequest(session_id=sid, round=1, committed_len=first.committed_len))
     assert nxt.committed_len == first.committed_len + 1
 
 
 def test_stream_error_ends_only_that_stream(stub):
-    open_session(stub, "streamed")
-    replies = stub.VerifyStream(iter([pb.VerifyRequest(session_id="streamed", round=0, committed_len=3),
-                                      pb.VerifyRequest(session_id="streamed", round=5, committed_len=4)]))
+    sid = open_session(stub)
+    replies = stub.VerifyStream(iter([pb.VerifyRequest(session_id=sid, round=0, committed_len=3),
+                                      pb.VerifyRequest(session_id=sid, round=5, committed_len=4)]))
     first = next(replies)
     assert first.committed_len == 4
     with pytest.raises(grpc.RpcError) as info:
@@ -108,13 +107,13 @@ def test_too_many_sessions_is_resource_exhausted(target):
     try:
         with grpc.insecure_channel(small.address) as channel:
             stub = pb_grpc.VerifierStub(channel)
-            open_session(stub, "a")
-            open_session(stub, "b")
-            open_session(stub, "a")  # re-opening a live session needs no new slot
+            a = open_session(stub)
+            open_session(stub)
+            assert open_session(stub, session_id=a) == a  # re-opening a live session needs no new slot
             expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "2 sessions", stub.OpenSession,
-                   pb.OpenSessionRequest(session_id="c", committed_ids=[1]))
-            assert stub.CloseSession(pb.CloseSessionRequest(session_id="a")).existed
-            open_session(stub, "c")  # room again
+                   pb.OpenSessionRequest(committed_ids=[1]))
+            assert stub.CloseSession(pb.CloseSessionRequest(session_id=a)).existed
+            open_session(stub)  # room again
     finally:
         small.stop()
 

@@ -82,10 +82,12 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., seed: _Optional[int] = ..., rollback_threshold: _Optional[float] = ..., lenience: _Optional[float] = ..., tokenizer_fingerprint: _Optional[str] = ..., next_round: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("committed_len",)
+    __slots__ = ("committed_len", "session_id")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
-    def __init__(self, committed_len: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, committed_len: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DraftPosition(_message.Message):
     __slots__ = ("support_ids", "probs")
@@ -110,20 +112,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_len: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftPosition, _Mapping]]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size")
+    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size", "queue_ms")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
     committed_len: int
     verify_ms: float
     batch_size: int
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    queue_ms: float
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

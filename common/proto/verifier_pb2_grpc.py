@@ -78,7 +78,8 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenSession(self, request, context):
-        """Starts a generation (or re-opens one after FAILED_PRECONDITION) from its committed tokens.
+        """Starts a generation (or re-opens one after FAILED_PRECONDITION) from its committed tokens. The
+        reply carries the server-issued session id that every later call of the generation presents.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,113 @@
+"""The front door's session table: which ids it issued, which replica holds each, and whose it is.
+
+Session ids are issued here, 144 random bits each, so they cannot be guessed: presenting an id is
+proof of holding the session, and only its holder can verify, re-open or close it. An OpenSession
+naming a live id re-opens that session in place; any other id (unknown, expired, or made up) starts
+a new session under a fresh id, so no client can choose, squat or take over another's id.
+
+Every client (the peer address until per-edge credentials exist) may hold at most
+`max_per_client` sessions, so one client cannot take every slot. The table is reconciled with what
+the replicas report they hold, so sessions a replica expired do not linger here.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from ..common.errors import FailedPrecondition, ResourceExhausted
+
+
+def new_session_id() -> str:
+    """24 URL-safe characters carrying 144 random bits."""
+    return secrets.token_urlsafe(18)
+
+
+@dataclass
+class Route:
+    """Where one session lives and who opened it."""
+
+    replica: str  # the replica holding its KV cache
+    client: str  # who opened it (counts towards that client's limit)
+    opening: bool = True  # an OpenSession is in flight: the replica may not list it yet
+    routed_at: float = field(default_factory=time.monotonic)
+
+
+class SessionTable:
+    """Session id -> Route, with per-client limits."""
+
+    def __init__(self, max_per_client: int) -> None:
+        if max_per_client < 1:
+            raise ValueError(f"max_per_client must be >= 1, got {max_per_client}")
+        self.max_per_client = max_per_client
+        self._routes: dict[str, Route] = {}
+        self._per_client: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def get(self, session_id: str) -> Route:
+        """The route of a live session; FailedPrecondition (without echoing the id) otherwise."""
+        route = self._routes.get(session_id)
+        if route is None:
+            raise FailedPrecondition("the session is unknown or was evicted; re-open it")
+        return route
+
+    def lookup(self, session_id: str) -> Route | None:
+        """The route of a session, or None."""
+        return self._routes.get(session_id)
+
+    def claim(self, requested_id: str, client: str) -> tuple[str, Route | None]:
+        """The id an OpenSession will use: the requested one if it is live (a re-open), else a fresh
+        one for `client`, who must have room for another session. Returns (id, existing route)."""
+        route = self._routes.get(requested_id) if requested_id else None
+        if route is not None:
+            return requested_id, route
+        held = self._per_client.get(client, 0)
+        if held >= self.max_per_client:
+            raise ResourceExhausted(f"this client already holds {held} sessions (the limit is "
+                                    f"{self.max_per_client}); close some or retry later")
+        return new_session_id(), None
+
+    def add(self, session_id: str, replica: str, client: str) -> Route:
+        """Route a new session (opening) to `replica`."""
+        self.remove(session_id)
+        route = Route(replica, client)
+        self._routes[session_id] = route
+        self._per_client[client] = self._per_client.get(client, 0) + 1
+        return route
+
+    def remove(self, session_id: str) -> Route | None:
+        """Forget a session; returns its route if it had one."""
+        route = self._routes.pop(session_id, None)
+        if route is not None:
+            left = self._per_client[route.client] - 1
+            if left:
+                self._per_client[route.client] = left
+            else:
+                del self._per_client[route.client]
+        return route
+
+    def on_replica(self, replica: str) -> list[str]:
+        """Ids of the sessions routed to `replica`."""
+        return [sid for sid, r in self._routes.items() if r.replica == replica]
+
+    def count(self, replica: str) -> int:
+        """Sessions routed to `replica`."""
+        return sum(r.replica == replica for r in self._routes.values())
+
+    def unrouted(self, replica: str, held: set[str]) -> list[str]:
+        """Sessions `replica` holds that no route points to there (closed while opening, say)."""
+        return [sid for sid in held if (r := self._routes.get(sid)) is None or r.replica != replica]
+
+    def reconcile(self, replica: str, held: set[str], asked_at: float) -> int:
+        """Drop routes to `replica` that it no longer holds (expired or evicted there).
+
+        `held` is the replica's list as of a request sent at `asked_at`; routes made after that, and
+        sessions still opening, are kept. Returns how many routes were dropped.
+        """
+        stale = [sid for sid, r in self._routes.items()
+                 if r.replica == replica and sid not in held and not r.opening and r.routed_at < asked_at]
+        for sid in stale:
+            self.remove(sid)
+        return len(stale)
