@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hybridspec.common.compact import build_student
+from hybridspec.distill.student import build_student
 from hybridspec.common.embedded import default_paths
 from hybridspec.common.models import load_model
 from hybridspec.distill.data import generate_samples

@@ -70,10 +70,10 @@ def _backend(config):
     """The backend the config asks for, and a few words describing it."""
     from ..common.embedded import resolve
 
-    from ..common.models import check_model_spec
+    from ..common.models import classify_model
 
     target = resolve(config.target, "target")
-    check_model_spec(target)
+    classify_model(target)  # fail here, in one line, before Ray replicas try to load it
     if config.backend == "ray":
         from ..cloud.pool import RayPool
 

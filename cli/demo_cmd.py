@@ -28,7 +28,7 @@ def register(sub) -> None:
 def run_demo(args) -> int:
     """Pull if needed, serve, generate, compare with cloud-only decoding, stop."""
     from ..cloud.process import start_cloud_process, stop_cloud_process
-    from ..common import embedded
+    from ..fetch import embedded
     from ..common.wire import GenerateSpec
     from ..edge.prompt import encode_prompt
     from .edge_cmd import build_worker, edge_config, legend, render_origins

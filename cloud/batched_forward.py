@@ -1,4 +1,4 @@
-"""One forward pass for many sessions, each with its own KV cache (design brief §3, batching).
+"""One forward pass for many sessions, each with its own KV cache (docs/design.md §3, batching).
 
 Sessions hold caches of different lengths and send blocks of different lengths. The batch is
 built by left-padding every cache to the longest one and right-padding every block to the

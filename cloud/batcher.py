@@ -20,6 +20,9 @@ from ..common.wire import DraftBlock, VerifyResult
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_BATCH = 16  # rounds scored in one forward pass at most
+DEFAULT_MAX_WAIT_MS = 2.0  # how long a lone round waits for company
+
 VerifyBatch = Callable[[Sequence[DraftBlock]], list[VerifyResult | HybridSpecError]]
 
 

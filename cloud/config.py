@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .batcher import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .pool import PoolSpec
 from .replica import ReplicaSpec
 from .verifier import VerifierLimits
@@ -27,8 +28,8 @@ class ServeConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (inside each replica)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     torch_threads: int = 0  # intra-op threads per replica on CPU; 0 keeps torch's default
-    max_batch_size: int = 16  # most rounds scored in one forward pass; 1 turns batching off
-    max_wait_ms: float = 2.0  # a round waits at most this long for others to batch with
+    max_batch_size: int = DEFAULT_MAX_BATCH  # most rounds scored in one forward pass; 1 turns batching off
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS  # a round waits at most this long for others to batch with
     max_context: int = 4096  # committed + draft tokens per session
     max_draft: int = 32  # longest draft block accepted
     max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED

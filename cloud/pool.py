@@ -131,13 +131,6 @@ class RayPool(Backend):
         if self._started_ray:
             await asyncio.to_thread(ray.shutdown)
 
-    def replica_of(self, session_id: str) -> str | None:
-        """Name of the replica holding a session, if routed."""
-        try:
-            return self.table.get(session_id).replica
-        except HybridSpecError:
-            return None
-
     def _replica_names(self) -> list[str]:
         return list(self.replicas)
 

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from ..common.errors import HybridSpecError
 from ..common.wire import DraftBlock, ModelInfo, SessionSpec, VerifyResult
+from .batcher import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .runner import VerifierRunner
 from .verifier import Verifier, VerifierLimits, VerifierStats
 
@@ -27,8 +28,8 @@ class ReplicaSpec:
     dtype: str = "auto"
     torch_threads: int = 0  # CPU intra-op threads; 0 keeps torch's default
     limits: VerifierLimits = VerifierLimits()
-    max_batch: int = 16
-    max_wait_ms: float = 2.0
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
 
 
 class VerifierReplica:

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ..common.channel import SHARED_OPTIONS
 from .backend import Backend, InProcessBackend
 from .metrics import Metrics
 from .service import SERVICE_NAME, VerifierService
@@ -24,18 +25,11 @@ from .verifier import Verifier
 
 log = logging.getLogger(__name__)
 
-# A block of 32 positions with a full-vocabulary q over 49k tokens is about 11 MB; nothing a client
-# legitimately sends is larger, and a bigger body is refused before it is read into memory.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Calls in flight at once (a stream counts for its lifetime); beyond it gRPC answers RESOURCE_EXHAUSTED,
 # which bounds the memory that request bodies and waiting calls can take.
 MAX_CONCURRENT_RPCS = 1024
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Edges hold long-lived streams across idle stretches; keepalive pings detect dead peers.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    *SHARED_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]

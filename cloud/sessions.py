@@ -1,4 +1,4 @@
-"""Per-session verifier state and the store that bounds it (design brief §3).
+"""Per-session verifier state and the store that bounds it (docs/design.md §3).
 
 The KV cache is a soft cache: the store drops sessions that sit idle too long, and evicts the least
 recently used ones when the cached tokens of all sessions exceed a budget. A dropped session's next

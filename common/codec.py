@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .errors import InvalidArgument
 from .proto import verifier_pb2 as pb
-from .wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionOpened, SessionSpec,
+from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionOpened, SessionSpec,
                    VerifyResult)
 
 _MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
@@ -52,14 +52,15 @@ def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
     """Decode an open/re-open request; MODE_UNSPECIFIED picks greedy or speculative by temperature."""
     sampling = sampling_from_pb(m.sampling)
     if m.mode == pb.MODE_UNSPECIFIED:
-        mode = Mode.GREEDY if sampling.greedy else Mode.SPECULATIVE
+        mode = Mode.default_for(sampling.temperature)
     elif m.mode in _PB_TO_MODE:
         mode = _PB_TO_MODE[m.mode]
     else:
         raise InvalidArgument(f"mode {m.mode} is not a known Mode")
     return SessionSpec(
         session_id=m.session_id, committed_ids=tuple(m.committed_ids), sampling=sampling, mode=mode,
-        seed=m.seed, rollback_threshold=m.rollback_threshold or 5.0, lenience=m.lenience or 1.0,
+        seed=m.seed, rollback_threshold=m.rollback_threshold or DEFAULT_ROLLBACK_THRESHOLD,
+        lenience=m.lenience or DEFAULT_LENIENCE,
         tokenizer_fingerprint=m.tokenizer_fingerprint, model_fingerprint=m.model_fingerprint,
         next_round=m.next_round)
 

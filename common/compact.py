@@ -6,18 +6,18 @@ the target's head it predicts over (a frequency-ranked subset of the vocabulary;
 what makes a 2-layer drafter cheap, since a 49k-row head alone costs as much as 8 layers).
 A directory holding `hybridspec-drafter.json` is such a checkpoint; `load_model` recognises it.
 Matrices are stored in fp16, or in int8 with a per-row fp16 scale (half the bytes, for shipping).
+This module reads them (edge and tools load drafters); writing them is distill/student.py's job.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 MANIFEST = "hybridspec-drafter.json"
 WEIGHTS = "drafter.safetensors"
@@ -35,87 +35,16 @@ class Manifest:
     store: str = "float16"  # how matrices are stored: float16, or int8 with one fp16 scale per row
 
 
+SCALE_SUFFIX = ".int8_scale"
+
+
 def is_compact(path: Path) -> bool:
     """True when `path` is a compact drafter directory."""
     return (path / MANIFEST).is_file()
 
 
-def build_student(target: PreTrainedModel, num_layers: int, head_ids: torch.Tensor | None,
-                  dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A drafter initialised from the target: its first `num_layers` layers, final norm, frozen copies of
-    its embeddings and of the head rows `head_ids` (all rows when None), in `dtype` on the target's device.
-
-    fp32 by default: the student trains with fp32 master weights even when the target runs in bf16.
-    """
-    config = AutoConfig.for_model(**{**target.config.to_dict(), "num_hidden_layers": num_layers,
-                                     "tie_word_embeddings": False})
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:num_layers]
-    device = target.device
-    student = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
-    student.model.embed_tokens = nn.Embedding.from_pretrained(
-        target.get_input_embeddings().weight.detach().to(dtype), freeze=True)
-    for mine, theirs in zip(student.model.layers, target.model.layers):
-        mine.load_state_dict(theirs.state_dict())
-    student.model.norm.load_state_dict(target.model.norm.state_dict())
-    head = target.get_output_embeddings().weight
-    rows = head if head_ids is None else head[head_ids.to(head.device)]
-    student.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=device, dtype=dtype)
-    student.lm_head.weight = nn.Parameter(rows.detach().to(dtype).clone(), requires_grad=False)
-    return student
-
-
-def own_state(student: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """The weights a compact checkpoint stores: decoder layers and final norm."""
-    return {k: v for k, v in student.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
-
-
-STORES = ("float16", "int8")
-SCALE_SUFFIX = ".int8_scale"
-
-
-def save_compact(student: PreTrainedModel, head_ids: torch.Tensor, out: Path, manifest: Manifest) -> None:
-    """Write the drafter's own weights (as `manifest.store` says) plus the manifest."""
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = stored_tensors(student, manifest.store)
-    tensors["head_ids"] = head_ids.to("cpu", torch.int32).contiguous()
-    save_file(tensors, out / WEIGHTS)
-    (out / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
-
-
-def stored_tensors(student: PreTrainedModel, store: str) -> dict[str, torch.Tensor]:
-    """The drafter's own weights as a checkpoint stores them (fp16, or int8 matrices plus scales)."""
-    if store not in STORES:
-        raise ValueError(f"store must be one of {', '.join(STORES)}, got {store!r}")
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in own_state(student).items():
-        half = value.detach().to("cpu", torch.float16).contiguous()
-        if store == "int8" and half.dim() == 2:
-            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int8(half)
-        else:
-            tensors[name] = half
-    return tensors
-
-
-def round_to_storage(student: PreTrainedModel, store: str) -> None:
-    """Replace the student's own weights by what a checkpoint would restore, to evaluate exactly that."""
-    restored = _dequantize(stored_tensors(student, store))
-    student.load_state_dict({k: v.to(student.dtype) for k, v in restored.items()}, strict=False)
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 of an fp16 matrix [R, C]: (int8 [R, C], fp16 scale [R]).
-
-    Quantising the fp16 values (not fp32 master weights) makes an fp16 checkpoint convertible to
-    exactly the int8 one training would have written.
-    """
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(torch.float16)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
-
-
-def _dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stored tensors back to floating point (int8 matrices times their per-row scales)."""
     out = {}
     for name, value in stored.items():
         if name.endswith(SCALE_SUFFIX):
@@ -159,7 +88,7 @@ def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
     with safe_open(path / WEIGHTS, framework="pt") as f:
         own = {k: f.get_tensor(k) for k in f.keys()}
     head_ids = own.pop("head_ids").long()
-    own = _dequantize(own)
+    own = dequantize(own)
     embed = _read_base_tensor(base, "model.embed_tokens.weight")
     head = embed if tied else _read_base_tensor(base, "lm_head.weight")
     state = {**{k: v.to(dtype) for k, v in own.items()}, "model.embed_tokens.weight": embed.to(dtype)}

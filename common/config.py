@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +43,24 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
     if unknown:
         raise ConfigError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(known))}")
+    types = typing.get_type_hints(cls)
+    for key, value in values.items():
+        values[key] = _typed(cls.__name__, key, value, types[key])
     try:
         return cls(**values)
     except (TypeError, ValueError, HybridSpecError) as exc:
         raise ConfigError(f"invalid {cls.__name__}: {exc}") from None
+
+
+def _typed(owner: str, key: str, value: Any, expected: type) -> Any:
+    """`value` as the field's type (an int where a float is wanted is fine); ConfigError otherwise."""
+    ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(f"invalid {owner}: {key} must be {_NAMES.get(expected, expected.__name__)}, "
+                          f"got {value!r}")
+    return value
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}

@@ -1,4 +1,4 @@
-"""Domain errors with the gRPC status each one maps to (design brief §4).
+"""Domain errors with the gRPC status each one maps to (docs/design.md §4).
 
 The verifier core raises these; the gRPC layer translates them, so neither side needs the other.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -58,62 +59,66 @@ def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
     return torch.float32
 
 
+class SourceKind(Enum):
+    """What a model option names."""
+
+    GGUF = "gguf"  # a .gguf file
+    COMPACT = "compact"  # a compact drafter directory (common/compact.py)
+    DIRECTORY = "directory"  # a Hugging Face checkpoint directory
+    HUB_ID = "hub id"  # an id already in the local Hugging Face cache
+
+
+def classify_model(spec: str | Path) -> SourceKind:
+    """What `spec` names, checked without loading it; FileNotFoundError with a one-line reason when
+    it is nothing that can be loaded offline. Fails fast in one process before others (Ray replicas)
+    try to load it."""
+    path = Path(str(spec)).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        return SourceKind.GGUF
+    if compact.is_compact(path):
+        return SourceKind.COMPACT
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{spec} is not a model directory (no config.json)")
+        return SourceKind.DIRECTORY
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(str(spec), "config.json")
+    except ValueError:  # not even a well-formed hub id
+        cached = None
+    if not isinstance(cached, str):
+        raise FileNotFoundError(
+            f"cannot load model {str(spec)!r} offline: not a local directory, a .gguf file or a cached hub id")
+    return SourceKind.HUB_ID
+
+
 def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load a causal LM and its tokenizer from a directory, a .gguf file or a cached hub id.
 
     Raises FileNotFoundError with a one-line reason when nothing loadable is found.
     """
     spec = str(spec)
+    kind = classify_model(spec)
     dev = pick_device(device)
     kwargs: dict = {"dtype": pick_dtype(dev, dtype), "local_files_only": True}
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {spec} does not exist")
-        source, tok_kwargs = str(path.parent), {"gguf_file": path.name}
-        kwargs["gguf_file"] = path.name
-    elif compact.is_compact(path):
+    if kind is SourceKind.COMPACT:
         model, tokenizer, head_ids = compact.load_compact(path, kwargs["dtype"])
         model.to(dev).eval()
         return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev, head_ids=head_ids.to(dev))
-    elif path.exists():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{spec} is not a model directory (no config.json)")
-        source, tok_kwargs = str(path), {}
-    else:
-        source, tok_kwargs = spec, {}
+    source, tok_kwargs = {SourceKind.GGUF: (str(path.parent), {"gguf_file": path.name}),
+                          SourceKind.DIRECTORY: (str(path), {}), SourceKind.HUB_ID: (spec, {})}[kind]
+    kwargs.update(tok_kwargs)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
-        raise FileNotFoundError(
-            f"cannot load model {spec!r} offline: not a local directory, a .gguf file or a cached hub id") from exc
+        raise FileNotFoundError(f"cannot load model {spec!r} offline: its files are incomplete or unreadable") from exc
     model.to(dev).eval()
     return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev)
-
-
-def check_model_spec(spec: str | Path) -> None:
-    """Raise FileNotFoundError unless `spec` names something `load_model` can load offline (no loading).
-
-    For failing fast in one process before other processes (Ray replicas) try to load it.
-    """
-    path = Path(str(spec)).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {spec} does not exist")
-    elif path.exists():
-        if not (compact.is_compact(path) or (path / "config.json").is_file()):
-            raise FileNotFoundError(f"{spec} is not a model directory (no config.json)")
-    else:
-        from huggingface_hub import try_to_load_from_cache
-
-        try:
-            cached = try_to_load_from_cache(str(spec), "config.json")
-        except ValueError:  # not even a well-formed hub id
-            cached = None
-        if not isinstance(cached, str):
-            raise FileNotFoundError(
-                f"cannot load model {str(spec)!r} offline: not a local directory, a .gguf file or a cached hub id")
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -2,7 +2,7 @@
 
 The edge truncates q (top `max_support` tokens, then renormalises) *before* sampling and samples
 from the truncated q; it sends that same q. The verifier therefore sees the exact distribution the
-draft came from, so the sparse format costs no exactness (design brief §2).
+draft came from, so the sparse format costs no exactness (docs/design.md §2).
 """
 from __future__ import annotations
 
@@ -17,12 +17,6 @@ class SparseDist:
 
     ids: torch.Tensor  # [S] int64, distinct token ids
     probs: torch.Tensor  # [S] float32, > 0, summing to 1
-
-    def to_dense(self, vocab_size: int) -> torch.Tensor:
-        """The same distribution as a dense [vocab_size] float32 vector."""
-        dense = torch.zeros(vocab_size, dtype=torch.float32)
-        dense[self.ids] = self.probs
-        return dense
 
     def sample(self, generator: torch.Generator | None) -> int:
         """Draw a token id from exactly this distribution."""

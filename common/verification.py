@@ -1,4 +1,4 @@
-"""Block verification rules: one pure function per mode (design brief §2).
+"""Block verification rules: one pure function per mode (docs/design.md §2).
 
 Glossary (the same words as protos/hybridspec/v1/verifier.proto):
     q           drafter distribution per draft position, after the sampling transform and the
@@ -86,7 +86,7 @@ def verify_bild(draft_ids: torch.Tensor, target_probs: torch.Tensor, rollback_th
     The target's token is argmax p_i when `generator` is None (greedy), else a sample from p_i.
     Lossy: tokens the target merely finds plausible are kept.
     """
-    gamma = _check_shapes(draft_ids, target_probs)
+    _check_shapes(draft_ids, target_probs)
     k = first_rollback_index(draft_ids, target_probs, rollback_threshold)
     dist = target_probs[k]
     token = int(dist.argmax().item()) if generator is None else sample(dist, generator)

@@ -21,7 +21,7 @@ MAX_SESSION_ID_CHARS = 64  # server-issued ids are far shorter; longer ones are 
 
 
 class Mode(str, Enum):
-    """Which acceptance rule a session uses (design brief §2)."""
+    """Which acceptance rule a session uses (docs/design.md §2)."""
 
     GREEDY = "greedy"  # temperature 0; lossless
     SPECULATIVE = "speculative"  # rejection sampling; lossless in distribution
@@ -32,6 +32,22 @@ class Mode(str, Enum):
     def uses_draft_probs(self) -> bool:
         """True for the rules that read q; the others get token ids only."""
         return self in (Mode.SPECULATIVE, Mode.LENIENT)
+
+    @staticmethod
+    def default_for(temperature: float) -> Mode:
+        """The lossless rule for a temperature: greedy at 0, speculative sampling above."""
+        return Mode.GREEDY if temperature == 0 else Mode.SPECULATIVE
+
+    def check_temperature(self, temperature: float) -> None:
+        """InvalidArgument when this rule cannot run at `temperature`."""
+        if self is Mode.GREEDY and temperature != 0:
+            raise InvalidArgument("mode greedy needs sampling.temperature 0")
+        if self in (Mode.SPECULATIVE, Mode.LENIENT) and temperature == 0:
+            raise InvalidArgument(f"mode {self.value} needs sampling.temperature > 0")
+
+
+DEFAULT_ROLLBACK_THRESHOLD = 5.0  # BiLD α_RB in nats (BiLD's own default)
+DEFAULT_LENIENCE = 1.0  # lenient rejection sampling with l = 1 is exact speculative sampling
 
 
 @dataclass(frozen=True)
@@ -93,8 +109,8 @@ class SessionSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     mode: Mode = Mode.GREEDY
     seed: int = 0
-    rollback_threshold: float = 5.0  # BiLD α_RB in nats
-    lenience: float = 1.0
+    rollback_threshold: float = DEFAULT_ROLLBACK_THRESHOLD  # BiLD α_RB in nats
+    lenience: float = DEFAULT_LENIENCE
     tokenizer_fingerprint: str = ""  # empty: not checked
     model_fingerprint: str = ""  # empty: not checked
     next_round: int = 0
@@ -105,10 +121,7 @@ class SessionSpec:
         if not self.committed_ids:
             raise InvalidArgument("committed_ids must hold at least one token")
         _check_ids("committed_ids", self.committed_ids, vocab_size)
-        if self.mode is Mode.GREEDY and not self.sampling.greedy:
-            raise InvalidArgument("mode greedy needs sampling.temperature 0")
-        if self.mode in (Mode.SPECULATIVE, Mode.LENIENT) and self.sampling.greedy:
-            raise InvalidArgument(f"mode {self.mode.value} needs sampling.temperature > 0")
+        self.mode.check_temperature(self.sampling.temperature)
         if not (0.0 < self.lenience <= 1.0):
             raise InvalidArgument(f"lenience must be in (0, 1], got {self.lenience:g}")
         if not (0.0 < self.rollback_threshold < math.inf):

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..common.compact import STORES, Manifest, build_student, own_state, round_to_storage, save_compact
+from ..common.compact import Manifest
+from .student import STORES, build_student, own_state, round_to_storage, save_compact
 from ..common.models import LoadedModel, load_model, tokenizer_fingerprint
 from .data import Sample, corpus_samples, generate_samples, head_ids_by_frequency
 from .evaluate import Report, evaluate

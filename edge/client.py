@@ -19,16 +19,14 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..common import codec
+from ..common.channel import SHARED_OPTIONS
 from ..common.errors import HybridSpecError, Unavailable, error_for_code
 from ..common.proto import verifier_pb2 as pb
 from ..common.proto import verifier_pb2_grpc as pb_grpc
 from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    *SHARED_OPTIONS,
     # After an outage, reconnect within a second or two rather than gRPC's default of up to 2 min.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.min_reconnect_backoff_ms", 250),

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.wire import Mode, SamplingParams
+from ..common.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, Mode, SamplingParams
+from .drafter import DRAFTER_KINDS, DraftSettings
 
-DRAFTER_KINDS = ("model", "ngram")
 GAMMA_POLICIES = ("adaptive", "fixed")
 
 
@@ -30,8 +30,8 @@ class EdgeConfig:
     gamma_policy: str = "adaptive"  # adaptive = pick γ each round for the most tokens/s; fixed = max_draft
     fallback_threshold: float = 0.6  # BiLD α_FB: end the block when the drafter's max q falls below this
     keep_low_confidence: bool = True  # send the token that triggered α_FB (HF) or drop it (BiLD)
-    rollback_threshold: float = 5.0  # BiLD α_RB in nats, mode bild only
-    lenience: float = 1.0  # mode lenient only, in (0, 1]
+    rollback_threshold: float = DEFAULT_ROLLBACK_THRESHOLD  # BiLD α_RB in nats, mode bild only
+    lenience: float = DEFAULT_LENIENCE  # mode lenient only, in (0, 1]
     wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
     pipeline: bool = True  # draft the next block while the current one is being verified
     cloud_only_switch: bool = True  # let the cloud decode alone while that is predicted to be faster
@@ -43,8 +43,8 @@ class EdgeConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_draft < 0:
-            raise ValueError(f"max_draft must be >= 0, got {self.max_draft}")
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
         if not 0.0 <= self.fallback_threshold <= 1.0:
             raise ValueError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
         for name in ("wire_top_k", "probe_tokens"):
@@ -61,19 +61,22 @@ class EdgeConfig:
         if self.mode and self.mode not in {m.value for m in Mode}:
             raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
         self.sampling  # validates temperature, top_k, top_p
-        if self.resolved_mode is Mode.GREEDY and self.temperature != 0:
-            raise ValueError("mode greedy needs temperature 0")
-        if self.resolved_mode in (Mode.SPECULATIVE, Mode.LENIENT) and self.temperature == 0:
-            raise ValueError(f"mode {self.mode} needs temperature > 0")
+        self.resolved_mode.check_temperature(self.temperature)
 
     @property
     def sampling(self) -> SamplingParams:
         """The sampling transform shared with the verifier."""
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
+    def draft_settings(self, vocab_size: int, stop_ids: frozenset[int]) -> DraftSettings:
+        """How this config drafts against a target with this vocabulary and these stop ids."""
+        return DraftSettings(sampling=self.sampling, vocab_size=vocab_size, stop_ids=stop_ids,
+                             fallback_threshold=self.fallback_threshold, keep_low_confidence=self.keep_low_confidence,
+                             wire_top_k=self.wire_top_k, seed=self.seed, ngram_max=self.ngram_max)
+
     @property
     def resolved_mode(self) -> Mode:
         """The acceptance rule: the explicit mode, else greedy at T=0 and speculative otherwise."""
         if self.mode:
             return Mode(self.mode)
-        return Mode.GREEDY if self.temperature == 0 else Mode.SPECULATIVE
+        return Mode.default_for(self.temperature)

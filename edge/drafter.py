@@ -1,13 +1,16 @@
-"""Drafters: propose a block of tokens and the exact q each was sampled from.
+"""Drafters: propose a block of tokens and the exact q each was sampled from; observe the verdict.
 
 Two kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds, and `NgramDrafter`
 (prompt lookup), which copies what followed the latest earlier occurrence of the context's last
-n-gram and needs no model. A proposal's `dists` is None at temperature 0, where q is one-hot.
+n-gram and needs no model. `make_drafter` builds one per generation with every setting fixed
+(sampling, α_FB, stop ids, what to do with a low-confidence token); `Lookahead` wraps one to draft
+the next block while the current one is verified. A proposal's `dists` is None at temperature 0,
+where q is one-hot.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -15,9 +18,12 @@ from transformers import DynamicCache
 
 from ..common.bild import should_fall_back
 from ..common.models import LoadedModel, truncate_cache
-from ..common.sampling import logits_to_probs
+from ..common.sampling import logits_to_probs, round_generator
 from ..common.sparse import SparseDist, truncate
 from ..common.wire import DraftBlock, SamplingParams
+
+DRAFTER_KINDS = ("model", "ngram")
+Interrupt = Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class Proposal:
     ids: list[int]
     dists: list[SparseDist] | None  # the q each token was sampled from; None at temperature 0
     fell_back: bool  # the block ended because the drafter's confidence dropped below α_FB
+    drafted_ahead: bool = False  # drafted during the previous round's wait (pipelining)
 
     def block(self, session_id: str, round_index: int, committed_len: int, with_probs: bool) -> DraftBlock:
         """This proposal as a verify request; with_probs: send q (the modes that read it)."""
@@ -36,44 +43,73 @@ class Proposal:
                           support_ids=tuple(tuple(d.ids.tolist()) for d in dists or ()),
                           probs=tuple(tuple(d.probs.tolist()) for d in dists or ()))
 
+    def head(self, n: int) -> Proposal:
+        """The first `n` tokens (the fallback flag holds only if the cut keeps the block's end)."""
+        return Proposal(self.ids[:n], None if self.dists is None else self.dists[:n],
+                        self.fell_back and len(self.ids) <= n, self.drafted_ahead)
+
     def tail(self, start: int) -> Proposal:
         """The proposal without its first `start` tokens."""
-        return Proposal(self.ids[start:], None if self.dists is None else self.dists[start:], self.fell_back)
+        return Proposal(self.ids[start:], None if self.dists is None else self.dists[start:], self.fell_back,
+                        self.drafted_ahead)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """Everything fixed for one generation's drafting."""
+
+    sampling: SamplingParams
+    vocab_size: int  # the target's; drafter logits are cut or padded to it so ids always agree
+    stop_ids: frozenset[int]  # a block ends after one of these
+    fallback_threshold: float = 0.6  # BiLD α_FB: a block ends at the first token drafted with max q below it
+    # When the fallback ends a block, keep the token that triggered it (as Hugging Face assisted
+    # generation does: the verifier scores it at almost no cost) or drop it (as BiLD does).
+    keep_low_confidence: bool = True
+    wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
+    seed: int = 0  # seeds the drafter's sampling
+    ngram_max: int = 3  # prompt lookup: longest suffix looked up
 
 
 class Drafter(Protocol):
-    """Anything that can propose the next tokens after a committed context."""
+    """Anything that can propose the next tokens after a committed context and learn the verdict."""
 
-    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float, stop_ids: frozenset[int],
-                interrupt: Callable[[], bool] | None = None) -> Proposal:
-        """Draft up to `max_tokens` tokens after `context`; stop early when `interrupt()` turns true."""
+    def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
+                fallback: bool = True) -> Proposal:
+        """Draft up to `max_tokens` tokens after `context`; stop early when `interrupt()` turns true.
+        fallback=False drafts without the BiLD confidence test (drafting alone, shadow guesses)."""
+        ...
+
+    def observe(self, num_accepted: int, token: int) -> None:
+        """The verifier kept `num_accepted` tokens of the last proposal and added `token`."""
         ...
 
 
+def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings) -> Drafter:
+    """The drafter of one generation (kind: model or ngram; ngram needs no model)."""
+    if kind == "ngram":
+        return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
+    if kind != "model" or loaded is None:
+        raise ValueError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)} (model needs a model), got {kind!r}")
+    return ModelDrafter(loaded, settings)
+
+
 class ModelDrafter:
-    """A small causal LM with a KV cache kept across rounds and cropped to what was accepted."""
+    """A small causal LM with a KV cache kept across rounds and matched to each new context."""
 
-    def __init__(self, loaded: LoadedModel, sampling: SamplingParams, vocab_size: int, wire_top_k: int,
-                 generator: torch.Generator | None, keep_low_confidence: bool = True) -> None:
-        """vocab_size: the target's; drafter logits are cut or padded to it so ids always agree.
-
-        keep_low_confidence: when the BiLD fallback ends a block, keep the token that triggered it
-        (as Hugging Face assisted generation does: the verifier scores it at almost no cost) or
-        drop it (as BiLD does: the small model never emits a token it is unsure of).
-        """
+    def __init__(self, loaded: LoadedModel, settings: DraftSettings) -> None:
         self.loaded = loaded
-        self.sampling = sampling
-        self.vocab_size = vocab_size
-        self.wire_top_k = wire_top_k
-        self.generator = generator
-        self.keep_low_confidence = keep_low_confidence
+        self.settings = settings
+        self.sampling = settings.sampling
+        self.generator = None if self.sampling.greedy else round_generator(settings.seed, -1)
         self._cache = DynamicCache(config=loaded.model.config)
         self._cached: list[int] = []  # the tokens whose KV is in the cache
         self._head_ids = None if loaded.head_ids is None else loaded.head_ids.cpu()
 
-    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float, stop_ids: frozenset[int],
-                interrupt: Callable[[], bool] | None = None) -> Proposal:
+    def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
+                fallback: bool = True) -> Proposal:
         """Draft up to `max_tokens`, ending at low confidence (max q < α_FB), a stop id or an interrupt."""
+        s = self.settings
+        threshold = s.fallback_threshold if fallback else 0.0
         ids: list[int] = []
         dists: list[SparseDist] = []
         fell_back = False
@@ -82,20 +118,24 @@ class ModelDrafter:
             # The cache is brought to the context once; each drafted token is then fed alone.
             logits = self._advance(context) if logits is None else self._feed([ids[-1]])
             probs = logits_to_probs(logits, self.sampling)
-            if should_fall_back(probs, fallback_threshold):
+            if should_fall_back(probs, threshold):
                 fell_back = True
-                if not self.keep_low_confidence:
+                if not s.keep_low_confidence:
                     break
             if self.sampling.greedy:
                 token = int(probs.argmax().item())
             else:
-                dist = truncate(probs, self.wire_top_k)
+                dist = truncate(probs, s.wire_top_k)
                 token = dist.sample(self.generator)
                 dists.append(dist)
             ids.append(token)
-            if fell_back or token in stop_ids:
+            if fell_back or token in s.stop_ids:
                 break
         return Proposal(ids, None if self.sampling.greedy else dists, fell_back)
+
+    def observe(self, num_accepted: int, token: int) -> None:
+        """Nothing to do now: the next `propose` keeps the cached prefix it shares with the new
+        context, which also keeps the work of a block drafted ahead when its guess came true."""
 
     @torch.inference_mode()
     def _advance(self, tokens: list[int]) -> torch.Tensor:
@@ -117,15 +157,16 @@ class ModelDrafter:
         out = self.loaded.model(input_ids=ids, past_key_values=self._cache, use_cache=True)
         self._cached.extend(feed)
         logits = out.logits[0, -1].float().cpu()
+        vocab_size = self.settings.vocab_size
         if self._head_ids is not None:
             # A compact drafter predicts over a subset of the vocabulary; the rest gets no mass.
-            full = torch.full((self.vocab_size,), float("-inf"))
+            full = torch.full((vocab_size,), float("-inf"))
             full[self._head_ids] = logits
             return full
-        if logits.shape[0] > self.vocab_size:
-            logits = logits[: self.vocab_size]
-        elif logits.shape[0] < self.vocab_size:
-            pad = torch.full((self.vocab_size - logits.shape[0],), float("-inf"))
+        if logits.shape[0] > vocab_size:
+            logits = logits[:vocab_size]
+        elif logits.shape[0] < vocab_size:
+            pad = torch.full((vocab_size - logits.shape[0],), float("-inf"))
             logits = torch.cat([logits, pad])
         return logits
 
@@ -134,24 +175,29 @@ class NgramDrafter:
     """Prompt lookup: after the latest earlier occurrence of the context's last n tokens, copy what
     followed (longest n first). q is one-hot on the copied token, which keeps sampling exact too."""
 
-    def __init__(self, sampling: SamplingParams, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, sampling: SamplingParams, max_ngram: int = 3, min_ngram: int = 1,
+                 stop_ids: frozenset[int] = frozenset()) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.sampling = sampling
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.stop_ids = stop_ids
 
-    def propose(self, context: list[int], max_tokens: int, fallback_threshold: float, stop_ids: frozenset[int],
-                interrupt: Callable[[], bool] | None = None) -> Proposal:
+    def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
+                fallback: bool = True) -> Proposal:
         """The copied continuation (empty when no n-gram repeats); fallback does not apply."""
         ids = self._lookup(context, max_tokens)
         for i, token in enumerate(ids):
-            if token in stop_ids:
+            if token in self.stop_ids:
                 ids = ids[: i + 1]
                 break
         dists = None if self.sampling.greedy else [
             SparseDist(torch.tensor([t]), torch.tensor([1.0])) for t in ids]
         return Proposal(ids, dists, False)
+
+    def observe(self, num_accepted: int, token: int) -> None:
+        """Prompt lookup learns nothing from a verdict."""
 
     def _lookup(self, context: list[int], max_tokens: int) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
@@ -160,3 +206,43 @@ class NgramDrafter:
                 if context[start: start + n] == suffix:
                     return context[start + n: start + n + max_tokens]
         return []
+
+
+class Lookahead:
+    """Pipelined drafting around any drafter: while a block is verified, `prefetch` drafts the guessed
+    bonus token and the block after it; when the verdict accepts the whole block and confirms the
+    guess, the next `propose` hands that block over instead of drafting again."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.predrafted = 0  # tokens drafted ahead, used or not
+        self.guess_right: bool | None = None  # whether the last prefetch guessed the verifier's token
+        self._block: Proposal | None = None  # the block being verified
+        self._ahead: Proposal | None = None  # what was drafted after it
+
+    def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
+                fallback: bool = True) -> Proposal:
+        """The block drafted ahead, if the last verdict kept it; else a fresh one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and max_tokens > 0:
+            return replace(ahead.head(max_tokens), drafted_ahead=True)
+        return self.inner.propose(context, max_tokens, interrupt=interrupt, fallback=fallback)
+
+    def prefetch(self, context: list[int], block: Proposal, max_tokens: int, interrupt: Interrupt) -> None:
+        """Draft up to `max_tokens` after `context + block` until `interrupt()` (the reply) turns true."""
+        self._block = block
+        self._ahead = self.inner.propose(context + block.ids, max_tokens, interrupt=interrupt)
+        self.predrafted += len(self._ahead.ids)
+
+    def observe(self, num_accepted: int, token: int) -> None:
+        """Keep what was drafted ahead only if the whole block was accepted and the guess was right."""
+        self.inner.observe(num_accepted, token)
+        block, ahead, self._block, self._ahead = self._block, self._ahead, None, None
+        self.guess_right = None if not ahead or not ahead.ids else ahead.ids[0] == token
+        if block is not None and ahead is not None and self.guess_right and num_accepted == len(block.ids) \
+                and len(ahead.ids) > 1:
+            self._ahead = ahead.tail(1)
+
+    def drop(self) -> None:
+        """Forget anything drafted ahead (the context changed another way)."""
+        self._block = self._ahead = None

@@ -1,6 +1,6 @@
 """How long a block to draft, and whether to draft at all: pure functions of measured rates.
 
-Symbols (design brief §2), all times in seconds:
+Symbols (docs/design.md §2), all times in seconds:
     α_j     probability that draft position j is accepted given positions 1..j-1 were
     t_d     the drafter's time per drafted token
     rtt     network round trip of one verify call (what is not the verifier's own time)

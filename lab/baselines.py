@@ -3,16 +3,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..cloud.verifier import Verifier
 from ..common.models import LoadedModel
-from ..common.sampling import round_generator
-from ..common.wire import SessionSpec
+from ..common.wire import DraftBlock, SessionSpec, VerifyResult
 from ..edge.config import EdgeConfig
-from ..edge.drafter import ModelDrafter
+from ..edge.drafter import make_drafter
+from ..edge.rounds import VerifyRound
+from ..edge.state import GenerationState
+from ..edge.stats import Stats
 
 
 @dataclass
@@ -25,33 +27,42 @@ class LocalRun:
 
 
 def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: EdgeConfig) -> LocalRun:
-    """Speculative decoding with drafter and target in one process: the same drafter and rule as the
-    edge (blocks of max_draft, the BiLD fallback), each block verified by a direct call."""
+    """Speculative decoding with drafter and target in one process: the same drafter, rule and verify
+    round as the edge (blocks of max_draft, the BiLD fallback), each block verified by a direct call."""
     stop = frozenset(verifier.info.eos_token_ids)
-    draft = ModelDrafter(drafter, cfg.sampling, verifier.info.vocab_size, cfg.wire_top_k,
-                         None if cfg.sampling.greedy else round_generator(cfg.seed, -1), cfg.keep_low_confidence)
+    draft = make_drafter("model", drafter, cfg.draft_settings(verifier.info.vocab_size, stop))
     sid = f"colocated-{uuid.uuid4().hex}"
+    state, stats = GenerationState(prompt, cfg.max_new_tokens, stop), Stats()
+    verify_round = VerifyRound(state, stats, draft, lambda block: _Direct(verifier, replace(block, session_id=sid)),
+                               with_q=cfg.resolved_mode.uses_draft_probs)
     start = time.perf_counter()
     verifier.open_session(SessionSpec(sid, tuple(prompt), cfg.sampling, cfg.resolved_mode, cfg.seed,
                                       cfg.rollback_threshold, cfg.lenience))
-    committed, rounds, drafted, accepted = list(prompt), 0, 0, 0
     try:
-        while len(committed) - len(prompt) < cfg.max_new_tokens:
-            budget = min(cfg.max_draft, cfg.max_new_tokens - (len(committed) - len(prompt)) - 1)
-            proposal = draft.propose(committed, budget, cfg.fallback_threshold, stop)
-            result = verifier.verify(proposal.block(sid, rounds, len(committed), cfg.resolved_mode.uses_draft_probs))
-            new = [*proposal.ids[:result.num_accepted], result.next_token]
-            rounds, drafted, accepted = rounds + 1, drafted + len(proposal.ids), accepted + result.num_accepted
-            committed += new
-            if any(t in stop for t in new):
-                break
+        while not state.done:
+            budget = min(cfg.max_draft, cfg.max_new_tokens - state.generated - 1)
+            verify_round(draft.propose(state.committed, budget), budget)
     finally:
         verifier.close_session(sid)
-    tokens = _until_stop(committed[len(prompt):], stop)[: cfg.max_new_tokens]
+    tokens, _ = state.result()
     return LocalRun(tokens, time.perf_counter() - start,
-                    {"rounds": rounds, "drafted": drafted, "accepted": accepted,
-                     "acceptance_rate": accepted / drafted if drafted else 0.0,
-                     "mean_tokens_per_round": len(tokens) / rounds if rounds else 0.0})
+                    {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
+                     "acceptance_rate": stats.acceptance_rate,
+                     "mean_tokens_per_round": len(tokens) / stats.rounds if stats.rounds else 0.0})
+
+
+@dataclass(frozen=True)
+class _Direct:
+    """A block verified by a direct call of the verifier core: no network, nothing to wait for."""
+
+    verifier: Verifier
+    block: DraftBlock
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> VerifyResult:
+        return self.verifier.verify(self.block)
 
 
 @torch.inference_mode()
@@ -72,11 +83,9 @@ def hf_assisted(target: LoadedModel, assistant, prompt: list[int], cfg: EdgeConf
 def edge_only(drafter: LoadedModel, vocab_size: int, stop_ids: tuple[int, ...], prompt: list[int],
               cfg: EdgeConfig) -> LocalRun:
     """The drafter alone, decoding with the same sampling transform."""
-    stop = frozenset(stop_ids)
-    draft = ModelDrafter(drafter, cfg.sampling, vocab_size, cfg.wire_top_k,
-                         None if cfg.sampling.greedy else round_generator(cfg.seed, -1))
+    draft = make_drafter("model", drafter, cfg.draft_settings(vocab_size, frozenset(stop_ids)))
     start = time.perf_counter()
-    tokens = draft.propose(list(prompt), cfg.max_new_tokens, 0.0, stop).ids
+    tokens = draft.propose(list(prompt), cfg.max_new_tokens, fallback=False).ids
     return LocalRun(tokens, time.perf_counter() - start)
 
 

@@ -1,6 +1,6 @@
 """Plots and a Markdown summary of an experiment's results (`hybridspec experiment report`).
 
-The analytic bound overlaid on the speed-up plot is the design brief's
+The analytic bound overlaid on the speed-up plot is docs/design.md §2's
     S(γ, r) = (1 − α^(γ+1)) / ((1 − α)(γ·c + r + v)),  best over γ ≤ 8,
 with r = RTT/T, c = t_d/T, v = t_v/T and T, t_d, t_v as the edges measured them, and α the
 per-token acceptance that reproduces the measured tokens per round of the fixed-γ strategy.

@@ -26,7 +26,8 @@ from ..common.wire import GenerateSpec
 from ..edge.client import VerifierClient
 from ..edge.config import EdgeConfig
 from ..edge.prompt import encode_prompt
-from ..edge.worker import DEFAULT_RATES, EdgeWorker
+from ..edge.controller import DEFAULT_RATES
+from ..edge.worker import EdgeWorker
 from ..netem.relay import BackgroundLink
 from ..netem.shaping import LinkSpec
 from . import baselines

@@ -93,8 +93,3 @@ class LinkSpec:
         """The same shaping both ways (so the round trip grows by 2 × delay_ms)."""
         spec = DirectionSpec(**direction)
         return cls(up=spec, down=spec)
-
-    @property
-    def added_rtt_ms(self) -> float:
-        """Round-trip time the link adds to a small message, jitter, loss and stalls aside."""
-        return self.up.delay_ms + self.down.delay_ms

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the embedded default drafter (OUT/l4, shipped in common/assets/) and the depth sweep
+# Reproduces the embedded default drafter (OUT/l4, shipped in fetch/assets/) and the depth sweep
 # (OUT/l1, OUT/l2) reported in docs/distill.md. Usage: scripts/distill_embedded.sh OUT [DEVICE]
 # On one H100 the three runs take about 12 minutes (most of it the target writing 7680 answers);
 # on a 2-core CPU the same settings take the better part of a day.

@@ -24,10 +24,30 @@ def test_flags_override_the_file():
 
 
 @pytest.mark.parametrize("bad, fragment", [({"backend": "serve"}, "backend"), ({"replicas": 0}, "replicas"),
-                                           ({"metrics_port": -2}, "metrics_port"), ({"max_wait_ms": -1}, "max_wait_ms")])
+                                           ({"metrics_port": -2}, "metrics_port"), ({"max_wait_ms": -1}, "max_wait_ms"),
+                                           ({"replicas": "two"}, "replicas must be an integer, got 'two'"),
+                                           ({"max_wait_ms": "fast"}, "max_wait_ms must be a number"),
+                                           ({"ray_local_only": "yes"}, "ray_local_only must be true or false"),
+                                           ({"replicas": True}, "replicas must be an integer"),
+                                           ({"host": 7}, "host must be a string")])
 def test_bad_values_name_the_key(bad, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(ServeConfig, None, bad)
+
+
+@pytest.mark.parametrize("bad, fragment", [({"max_new_tokens": "eight"}, "max_new_tokens must be an integer"),
+                                           ({"max_draft": 0}, "max_draft must be >= 1"),
+                                           ({"temperature": "hot"}, "temperature must be a number"),
+                                           ({"pipeline": 1}, "pipeline must be true or false")])
+def test_bad_edge_values_are_one_clear_error(bad, fragment):
+    from hybridspec.edge.config import EdgeConfig
+
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(EdgeConfig, None, bad)
+
+
+def test_an_int_where_a_number_is_wanted_is_fine():
+    assert load_config(ServeConfig, None, {"max_wait_ms": 3}).max_wait_ms == 3.0
 
 
 def test_edge_file_lists_every_knob_at_its_default():

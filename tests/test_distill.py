@@ -60,7 +60,8 @@ def test_distilled_drafter_drafts_through_the_edge_path(distilled, server, targe
 def test_int8_storage_halves_the_weights_and_keeps_the_predictions(model_dirs, target, tmp_path):
     import torch
 
-    from hybridspec.common.compact import Manifest, build_student, save_compact
+    from hybridspec.common.compact import Manifest
+    from hybridspec.distill.student import build_student, save_compact
 
     student = build_student(target.model, 2, torch.arange(200))
     manifest = Manifest(base=str(model_dirs["target"]), num_layers=2, base_tokenizer_fingerprint="")

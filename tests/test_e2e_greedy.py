@@ -4,7 +4,8 @@ import pytest
 from hybridspec.common.wire import GenerateSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
-from hybridspec.edge.worker import EdgeWorker, Origin
+from hybridspec.edge.state import Origin
+from hybridspec.edge.worker import EdgeWorker
 
 from tinymodels import EVERY_ROUND, greedy_reference
 

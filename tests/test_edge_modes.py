@@ -7,7 +7,8 @@ import pytest
 from hybridspec.common.errors import Unavailable
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
-from hybridspec.edge.worker import EdgeWorker, EventKind, Origin
+from hybridspec.edge.state import EventKind, Origin
+from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
 

@@ -5,20 +5,20 @@ import torch
 
 from hybridspec.common.wire import SamplingParams
 from hybridspec.edge import policy
-from hybridspec.edge.drafter import ModelDrafter, NgramDrafter
+from hybridspec.edge.drafter import DraftSettings, ModelDrafter, NgramDrafter
 from hybridspec.edge.estimates import Estimates
 
 T = 0.05  # the target's time per token, seconds
 
 
 def rates(alpha: float, c: float, r: float, v: float = 1.0, gammas: int = 65) -> policy.Rates:
-    """Design-brief units: drafter c·T per token, round trip r·T, verification v·T whatever γ."""
+    """docs/design.md §2 units: drafter c·T per token, round trip r·T, verification v·T whatever γ."""
     return policy.Rates(alphas=[alpha] * gammas, draft_s=c * T, rtt_s=r * T, verify_single_s=v * T,
                         verify_block_s=v * T, verify_per_draft_s=0.0, cloud_token_s=T)
 
 
 def brief_speedup(alpha: float, c: float, r: float, v: float, gamma: int) -> float:
-    """S = (1 − α^(γ+1)) / ((1 − α)(γc + r + v)), design brief §2."""
+    """S = (1 − α^(γ+1)) / ((1 − α)(γc + r + v)), docs/design.md §2."""
     return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + r + v))
 
 
@@ -78,29 +78,37 @@ def _greedy_path(model, context, n):
     return out
 
 
+def settings(target, **kw) -> DraftSettings:
+    return DraftSettings(sampling=SamplingParams(), vocab_size=target.vocab_size, stop_ids=frozenset(), wire_top_k=0,
+                         **kw)
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["keep (HF)", "drop (BiLD)"])
 def test_fallback_ends_the_block_at_the_first_unsure_token(target, keep):
     context = [5, 17, 33, 80]
     path = _greedy_path(target.model, context, 8)
     threshold = sorted(p for _, p in path)[len(path) // 2]  # some steps fall below, some do not
     first_unsure = next(i for i, (_, p) in enumerate(path) if p < threshold)
-    drafter = ModelDrafter(target, SamplingParams(), target.vocab_size, 0, None, keep_low_confidence=keep)
-    proposal = drafter.propose(context, 8, threshold, frozenset())
+    drafter = ModelDrafter(target, settings(target, fallback_threshold=threshold, keep_low_confidence=keep))
+    proposal = drafter.propose(context, 8)
     expected = [t for t, _ in path[: first_unsure + (1 if keep else 0)]]
     assert proposal.ids == expected
     assert proposal.fell_back
 
 
 def test_no_fallback_below_the_threshold_drafts_the_whole_block(target):
-    drafter = ModelDrafter(target, SamplingParams(), target.vocab_size, 0, None)
-    proposal = drafter.propose([5, 17, 33, 80], 6, 0.0, frozenset())
+    drafter = ModelDrafter(target, settings(target, fallback_threshold=0.0))
+    proposal = drafter.propose([5, 17, 33, 80], 6)
     assert len(proposal.ids) == 6 and not proposal.fell_back
+    # fallback=False (drafting alone, shadow guesses) ignores even a threshold every step is below.
+    unsure = ModelDrafter(target, settings(target, fallback_threshold=1.0))
+    assert len(unsure.propose([5, 17, 33, 80], 6, fallback=False).ids) == 6
 
 
 def test_interrupt_stops_drafting_between_tokens(target):
-    drafter = ModelDrafter(target, SamplingParams(), target.vocab_size, 0, None)
+    drafter = ModelDrafter(target, settings(target, fallback_threshold=0.0))
     calls = iter([False, False, True])
-    assert len(drafter.propose([5, 6], 8, 0.0, frozenset(), interrupt=lambda: next(calls)).ids) == 2
+    assert len(drafter.propose([5, 6], 8, interrupt=lambda: next(calls)).ids) == 2
 
 
 # ---- prompt lookup ------------------------------------------------------------------------------
@@ -108,13 +116,14 @@ def test_interrupt_stops_drafting_between_tokens(target):
 def test_ngram_copies_what_followed_the_latest_match():
     drafter = NgramDrafter(SamplingParams(), max_ngram=3)
     context = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3]
-    assert drafter.propose(context, 3, 0.0, frozenset()).ids == [7, 8, 4]  # the latest [1, 2, 3] wins
-    assert drafter.propose([4, 5, 6], 3, 0.0, frozenset()).ids == []  # nothing repeats
-    assert drafter.propose(context, 3, 0.0, frozenset({8})).ids == [7, 8]  # stops after a stop id
+    assert drafter.propose(context, 3).ids == [7, 8, 4]  # the latest [1, 2, 3] wins
+    assert drafter.propose([4, 5, 6], 3).ids == []  # nothing repeats
+    stopping = NgramDrafter(SamplingParams(), max_ngram=3, stop_ids=frozenset({8}))
+    assert stopping.propose(context, 3).ids == [7, 8]  # stops after a stop id
 
 
 def test_ngram_q_is_one_hot_when_sampling():
-    proposal = NgramDrafter(SamplingParams(temperature=1.0)).propose([3, 4, 3], 2, 0.0, frozenset())
+    proposal = NgramDrafter(SamplingParams(temperature=1.0)).propose([3, 4, 3], 2)
     assert proposal.ids == [4, 3]
     assert [(d.ids.tolist(), d.probs.tolist()) for d in proposal.dists] == [([4], [1.0]), ([3], [1.0])]
 

@@ -3,7 +3,8 @@ import pytest
 
 from hybridspec.cloud.server import BackgroundServer
 from hybridspec.cloud.verifier import Verifier
-from hybridspec.common import embedded
+from hybridspec.common.embedded import default_paths, models_home
+from hybridspec.fetch.embedded import is_pulled
 from hybridspec.common.models import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.embedded
 
 @pytest.fixture(scope="module")
 def pair():
-    if not embedded.is_pulled():
-        pytest.skip(f"embedded models not pulled into {embedded.models_home()}: run `hybridspec models pull`")
-    paths = embedded.default_paths()
+    if not is_pulled():
+        pytest.skip(f"embedded models not pulled into {models_home()}: run `hybridspec models pull`")
+    paths = default_paths()
     return load_model(paths["target"], device="cpu"), load_model(paths["drafter"], device="cpu")
 
 

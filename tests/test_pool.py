@@ -101,7 +101,7 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
         def submit_after_killing(block):
             calls["n"] += 1
             if calls["n"] == 3:  # mid-generation: crash the process that holds this session's cache
-                ray.kill(pool.replicas[pool.replica_of(block.session_id)].handle, no_restart=False)
+                ray.kill(pool.replicas[pool.table.get(block.session_id).replica].handle, no_restart=False)
             return original(block)
 
         client.submit = submit_after_killing  # the real call still goes over gRPC to the pool
@@ -133,7 +133,7 @@ def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target
             def submit_after_killing(block):
                 calls["n"] += 1
                 if calls["n"] == 3:
-                    ray.kill(pool.replicas[pool.replica_of(block.session_id)].handle, no_restart=False)
+                    ray.kill(pool.replicas[pool.table.get(block.session_id).replica].handle, no_restart=False)
                 return original(block)
 
             client.submit = submit_after_killing

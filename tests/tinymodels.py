@@ -7,6 +7,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from hybridspec.common.models import LoadedModel
+
 VOCAB = 256
 EOS_ID = 2
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]

@@ -1,0 +1,93 @@
+"""The cloud-only phase: the target decodes alone on one `Generate` stream, while the edge keeps
+measuring — the cloud's time per token T and, at temperature 0, the drafter's guesses against the
+cloud's tokens ("shadow drafting", which measures α without risking a block) — and every
+`probe_tokens` tokens asks the controller whether hybrid decoding would now be faster."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+from ..common.errors import HybridSpecError, Unavailable
+from ..common.wire import GenerateSpec
+from .controller import Phase
+from .state import Event, Origin
+
+if TYPE_CHECKING:
+    from .worker import GenerationRun
+
+SEED_STRIDE = 1_000_003  # a stream's seed: (generation seed, context length), so a resumed stream differs
+
+
+def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
+    """Stream cloud tokens until done, or until hybrid looks faster; returns the next phase."""
+    cfg, state, stats, ctl = run.cfg, run.state, run.stats, run.controller
+    # 1. One stream for the rest of the budget.
+    spec = GenerateSpec(prompt_ids=tuple(state.committed), sampling=cfg.sampling,
+                        max_new_tokens=cfg.max_new_tokens - state.generated,
+                        seed=cfg.seed * SEED_STRIDE + len(state.committed), tokenizer_fingerprint=run.tokenizer_fp)
+    stats.cloud_streams += 1
+    can_shadow = run.can_shadow
+    shadow = ctl.shadow_worthwhile(can_shadow)
+    streak = 0  # consecutive shadow agreements: the position a block would have reached
+    last = None
+    next_check, since_check = ctl.first_check_after(can_shadow), 0
+    ping = _ping_in_background(run)
+    stream = run.client.generate(spec)
+    try:
+        for token in stream:
+            # 2. Measure: T from the gaps (the first token's wait holds the round trip and prefill), α by shadow.
+            now = time.perf_counter()
+            if last is not None:
+                run.estimates.cloud_token_s.add(now - last)
+            last = now
+            if shadow:
+                guess = run.drafter.propose(state.committed, 1, fallback=False).ids
+                agreed = bool(guess) and guess[0] == token
+                run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
+                streak = streak + 1 if agreed and streak < ctl.policy.cap else 0
+            stats.cloud_only_tokens += 1
+            yield state.commit([token], [Origin.CLOUD])
+            # 3. Decide, every so often.
+            since_check += 1
+            if state.done or not cfg.probe_tokens or since_check < next_check:
+                continue
+            since_check, next_check = 0, cfg.probe_tokens
+            ping.join()
+            ping = _ping_in_background(run)
+            if ctl.hybrid_looks_better(can_shadow, state.max_new_tokens - state.generated, len(state.committed)):
+                break
+            shadow = can_shadow and ctl.hybrid_could_win()
+            if ctl.end_warmup():
+                yield run.notice("staying with cloud-only decoding: predicted faster than hybrid here")
+    except Unavailable as exc:
+        return run.lost(exc, None)
+    finally:
+        stream.close()  # cancels the stream if we leave it early
+    if state.done:
+        return Phase.CLOUD_ONLY
+    # 4. Back to hybrid: a session from everything committed so far.
+    was_warming = ctl.warming_up
+    try:
+        run.session.open()
+    except Unavailable as exc:
+        return run.lost(exc, None)
+    ctl.entered_hybrid()
+    if not was_warming:
+        stats.switches_to_hybrid += 1
+        yield run.notice("switched back to hybrid decoding: predicted faster than cloud-only again")
+    return Phase.HYBRID
+
+
+def _ping_in_background(run: GenerationRun) -> threading.Thread:
+    """Measure the round trip off the critical path (a cloud-only stream hides it otherwise)."""
+    def ping() -> None:
+        try:
+            run.estimates.rtt_s.add(run.client.ping())
+        except HybridSpecError:
+            pass  # the stream itself reports an unreachable cloud
+
+    thread = threading.Thread(target=ping, daemon=True, name="rtt-probe")
+    thread.start()
+    return thread

@@ -1,0 +1,130 @@
+"""The edge's decisions for one generation, without any network: which phase, and how long a block.
+
+Fed the worker's measured rates (edge/estimates.py) and the generation's progress, the controller
+answers: start hybrid or cloud-only? γ for the next round, or hand decoding to the cloud? While
+cloud-only: when to look again, whether shadow drafting is worth it, whether to go back to hybrid.
+The maths is in edge/policy.py; this object adds what the loop needs around it: the warm-up of a
+worker that has measured nothing yet, the optimism of the first hybrid rounds, and hysteresis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from . import policy
+from .estimates import Estimates
+
+# Until these are measured, the policy assumes them (seconds); the first rounds measure them all.
+DEFAULT_RATES = policy.Rates(alphas=[0.5], draft_s=0.005, rtt_s=0.02, verify_single_s=0.03, verify_block_s=0.03,
+                             verify_per_draft_s=0.002, cloud_token_s=0.03)
+# With the cloud-only switch on, a worker's first generation starts with tokens decoded by the cloud
+# alone: their stream times T, the cloud's cost per token as the edge sees it, and at T = 0 the
+# drafter's guesses against them ("shadow drafting") measure α before any block is risked.
+WARMUP_CLOUD_TOKENS = 16  # greedy: long enough for shadow acceptance to mean something
+WARMUP_CLOUD_TOKENS_SAMPLED = 4  # sampling: no shadow acceptance, so hybrid is tried optimistically
+# For its first hybrid rounds (after any switch) the edge leaves hybrid decoding only if it would
+# lose even with this good a drafter: acceptance needs a few rounds to be known.
+MIN_HYBRID_ROUNDS = 4
+OPTIMISTIC_ALPHA = 0.9
+FIRST_GAMMA = 4  # the adaptive policy's first block, before the drafter's speed is known
+
+
+class Phase(Enum):
+    """What the generation is doing."""
+
+    HYBRID = "hybrid"  # draft blocks on the edge, verify them in the cloud
+    CLOUD_ONLY = "cloud-only"  # the cloud decodes alone (Generate)
+    OFFLINE = "offline"  # the cloud is unreachable: draft alone, verify later
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings the controller follows (from EdgeConfig)."""
+
+    cap: int  # most tokens per block: min(the edge's and the server's max_draft)
+    adaptive: bool = True  # choose γ per round; False: always `cap`
+    pipeline: bool = True  # blocks are drafted ahead while waiting
+    cloud_only_switch: bool = True  # may hand decoding to the cloud
+    probe_tokens: int = 32  # while cloud-only: tokens between decisions; 0 = never reconsider
+
+
+class Controller:
+    """Decisions of one generation; `estimates` belong to the worker and carry over between them."""
+
+    def __init__(self, policy_: Policy, estimates: Estimates) -> None:
+        self.policy = policy_
+        self.estimates = estimates
+        self.warming_up = policy_.cloud_only_switch and estimates.cloud_token_s.value is None
+        self.hybrid_rounds = 0  # since the last switch to hybrid
+
+    def rates(self) -> policy.Rates:
+        """What the edge believes now, defaults where nothing was measured."""
+        return self.estimates.rates(DEFAULT_RATES)
+
+    def initial_phase(self) -> Phase:
+        """Cloud-only while warming up or when earlier measurements favour it; else hybrid."""
+        p = self.policy
+        if self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
+                self.rates(), p.cap, p.pipeline, now_cloud_only=False)):
+            return Phase.CLOUD_ONLY
+        return Phase.HYBRID
+
+    def next_gamma(self, remaining_tokens: int, context_tokens: int) -> int | None:
+        """γ for the next round, or None to hand decoding to the cloud."""
+        p = self.policy
+        rates = self.rates()
+        if p.cloud_only_switch:
+            judged = rates if self.hybrid_rounds >= MIN_HYBRID_ROUNDS else rates.optimistic(OPTIMISTIC_ALPHA)
+            if self._prefer_cloud(judged, False, remaining_tokens, context_tokens):
+                return None
+        if not p.adaptive:
+            return p.cap
+        if self.estimates.draft_s.value is None:
+            return min(FIRST_GAMMA, p.cap)
+        return policy.choose_gamma(rates, p.cap, p.pipeline)
+
+    def observed_hybrid_round(self) -> None:
+        """One more hybrid round measured since the last switch."""
+        self.hybrid_rounds += 1
+
+    def entered_hybrid(self) -> None:
+        """Decoding went (back) to hybrid: the first rounds are judged optimistically again."""
+        self.warming_up = False
+        self.hybrid_rounds = 0
+
+    # ---- while cloud-only ---------------------------------------------------------------------
+
+    def end_warmup(self) -> bool:
+        """The warm-up decided to stay cloud-only; True if it was still warming up."""
+        was, self.warming_up = self.warming_up, False
+        return was
+
+    def first_check_after(self, can_shadow: bool) -> int:
+        """Cloud tokens before the first decision of a cloud-only stream."""
+        if not self.warming_up:
+            return self.policy.probe_tokens
+        return WARMUP_CLOUD_TOKENS if can_shadow else WARMUP_CLOUD_TOKENS_SAMPLED
+
+    def shadow_worthwhile(self, can_shadow: bool) -> bool:
+        """Measure α by shadow drafting? Only if it can be checked and hybrid could win at all (while
+        warming up T is not known yet, so always)."""
+        return can_shadow and (self.warming_up or self.hybrid_could_win())
+
+    def hybrid_looks_better(self, can_shadow: bool, remaining_tokens: int, context_tokens: int) -> bool:
+        """Leave cloud-only decoding? While warming up without shadow acceptance (sampling), judged
+        with a good drafter's α."""
+        rates = self.rates()
+        judged = rates.optimistic(OPTIMISTIC_ALPHA) if self.warming_up and not can_shadow else rates
+        return not self._prefer_cloud(judged, True, remaining_tokens, context_tokens)
+
+    def hybrid_could_win(self) -> bool:
+        """Could hybrid beat cloud-only here even with a drafter accepted OPTIMISTIC_ALPHA of the time?"""
+        return not policy.prefer_cloud_only(self.rates().optimistic(OPTIMISTIC_ALPHA), self.policy.cap,
+                                            self.policy.pipeline, now_cloud_only=True, hysteresis=0.0)
+
+    def _prefer_cloud(self, rates: policy.Rates, now_cloud_only: bool, remaining_tokens: int,
+                      context_tokens: int) -> bool:
+        """The policy's verdict, with what a switch would cost here and what is left to gain."""
+        return policy.prefer_cloud_only(rates, self.policy.cap, self.policy.pipeline, now_cloud_only,
+                                        remaining_tokens=remaining_tokens,
+                                        switch_cost_s=self.estimates.switch_cost_s(context_tokens))

@@ -1,0 +1,78 @@
+"""The offline phase (`allow_unverified`): the cloud stopped answering, so the drafter goes on alone and
+its tokens are marked unverified. Every `reconnect_s` the edge tries the cloud; once it answers, the
+unverified tail is verified block by block with the ordinary verify round — the longest accepted
+prefix is kept and the rest rolled back, so the final text is still the target's."""
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+from ..common.errors import Unavailable
+from .controller import Phase
+from .state import Event
+
+if TYPE_CHECKING:
+    from .worker import GenerationRun
+
+
+def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
+    """Draft alone until the cloud answers, then verify what was drafted; returns the next phase."""
+    cfg, state = run.cfg, run.state
+    yield run.notice(f"cloud unreachable ({run.lost_reason}); continuing with the drafter alone, unverified")
+    if run.in_flight is not None and run.in_flight.ids:
+        yield _add_unverified(run, run.in_flight)
+    run.in_flight = None
+    next_try = time.perf_counter() + cfg.reconnect_s
+    give_up = None  # set once there is nothing left to draft
+    while True:
+        # 1. Time to try the cloud again?
+        now = time.perf_counter()
+        if now >= next_try:
+            next_try = now + cfg.reconnect_s
+            if _reachable(run):
+                yield run.notice(f"cloud reachable again; verifying {len(state.unverified)} unverified tokens")
+                return (yield from _verify_unverified(run))
+        # 2. Draft one more token alone, while the budget allows.
+        if state.room > 0 and not (state.unverified and state.unverified[-1] in state.stop_ids):
+            proposal = run.drafter.propose(state.committed + state.unverified, 1, fallback=False)
+            if proposal.ids:
+                yield _add_unverified(run, proposal)
+                continue
+        # 3. Nothing left to draft: wait for the cloud, but not for ever.
+        give_up = give_up or now + cfg.timeout_s
+        if now > give_up:
+            run.gave_up = True
+            yield run.notice(f"cloud still unreachable after {cfg.timeout_s:g} s; "
+                             f"{len(state.unverified)} tokens stay unverified")
+            return Phase.OFFLINE
+        time.sleep(max(0.0, min(next_try, give_up) - now))
+
+
+def _reachable(run: GenerationRun) -> bool:
+    """Ping the cloud and re-open the session; False while it does not answer."""
+    try:
+        run.client.ping(timeout_s=min(run.cfg.reconnect_s, run.cfg.timeout_s))
+        run.session.open()
+        return True
+    except Unavailable:
+        return False
+
+
+def _add_unverified(run: GenerationRun, proposal) -> Event:
+    run.stats.offline_tokens += len(proposal.ids)
+    return run.state.add_unverified(proposal)
+
+
+def _verify_unverified(run: GenerationRun) -> Generator[Event, None, Phase]:
+    """Send the unverified tail as draft blocks; keep what is accepted, roll back the rest."""
+    state = run.state
+    while state.unverified and not state.done:
+        block = state.unverified_block(run.controller.policy.cap, with_q=not run.cfg.sampling.greedy)
+        try:
+            result, events = run.verify_round(block, len(block.ids), unverified=True)
+        except Unavailable as exc:
+            return run.lost(exc, None)
+        run.estimates.observe_verify(len(block.ids), result.verify_ms / 1e3)
+        yield from events
+    return Phase.HYBRID

@@ -1,0 +1,67 @@
+"""One verify round, the same wherever a block is verified: hybrid decoding, the reconciliation of
+tokens drafted offline, and co-located speculative decoding (lab/baselines.py).
+
+    1. send the block          (over gRPC, or a direct call of the verifier core)
+    2. work while it is scored (pipelined drafting, optional)
+    3. take the verdict
+    4. commit what it kept, count the round, tell the drafter
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ..common.wire import DraftBlock, VerifyResult
+from .drafter import Drafter, Proposal
+from .state import Event, EventKind, GenerationState
+from .stats import Stats
+
+
+class InFlight(Protocol):
+    """A block on its way to a verdict."""
+
+    def done(self) -> bool:
+        """True once the verdict (or an error) is in."""
+        ...
+
+    def result(self) -> VerifyResult:
+        """Wait for the verdict."""
+        ...
+
+
+# Sends a block (its session_id is the sender's to fill in) and returns it in flight.
+Send = Callable[[DraftBlock], InFlight]
+
+
+class VerifyRound:
+    """Runs rounds of one generation against one verifier."""
+
+    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, send: Send, with_q: bool) -> None:
+        """with_q: send each draft token's q (the acceptance rules that read it)."""
+        self.state = state
+        self.stats = stats
+        self.drafter = drafter
+        self.send = send
+        self.with_q = with_q
+
+    def __call__(self, proposal: Proposal, gamma: int, *, while_waiting: Callable[[InFlight], None] | None = None,
+                 unverified: bool = False) -> tuple[VerifyResult, list[Event]]:
+        """Verify `proposal` (γ chosen: `gamma`); unverified: it is the head of the offline tail."""
+        state = self.state
+        # 1. Send.
+        in_flight = self.send(proposal.block("", state.round, len(state.committed), self.with_q))
+        # 2. Work meanwhile.
+        if while_waiting is not None:
+            while_waiting(in_flight)
+        # 3. The verdict.
+        result = in_flight.result()
+        k, token = result.num_accepted, result.next_token
+        # 4. Commit, count, learn.
+        if unverified:
+            events = state.reconcile(proposal, k, token)
+            self.stats.rolled_back += sum(len(e.tokens) for e in events if e.kind is EventKind.ROLLBACK)
+        else:
+            events = [state.commit_verdict(proposal, k, token)]
+        self.stats.observe_round(len(proposal.ids), k, gamma, proposal.fell_back, proposal.drafted_ahead)
+        self.drafter.observe(k, token)
+        return result, events

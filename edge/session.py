@@ -1,0 +1,104 @@
+"""The generation's session on the verifier: opened under the id the server issues, re-opened from the
+committed tokens whenever the verifier lost it, closed at the end; and the rounds sent on it."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
+from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from .client import PendingRound, VerifierClient
+from .estimates import Estimates
+from .state import GenerationState
+from .stats import Stats
+
+# A verifier that lost a session because its replica died needs a few seconds to restart it; the
+# re-open is retried with this backoff (seconds, doubling) until the edge's timeout runs out.
+REOPEN_BACKOFF_S = (0.25, 2.0)
+
+
+class CloudSession:
+    """Open/re-open/close one generation's session and send its rounds."""
+
+    def __init__(self, client: VerifierClient, spec: SessionSpec, state: GenerationState, estimates: Estimates,
+                 stats: Stats, timeout_s: float) -> None:
+        """spec: the session's settings; its ids and round come from `state` at each open."""
+        self.client = client
+        self.spec = spec
+        self.state = state
+        self.estimates = estimates
+        self.stats = stats
+        self.timeout_s = timeout_s
+        self.id = ""  # issued by the verifier at the first open; "" while there is no session
+
+    def open(self) -> None:
+        """Open the session, or re-open it under its id, from the committed tokens."""
+        t0 = time.perf_counter()
+        state = self.state
+        opened = self.client.open_session(replace(self.spec, session_id=self.id, committed_ids=tuple(state.committed),
+                                                  next_round=state.round))
+        self.id = opened.session_id
+        spent = time.perf_counter() - t0 - self.estimates.rtt_s.get(0.0)
+        self.estimates.prefill_per_token_s.add(max(0.0, spent) / len(state.committed))
+
+    def reopen(self) -> None:
+        """Re-open after the verifier lost the session, waiting (bounded) for a restarting replica."""
+        self.stats.reopens += 1
+        deadline = time.perf_counter() + self.timeout_s
+        delay, max_delay = REOPEN_BACKOFF_S
+        while True:
+            try:
+                return self.open()
+            except Unavailable:
+                if time.perf_counter() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, max_delay)
+
+    def close(self, wait: bool = True) -> None:
+        """Free the session on the verifier (a soft cache: failing to is harmless)."""
+        if not self.id:
+            return
+        if wait:
+            try:
+                self.client.close_session(self.id)
+            except HybridSpecError:
+                pass  # the verifier expires it on its own
+        else:
+            self.client.close_session_later(self.id)
+        self.id = ""
+
+    def send(self, block: DraftBlock) -> Round:
+        """Send a round of this session on its stream."""
+        block = replace(block, session_id=self.id)
+        return Round(self, block, self.client.submit(block))
+
+
+class Round:
+    """A round in flight on the session's stream."""
+
+    def __init__(self, session: CloudSession, block: DraftBlock, pending: PendingRound) -> None:
+        self.session = session
+        self.block = block
+        self.pending = pending
+
+    def done(self) -> bool:
+        """True once the reply (or an error) is in."""
+        return self.pending.done()
+
+    def result(self) -> VerifyResult:
+        """The verdict; a verifier that lost the session gets it back from what the edge holds.
+        A reply that came straight back also measures the round trip: its wait minus the verifier's time."""
+        session = self.session
+        t0 = time.perf_counter()
+        try:
+            try:
+                result = session.client.wait(self.pending)
+            except FailedPrecondition:
+                session.reopen()
+                return session.client.verify(replace(self.block, session_id=session.id))
+            pending = self.pending
+            session.estimates.rtt_s.add(max(0.0, pending.arrived - pending.sent - result.verify_ms / 1e3))
+            return result
+        finally:
+            session.stats.cloud_s += time.perf_counter() - t0

@@ -1,0 +1,1 @@
+"""Getting the embedded default models onto this machine: download, dequantise, install."""

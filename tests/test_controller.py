@@ -1,0 +1,85 @@
+"""The edge's decisions by scenario, without any network: phase at start, γ, warm-up, optimism,
+hysteresis, probing and shadow drafting."""
+import pytest
+
+from hybridspec.edge import policy
+from hybridspec.edge.controller import (FIRST_GAMMA, MIN_HYBRID_ROUNDS, WARMUP_CLOUD_TOKENS,
+                                        WARMUP_CLOUD_TOKENS_SAMPLED, Controller, Phase, Policy)
+from hybridspec.edge.estimates import Estimates
+
+CAP = 8
+
+
+def measured(alpha: float, cloud_token_s: float, rtt_s: float = 0.01, draft_s: float = 0.002,
+             verify_s: float = 0.03) -> Estimates:
+    """Estimates as if many rounds had measured these rates (α the same at every position)."""
+    est = Estimates(CAP + 1, prior_alpha=alpha, prior_weight=1000.0)  # as if after many rounds at α
+    for gamma in (0, 1, 4, 8):
+        est.observe_verify(gamma, verify_s)
+    est.cloud_token_s.add(cloud_token_s)
+    est.rtt_s.add(rtt_s)
+    est.draft_s.add(draft_s)
+    return est
+
+
+def controller(est: Estimates, **policy) -> Controller:
+    return Controller(Policy(cap=CAP, **policy), est)
+
+
+def test_a_fresh_worker_warms_up_cloud_only_unless_switching_is_off():
+    assert controller(Estimates(CAP + 1)).initial_phase() is Phase.CLOUD_ONLY
+    assert controller(Estimates(CAP + 1)).warming_up
+    off = controller(Estimates(CAP + 1), cloud_only_switch=False)
+    assert off.initial_phase() is Phase.HYBRID and not off.warming_up
+
+
+def test_a_worker_that_measured_starts_where_its_measurements_point():
+    fast_cloud = controller(measured(alpha=0.3, cloud_token_s=0.005))
+    assert not fast_cloud.warming_up and fast_cloud.initial_phase() is Phase.CLOUD_ONLY
+    slow_cloud = controller(measured(alpha=0.9, cloud_token_s=0.2))
+    assert slow_cloud.initial_phase() is Phase.HYBRID
+
+
+def test_gamma_is_fixed_first_guessed_then_chosen():
+    assert controller(measured(0.8, 0.2), adaptive=False).next_gamma(100, 20) == CAP
+    est = Estimates(CAP + 1)
+    est.cloud_token_s.add(0.5)  # a slow cloud: hybrid stays
+    assert controller(est).next_gamma(100, 20) == min(FIRST_GAMMA, CAP)  # drafting speed not known yet
+    good, poor = controller(measured(0.95, 0.2)), controller(measured(0.3, 0.2))
+    assert good.next_gamma(100, 20) > poor.next_gamma(100, 20) >= 1
+
+
+def test_the_first_hybrid_rounds_are_judged_optimistically():
+    ctl = controller(measured(alpha=0.05, cloud_token_s=0.03, rtt_s=0.02))
+    ctl.entered_hybrid()
+    assert ctl.next_gamma(200, 20) is not None  # a poor α measured so far is not trusted yet
+    for _ in range(MIN_HYBRID_ROUNDS):
+        ctl.observed_hybrid_round()
+    assert ctl.next_gamma(200, 20) is None  # now it is: hand decoding to the cloud
+
+
+def test_warmup_and_probing_lengths():
+    ctl = controller(Estimates(CAP + 1), probe_tokens=32)
+    assert ctl.first_check_after(can_shadow=True) == WARMUP_CLOUD_TOKENS
+    assert ctl.first_check_after(can_shadow=False) == WARMUP_CLOUD_TOKENS_SAMPLED
+    assert ctl.end_warmup() and not ctl.end_warmup()
+    assert ctl.first_check_after(can_shadow=True) == 32
+
+
+@pytest.mark.parametrize("gain, switches", [(1.02, False), (3.0, True)])
+def test_hysteresis_keeps_cloud_only_unless_hybrid_is_clearly_faster(gain, switches):
+    est = measured(alpha=0.6, cloud_token_s=1.0)
+    ctl = controller(est)
+    rates = ctl.rates()
+    hybrid = policy.hybrid_rate(rates, policy.choose_gamma(rates, CAP, True), True)
+    est.cloud_token_s.value = gain / hybrid  # cloud-only decodes `gain` times slower than hybrid would
+    assert ctl.hybrid_looks_better(can_shadow=True, remaining_tokens=10_000, context_tokens=10) is switches
+
+
+def test_shadow_drafting_only_when_it_can_be_checked_and_could_matter():
+    warming = controller(Estimates(CAP + 1))
+    assert warming.shadow_worthwhile(can_shadow=True) and not warming.shadow_worthwhile(can_shadow=False)
+    hopeless = controller(measured(alpha=0.5, cloud_token_s=0.001, rtt_s=0.2))  # even α 0.9 would lose
+    assert not hopeless.shadow_worthwhile(can_shadow=True)
+    promising = controller(measured(alpha=0.5, cloud_token_s=0.2, rtt_s=0.001))
+    assert promising.shadow_worthwhile(can_shadow=True)
