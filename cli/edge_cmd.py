@@ -56,6 +56,8 @@ def add_edge_options(parser) -> None:
                         help="draft the next block while the current one is verified (default on)")
     parser.add_argument("--cloud-only-switch", action=argparse.BooleanOptionalAction,
                         help="let the cloud decode alone while that is predicted faster (default on)")
+    parser.add_argument("--cloud-only", action="store_true", default=None,
+                        help="the baseline: the cloud decodes every token alone (same CLI path, no drafting)")
     parser.add_argument("--allow-unverified", action=argparse.BooleanOptionalAction,
                         help="if the cloud is unreachable, keep generating with the drafter, marked unverified")
     parser.add_argument("--timeout-s", type=float, help="no reply within this long = cloud unreachable (default 30)")
@@ -114,9 +116,13 @@ def run_generate(args) -> int:
     if not args.stream:
         print(gen.text)
     s = gen.stats
-    print(f"[{s.new_tokens} tokens in {s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, "
-          f"{s.mean_tokens_per_round:.2f} tokens/round, {s.tokens_per_s:.1f} tokens/s"
-          f"{f', {s.unverified} unverified' if s.unverified else ''}]", file=sys.stderr)
+    if s.rounds:
+        print(f"[{s.new_tokens} tokens in {s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, "
+              f"{s.mean_tokens_per_round:.2f} tokens/round, {s.tokens_per_s:.1f} tokens/s"
+              f"{f', {s.cloud_only_tokens} decoded by the cloud alone' if s.cloud_only_tokens else ''}"
+              f"{f', {s.unverified} unverified' if s.unverified else ''}]", file=sys.stderr)
+    else:
+        print(f"[{s.new_tokens} tokens decoded by the cloud alone, {s.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
     return 0
 
 

@@ -48,9 +48,8 @@ class ReplicaLost(FailedPrecondition):
 class Backend(ABC):
     """Session ids and routing over named replicas; subclasses make the calls to one replica."""
 
-    info: ModelInfo  # valid once start() returned
-
     def __init__(self, max_sessions_per_client: int) -> None:
+        self.info: ModelInfo | None = None  # set once the models are loaded
         self.table = SessionTable(max_sessions_per_client)
         self.routed_total: dict[str, int] = {}  # replica -> sessions ever routed there
 
@@ -64,35 +63,48 @@ class Backend(ABC):
     async def stop(self) -> None:
         """Release replicas."""
 
+    def model_info(self) -> ModelInfo:
+        """What is served; Unavailable while the models are still loading."""
+        if self.info is None:
+            raise Unavailable("the verifier is still loading its model; retry shortly")
+        return self.info
+
     async def open_session(self, spec: SessionSpec, client: str) -> SessionOpened:
         """Open a session for `client`, or re-open the live session spec.session_id names.
 
-        Everything is checked before the session is routed; a failed open leaves nothing behind.
+        The session counts towards the client's limit from the start. Everything is checked before
+        a replica is asked; an open that fails, times out or is abandoned leaves nothing behind.
         """
+        info = self.model_info()
         session_id, route = self.table.claim(spec.session_id, client)
         spec = replace(spec, session_id=session_id)
-        spec.check_against(self.info)
-        for _ in range(len(self._replica_names()) + 1):  # a replica may die under us: try another
-            if route is None:
-                route = self.table.add(session_id, await self._place(), client)
-                self.routed_total[route.replica] = self.routed_total.get(route.replica, 0) + 1
-            route.opening = True
-            try:
-                committed_len = await self._open_on(route.replica, spec)
-            except ReplicaLost:
-                self.table.remove(session_id)  # the replica took the session with it
-                route = None
-                continue
-            except HybridSpecError:
+        try:
+            spec.check_against(info)
+            for _ in range(len(self._replica_names()) + 1):  # a replica may die under us: try another
+                if not route.replica:
+                    route.replica = await self._place()
+                    self.routed_total[route.replica] = self.routed_total.get(route.replica, 0) + 1
+                route.opening = True
+                try:
+                    committed_len = await self._open_on(route.replica, spec)
+                except ReplicaLost:
+                    route.replica = ""  # the replica took the session with it: place it again
+                    self._check_still_routed(session_id, route)
+                    continue
+                route.opening, route.routed_at = False, time.monotonic()
+                self._check_still_routed(session_id, route)
+                return SessionOpened(session_id, committed_len)
+            raise Unavailable("no verifier replica could open the session; retry shortly")
+        except BaseException:  # an error, the call's deadline, or a client that went away
+            if self.table.lookup(session_id) is route:
                 self.table.remove(session_id)
-                self._close_quietly(route.replica, session_id)  # a re-open may have left the old one
-                raise
-            route.opening, route.routed_at = False, time.monotonic()
-            if self.table.lookup(session_id) is not route:  # closed while it was being opened
-                self._close_quietly(route.replica, session_id)
-                raise FailedPrecondition("the session was closed while it was being opened")
-            return SessionOpened(session_id, committed_len)
-        raise Unavailable("no verifier replica could open the session; retry shortly")
+            if route.replica:
+                self._close_quietly(route.replica, session_id)  # it may have opened there meanwhile
+            raise
+
+    def _check_still_routed(self, session_id: str, route) -> None:
+        if self.table.lookup(session_id) is not route:
+            raise FailedPrecondition("the session was closed while it was being opened")
 
     async def verify(self, block: DraftBlock) -> VerifyResult:
         """Verify one round on the replica that holds the session."""
@@ -215,7 +227,7 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> 
     Every token is the 'bonus' of an empty block, so cloud-only streams are batched with the
     verification rounds of other sessions, and a lost replica is recovered from the tokens so far.
     """
-    info = backend.info
+    info = backend.model_info()
     spec.validate(info.vocab_size)
     if len(spec.prompt_ids) + spec.max_new_tokens > info.max_context:
         raise ResourceExhausted(f"prompt + max_new_tokens exceeds max_context {info.max_context}")

@@ -208,7 +208,7 @@ class RayPool(Backend):
                 self._revived.set()
                 log.info("replica %s is back", replica.name)
                 return
-            except RayActorError:
+            except Exception:  # any Ray error while it restarts: keep watching
                 await asyncio.sleep(0.5)
 
 

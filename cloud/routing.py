@@ -27,7 +27,7 @@ def new_session_id() -> str:
 class Route:
     """Where one session lives and who opened it."""
 
-    replica: str  # the replica holding its KV cache
+    replica: str  # the replica holding its KV cache; "" while a new session is being placed
     client: str  # who opened it (counts towards that client's limit)
     opening: bool = True  # an OpenSession is in flight: the replica may not list it yet
     routed_at: float = field(default_factory=time.monotonic)
@@ -57,9 +57,10 @@ class SessionTable:
         """The route of a session, or None."""
         return self._routes.get(session_id)
 
-    def claim(self, requested_id: str, client: str) -> tuple[str, Route | None]:
-        """The id an OpenSession will use: the requested one if it is live (a re-open), else a fresh
-        one for `client`, who must have room for another session. Returns (id, existing route)."""
+    def claim(self, requested_id: str, client: str) -> tuple[str, Route]:
+        """The id and route an OpenSession will use: the requested id's if it is live (a re-open),
+        else a fresh id for `client`, counted from now on and not yet on any replica (route.replica
+        is "" until the caller places it). ResourceExhausted when the client has no room left."""
         route = self._routes.get(requested_id) if requested_id else None
         if route is not None:
             return requested_id, route
@@ -67,15 +68,11 @@ class SessionTable:
         if held >= self.max_per_client:
             raise ResourceExhausted(f"this client already holds {held} sessions (the limit is "
                                     f"{self.max_per_client}); close some or retry later")
-        return new_session_id(), None
-
-    def add(self, session_id: str, replica: str, client: str) -> Route:
-        """Route a new session (opening) to `replica`."""
-        self.remove(session_id)
-        route = Route(replica, client)
+        session_id = new_session_id()
+        route = Route("", client)
         self._routes[session_id] = route
-        self._per_client[client] = self._per_client.get(client, 0) + 1
-        return route
+        self._per_client[client] = held + 1
+        return session_id, route
 
     def remove(self, session_id: str) -> Route | None:
         """Forget a session; returns its route if it had one."""

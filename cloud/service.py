@@ -78,8 +78,11 @@ class VerifierService:
     # ---- the RPCs -----------------------------------------------------------------------------
 
     async def GetModelInfo(self, request, context):
-        await self._guard(context, "GetModelInfo", self._decoded(request))
-        return codec.model_info_to_pb(self.backend.info)
+        async def work() -> pb.ModelInfo:
+            await self._decoded(request)
+            return codec.model_info_to_pb(self.backend.model_info())
+
+        return await self._guard(context, "GetModelInfo", work())
 
     async def OpenSession(self, request, context):
         async def work() -> pb.OpenSessionReply:

@@ -95,7 +95,7 @@ class Verifier:
         chunk = self.limits.prefill_chunk
         for start in range(0, len(context), chunk):
             with self._lock.for_prefill():
-                self._forward(context[start:start + chunk], cache)
+                self._prefill(context[start:start + chunk], cache)
         with self._lock.for_prefill():
             self._sessions.reserve(spec.session_id)  # others may have taken the room meanwhile
             self._sessions.put(Session(spec=spec, committed=list(spec.committed_ids), cache=cache,
@@ -166,11 +166,11 @@ class Verifier:
         for (i, block, session), session_logits in zip(admitted, logits):
             try:
                 outcome = _apply_rule(session.spec, block, session_logits)
+                truncate_cache(session.cache, len(session.committed) + outcome.num_accepted)
             except Exception as exc:
                 self._roll_back(session)
                 results[i] = incident(log, exc, "a verification rule")
                 continue
-            truncate_cache(session.cache, len(session.committed) + outcome.num_accepted)
             session.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
             session.next_round = block.round + 1
             session.last_block = block
@@ -213,6 +213,13 @@ class Verifier:
                 f"committed_len {block.committed_len} disagrees with this session's committed length")
         if len(session.committed) + len(block.draft_ids) + 1 > self.limits.max_context:
             raise ResourceExhausted(f"the block would grow the session past max_context {self.limits.max_context}")
+
+    @torch.inference_mode()
+    def _prefill(self, token_ids: list[int], cache: DynamicCache) -> None:
+        """Feed context tokens into the cache. No logits are needed, so the output head (a fifth of
+        the small target's per-token cost) runs for one position only."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.target.device)
+        self.target.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     @torch.inference_mode()
     def _forward(self, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:

@@ -51,7 +51,7 @@ def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
             yield state.commit([token], [Origin.CLOUD])
             # 3. Decide, every so often.
             since_check += 1
-            if state.done or not cfg.probe_tokens or since_check < next_check:
+            if state.done or not ctl.reconsiders or since_check < next_check:
                 continue
             since_check, next_check = 0, cfg.probe_tokens
             ping.join()
@@ -65,10 +65,10 @@ def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
         return run.lost(exc, None)
     finally:
         stream.close()  # cancels the stream if we leave it early
-    if state.done:
+    if state.done or ctl.policy.cloud_only:
         return Phase.CLOUD_ONLY
     # 4. Back to hybrid: a session from everything committed so far.
-    was_warming = ctl.warming_up
+    was_warming = ctl.end_warmup()
     try:
         run.session.open()
     except Unavailable as exc:

@@ -35,6 +35,7 @@ class EdgeConfig:
     wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
     pipeline: bool = True  # draft the next block while the current one is being verified
     cloud_only_switch: bool = True  # let the cloud decode alone while that is predicted to be faster
+    cloud_only: bool = False  # the baseline: the cloud decodes every token alone, the drafter never runs
     probe_tokens: int = 32  # while cloud-only: tokens per stream before measuring and deciding again
     allow_unverified: bool = False  # cloud unreachable: keep generating with the drafter alone, marked
     reconnect_s: float = 1.0  # offline: seconds between attempts to reach the cloud again

@@ -46,6 +46,7 @@ class Policy:
     pipeline: bool = True  # blocks are drafted ahead while waiting
     cloud_only_switch: bool = True  # may hand decoding to the cloud
     probe_tokens: int = 32  # while cloud-only: tokens between decisions; 0 = never reconsider
+    cloud_only: bool = False  # the baseline: cloud-only from start to end, nothing measured or drafted
 
 
 class Controller:
@@ -54,7 +55,7 @@ class Controller:
     def __init__(self, policy_: Policy, estimates: Estimates) -> None:
         self.policy = policy_
         self.estimates = estimates
-        self.warming_up = policy_.cloud_only_switch and estimates.cloud_token_s.value is None
+        self.warming_up = policy_.cloud_only_switch and not policy_.cloud_only and estimates.cloud_token_s.value is None
         self.hybrid_rounds = 0  # since the last switch to hybrid
 
     def rates(self) -> policy.Rates:
@@ -64,7 +65,7 @@ class Controller:
     def initial_phase(self) -> Phase:
         """Cloud-only while warming up or when earlier measurements favour it; else hybrid."""
         p = self.policy
-        if self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
+        if p.cloud_only or self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
                 self.rates(), p.cap, p.pipeline, now_cloud_only=False)):
             return Phase.CLOUD_ONLY
         return Phase.HYBRID
@@ -99,6 +100,11 @@ class Controller:
         was, self.warming_up = self.warming_up, False
         return was
 
+    @property
+    def reconsiders(self) -> bool:
+        """Whether a cloud-only stream is ever reconsidered."""
+        return not self.policy.cloud_only and self.policy.probe_tokens > 0
+
     def first_check_after(self, can_shadow: bool) -> int:
         """Cloud tokens before the first decision of a cloud-only stream."""
         if not self.warming_up:
@@ -108,7 +114,7 @@ class Controller:
     def shadow_worthwhile(self, can_shadow: bool) -> bool:
         """Measure α by shadow drafting? Only if it can be checked and hybrid could win at all (while
         warming up T is not known yet, so always)."""
-        return can_shadow and (self.warming_up or self.hybrid_could_win())
+        return can_shadow and self.reconsiders and (self.warming_up or self.hybrid_could_win())
 
     def hybrid_looks_better(self, can_shadow: bool, remaining_tokens: int, context_tokens: int) -> bool:
         """Leave cloud-only decoding? While warming up without shadow acceptance (sampling), judged

@@ -86,7 +86,8 @@ class GenerationRun:
         self.stats = Stats()
         self.controller = Controller(Policy(cap=worker.cap, adaptive=cfg.gamma_policy == "adaptive",
                                             pipeline=cfg.pipeline, cloud_only_switch=cfg.cloud_only_switch,
-                                            probe_tokens=cfg.probe_tokens), self.estimates)
+                                            probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only),
+                                     self.estimates)
         settings = cfg.draft_settings(worker.info.vocab_size, frozenset(worker.info.eos_token_ids))
         inner = make_drafter(cfg.drafter_kind, worker.drafter_model, settings)
         self.drafter = Lookahead(inner)
@@ -110,8 +111,8 @@ class GenerationRun:
             yield from self._run()
         finally:
             end = time.perf_counter()  # the last token is out: closing the session is not waited for
-            if self.phase is Phase.HYBRID and not self.gave_up:
-                self.session.close()
+            if not self.gave_up:
+                self.session.close()  # nothing to do unless a session is open
         tokens, origins = self.state.result()
         s = self.stats
         s.new_tokens, s.unverified = len(tokens), len(self.state.unverified)
@@ -125,7 +126,7 @@ class GenerationRun:
     def _run(self) -> Iterator[Event]:
         # 1. Start where the measurements point: cloud-only while warming up or when it is faster.
         self.phase = self.controller.initial_phase()
-        if self.phase is Phase.CLOUD_ONLY and not self.controller.warming_up:
+        if self.phase is Phase.CLOUD_ONLY and not (self.controller.warming_up or self.cfg.cloud_only):
             yield self.notice("starting with cloud-only decoding: the edge's measurements favour it")
         if self.phase is Phase.HYBRID:
             try:

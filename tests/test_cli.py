@@ -84,6 +84,18 @@ def test_generate_json(served, model_dirs, target):
     assert out["stats"]["rounds"] >= 4
 
 
+def test_generate_cloud_only_baseline(served, model_dirs, target):
+    from tinymodels import greedy_reference
+
+    _, address = served
+    r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
+                   str(model_dirs["random"]), "--max-new-tokens", "12", "--cloud-only")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == target.tokenizer.decode(greedy_reference(target, [5, 17, 33], 12),
+                                                       skip_special_tokens=True)
+    assert "decoded by the cloud alone" in r.stderr and "acceptance" not in r.stderr
+
+
 def test_mismatched_tokenizer_is_refused(served, model_dirs):
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "v5", "--drafter", str(model_dirs["alien"]))

@@ -112,6 +112,16 @@ def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
             worker.generate(PROMPT)
 
 
+def test_cloud_only_baseline_decodes_everything_in_the_cloud(server, target, random_drafter):
+    """`edge generate --cloud-only`: the same path, the cloud decoding alone from start to end."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, cloud_only=True)
+    with VerifierClient(server.address) as client:
+        gen = EdgeWorker(random_drafter, client, config).generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.rounds == 0 and gen.stats.cloud_streams == 1 and gen.stats.notices == []
+    assert set(gen.origins) == {Origin.CLOUD}
+
+
 def test_a_worker_that_measured_a_fast_cloud_starts_cloud_only(server, target, random_drafter):
     """Rates carry over between generations: a worker that measured a fast cloud starts cloud-only."""
     config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
