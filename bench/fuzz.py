@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from tqdm import tqdm
 
 from fuzzing import Fuzzer, calls  # noqa: E402  (tests/ is on the path above)
+from soak import references  # noqa: E402  (bench/, this script's folder, is on the path)
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.embedded import default_paths
 from hybridspec.common.models import load_model
@@ -74,11 +75,7 @@ def main() -> int:
     target = load_model(paths["target"], device="cpu")
     drafter = load_model(paths["drafter"], device="cpu")
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in PROMPTS]
-    references = [target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                        attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
-                  for p in prompts]
-    eos = set(target.eos_token_ids)
-    references = [r[:next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in references]
+    expected = references(target, prompts, NEW_TOKENS)
 
     stop, honest, errors = threading.Event(), [], []
 
@@ -90,7 +87,7 @@ def main() -> int:
                 i = 0
                 while not stop.is_set():
                     gen = worker.generate(prompts[i % len(prompts)])
-                    honest.append(gen.token_ids == references[i % len(prompts)])
+                    honest.append(gen.token_ids == expected[i % len(prompts)])
                     i += 1
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")

@@ -71,12 +71,12 @@ def rss_mb(procs: list[psutil.Process]) -> float:
     return total / 2**20
 
 
-def references(target, prompts: list[list[int]]) -> list[list[int]]:
+def references(target, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """The target's own greedy continuation of each prompt (cut after an end-of-sequence token)."""
     eos = set(target.eos_token_ids)
     out = []
     for p in prompts:
-        ids = target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+        ids = target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new_tokens,
                                     attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
         out.append(ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
     return out

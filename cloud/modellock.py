@@ -22,19 +22,17 @@ class ModelLock:
         self._rounds: deque[threading.Event] = deque()
         self._prefills: deque[threading.Event] = deque()
 
-    @contextlib.contextmanager
-    def for_rounds(self) -> Iterator[None]:
+    def for_rounds(self) -> contextlib.AbstractContextManager[None]:
         """Hold the model for verification rounds (served before waiting prefill chunks)."""
-        self._acquire(self._rounds)
-        try:
-            yield
-        finally:
-            self._release()
+        return self._hold(self._rounds)
+
+    def for_prefill(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the model for one prefill chunk (or any other short, deferrable work)."""
+        return self._hold(self._prefills)
 
     @contextlib.contextmanager
-    def for_prefill(self) -> Iterator[None]:
-        """Hold the model for one prefill chunk (or any other short, deferrable work)."""
-        self._acquire(self._prefills)
+    def _hold(self, queue: deque[threading.Event]) -> Iterator[None]:
+        self._acquire(queue)
         try:
             yield
         finally:
