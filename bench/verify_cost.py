@@ -3,8 +3,9 @@
     python bench/verify_cost.py [--dtypes float32 bfloat16] [--context 200] [--repeats 12] [--prompts 8]
 
 On the verifier core (embedded target, one torch thread, as a replica runs it):
-- t(n): one forward of n tokens after a cached context of `--context` tokens (median of repeats);
-  v = t(γ+1) / t(1) at γ = 4 is what a round costs in target-token times (docs/design.md §2).
+- t(n): one engine step of n scored tokens after a cached context of `--context` tokens (median of
+  repeats); v = t(γ+1) / t(1) at γ = 4 is what a round costs in target-token times (docs/design.md
+  §2). hf_t(n) is the same forward through Hugging Face's own cache, for comparison.
 - exactness in the served dtype: every prompt is decoded by the target alone (Hugging Face greedy,
   one token per step) and then verified in blocks of γ = 4 drafted from exactly that decoding. In
   exact arithmetic every block is accepted; a rejection is a near-tie that the block-shaped forward
@@ -23,6 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
+from hybridspec.cloud.engine import Engine, Feed
+from hybridspec.cloud.kvpool import PageTable
 from hybridspec.cloud.verifier import Verifier, VerifierLimits
 from hybridspec.common.embedded import default_paths
 from hybridspec.common.models import load_model
@@ -34,9 +37,25 @@ GAMMA = 4
 NEW_TOKENS = 64
 
 
+def engine_ms(engine: Engine, context: list[int], n: int, repeats: int) -> float:
+    """Median time of one engine step scoring n tokens after `context` (cut back after each)."""
+    table = PageTable(engine.pool)
+    table.grow(len(context))
+    engine.forward([Feed(table, context, scored=False)])
+    times = []
+    for _ in range(repeats):
+        table.grow(n)
+        t0 = time.perf_counter()
+        engine.forward([Feed(table, context[-n:], scored=True)])
+        times.append(time.perf_counter() - t0)
+        table.truncate(len(context))
+    table.release()
+    return 1e3 * statistics.median(times)
+
+
 @torch.inference_mode()
-def forward_ms(model, context: list[int], n: int, repeats: int) -> float:
-    """Median time of feeding n tokens after `context` (the cache is rebuilt outside the timing)."""
+def hf_forward_ms(model, context: list[int], n: int, repeats: int) -> float:
+    """Median time of feeding n tokens after `context` through Hugging Face's DynamicCache."""
     times = []
     for _ in range(repeats):
         cache = DynamicCache(config=model.config)
@@ -48,9 +67,9 @@ def forward_ms(model, context: list[int], n: int, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def flips(target, prompts: list[list[int]]) -> dict:
+def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:
     """Verify the target's own greedy decoding in blocks of GAMMA; count rejected blocks."""
-    verifier = Verifier(target, VerifierLimits(max_context=2048, max_draft=GAMMA))
+    target = verifier.target
     identical, flipped, compared = 0, 0, 0
     for i, prompt in enumerate(prompts):
         ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
@@ -83,11 +102,16 @@ def main() -> None:
     path = default_paths()["target"]
     for dtype in args.dtypes:
         target = load_model(path, device="cpu", dtype=dtype)
+        verifier = Verifier(target, VerifierLimits(max_context=2048, max_draft=GAMMA, kv_cache_tokens=8192))
         context = list(range(100, 100 + args.context))
-        t = {n: forward_ms(target.model, context, n, args.repeats) for n in (1, GAMMA + 1, 2 * GAMMA + 1)}
+        sizes = (1, GAMMA + 1, 2 * GAMMA + 1)
+        t = {n: engine_ms(verifier.engine, context, n, args.repeats) for n in sizes}
+        hf = {n: hf_forward_ms(target.model, context, n, args.repeats) for n in sizes}
         prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
         row = {"dtype": dtype, **{f"t{n}_ms": round(v, 1) for n, v in t.items()},
-               "v_gamma4": round(t[GAMMA + 1] / t[1], 2), **flips(target, prompts)}
+               "v_gamma4": round(t[GAMMA + 1] / t[1], 2),
+               **{f"hf_t{n}_ms": round(v, 1) for n, v in hf.items()},
+               "hf_v_gamma4": round(hf[GAMMA + 1] / hf[1], 2), **flips(verifier, prompts)}
         print(json.dumps(row), flush=True)
 
 

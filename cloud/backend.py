@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
 from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
-from .batcher import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .routing import SessionTable
 from .runner import VerifierRunner
 from .verifier import Verifier, VerifierStats

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .batcher import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .pool import PoolSpec
 from .replica import ReplicaSpec
 from .verifier import VerifierLimits
@@ -33,9 +33,9 @@ class ServeConfig:
     max_context: int = 4096  # committed + draft tokens per session
     max_draft: int = 32  # longest draft block accepted
     max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED
-    max_cached_tokens: int = 0  # per replica: LRU sessions are evicted beyond this many tokens; 0 = no cap
+    kv_cache_tokens: int = VerifierLimits.kv_cache_tokens  # per replica KV pool, allocated once; when full, LRU sessions are evicted
     max_sessions_per_client: int = 32  # per client (peer address) over the whole pool; more get RESOURCE_EXHAUSTED
-    prefill_chunk: int = 128  # prompt tokens per prefill pass; other sessions' rounds run between chunks
+    prefill_chunk: int = 128  # prompt tokens per forward pass at most; rounds never wait behind more
     replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
     idle_timeout_s: int = 600  # idle sessions are dropped after this
     metrics_port: int = 9464  # Prometheus /metrics port; -1 = off, 0 = any free port
@@ -50,10 +50,10 @@ class ServeConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s",
-                     "max_sessions_per_client", "prefill_chunk"):
+                     "max_sessions_per_client", "prefill_chunk", "kv_cache_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "max_cached_tokens", "ray_num_cpus",
+        for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "ray_num_cpus",
                      "replica_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -65,7 +65,7 @@ class ServeConfig:
         """The per-session limits each replica enforces."""
         return VerifierLimits(max_context=self.max_context, max_draft=self.max_draft,
                               max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s,
-                              max_cached_tokens=self.max_cached_tokens, prefill_chunk=self.prefill_chunk)
+                              kv_cache_tokens=self.kv_cache_tokens, prefill_chunk=self.prefill_chunk)
 
     def replica_spec(self, target: str) -> ReplicaSpec:
         """What each replica loads (`target` already resolved to a path or hub id)."""

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from ..common.errors import HybridSpecError
 from ..common.wire import DraftBlock, ModelInfo, SessionSpec, VerifyResult
-from .batcher import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .runner import VerifierRunner
 from .verifier import Verifier, VerifierLimits, VerifierStats
 

@@ -1,7 +1,7 @@
 """Per-session verifier state and the store that bounds it (docs/design.md §3).
 
 The KV cache is a soft cache: the store drops sessions that sit idle too long, and evicts the least
-recently used ones when the cached tokens of all sessions exceed a budget. A dropped session's next
+recently used ones when the replica's KV pool has no free pages for a step. A dropped session's next
 round gets FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The
 session count itself is a hard limit: past it, new sessions get RESOURCE_EXHAUSTED.
 """
@@ -11,10 +11,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from transformers import DynamicCache
-
 from ..common.errors import FailedPrecondition, ResourceExhausted
 from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from .kvpool import KVPool, PageTable
 
 
 @dataclass
@@ -23,7 +22,7 @@ class Session:
 
     spec: SessionSpec
     committed: list[int]  # prompt + every committed token
-    cache: DynamicCache  # the target's KV for committed[:-1]; the last token is fed with the next draft
+    table: PageTable  # the target's KV for committed[:-1]; the last token is fed with the next draft
     next_round: int
     last_block: DraftBlock | None = None  # the last answered block: only this exact block is a replay
     last_result: VerifyResult | None = None  # replayed verbatim when last_block comes again
@@ -33,11 +32,9 @@ class Session:
 class SessionStore:
     """Sessions by id, least recently used first."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, max_cached_tokens: int = 0) -> None:
-        """max_cached_tokens: LRU sessions are evicted while all sessions together hold more; 0 = no cap."""
+    def __init__(self, max_sessions: int, idle_timeout_s: float) -> None:
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
-        self.max_cached_tokens = max_cached_tokens
         self.evictions = 0  # sessions dropped for idleness or the token budget, not by CloseSession
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._evicted: OrderedDict[str, None] = OrderedDict()  # recent evictions, to say so in errors
@@ -72,30 +69,26 @@ class SessionStore:
             raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions; retry later")
 
     def put(self, session: Session) -> None:
-        """Insert or replace a session (call reserve first), then enforce the token budget."""
+        """Insert or replace a session (call reserve first); a replaced session's pages are freed."""
+        old = self._sessions.pop(session.spec.session_id, None)
+        if old is not None:
+            old.table.release()
         self._sessions[session.spec.session_id] = session
-        self._sessions.move_to_end(session.spec.session_id)
-        self.enforce_budget(keep=session.spec.session_id)
 
     def pop(self, session_id: str) -> bool:
-        """Drop a session; True if it existed."""
-        return self._sessions.pop(session_id, None) is not None
+        """Drop a session and free its pages; True if it existed."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.table.release()
+        return session is not None
 
-    def enforce_budget(self, keep: str) -> int:
-        """Evict least recently used sessions (never `keep`) while over the token budget."""
-        if not self.max_cached_tokens:
-            return 0
-        evicted = 0
-        total = self.cached_tokens
+    def make_room(self, pool: KVPool, pages: int, keep: set[str]) -> None:
+        """Evict least recently used sessions (never those in `keep`) until `pages` pages are free."""
         for sid in list(self._sessions):
-            if total <= self.max_cached_tokens:
-                break
-            if sid == keep:
-                continue
-            total -= len(self._sessions[sid].committed)
-            self._evict(sid)
-            evicted += 1
-        return evicted
+            if pool.free_pages >= pages:
+                return
+            if sid not in keep:
+                self._evict(sid)
 
     def expire_idle(self) -> int:
         """Drop sessions idle longer than the timeout; returns how many."""
@@ -106,7 +99,7 @@ class SessionStore:
         return len(stale)
 
     def _evict(self, session_id: str) -> None:
-        del self._sessions[session_id]
+        self._sessions.pop(session_id).table.release()
         self.evictions += 1
         self._evicted[session_id] = None
         while len(self._evicted) > 4096:

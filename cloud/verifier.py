@@ -1,8 +1,10 @@
-"""The verifier core: the target model, its per-session KV caches and the verification rules.
+"""The verifier core: the target model, its sessions' KV pages and the verification rules.
 
 No gRPC and no Ray here: requests and replies are the plain dataclasses of common/wire.py, errors
-are the domain errors of common/errors.py. `verify_batch` scores many sessions' rounds in one
-forward pass; `verify` is the batch of one.
+are the domain errors of common/errors.py. Work happens in steps (`step`): one forward pass carries
+the rounds of many sessions and chunks of prompts being opened (cloud/engine.py). The scheduler
+(cloud/scheduler.py) decides what goes into each step; `verify_batch` and `open_session` are the
+same steps driven directly.
 
 Integrity rules, enforced here for every caller:
 - Everything a request carries is validated before any state changes.
@@ -11,25 +13,26 @@ Integrity rules, enforced here for every caller:
   holds more than the committed tokens plus the block being scored, and one session's failure is
   never another's.
 - A replayed round is answered from memory only when it is the very block that was answered.
-- A prefill runs in chunks and yields the model to waiting rounds between chunks (cloud/modellock.py).
+- An opening session becomes visible only once its whole prompt is cached.
 """
 from __future__ import annotations
 
+import enum
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from ..common import verification as rules
 from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, incident
-from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint, truncate_cache
+from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint
 from ..common.sampling import logits_to_probs, round_generator
 from ..common.wire import DraftBlock, Mode, ModelInfo, SessionSpec, VerifyResult
-from .batched_forward import batched_forward, supports_batching
-from .modellock import ModelLock
+from .engine import Engine, Feed
+from .kvpool import PageTable
 from .sessions import Session, SessionStore
 
 log = logging.getLogger(__name__)
@@ -43,8 +46,8 @@ class VerifierLimits:
     max_draft: int = 32  # longest block accepted
     max_sessions: int = 64  # sessions held at once; more get RESOURCE_EXHAUSTED
     idle_timeout_s: int = 600  # an idle session is dropped after this
-    max_cached_tokens: int = 0  # LRU sessions are evicted while all hold more tokens than this; 0 = no cap
-    prefill_chunk: int = 128  # prompt tokens per prefill forward pass; waiting rounds run between chunks
+    kv_cache_tokens: int = 65536  # the KV pool, allocated once; when full, LRU sessions are evicted
+    prefill_chunk: int = 128  # prompt tokens per step at most, so rounds never wait behind a long prompt
 
 
 @dataclass(frozen=True)
@@ -55,57 +58,94 @@ class VerifierStats:
     cached_tokens: int
     evictions: int
     session_ids: tuple[str, ...] = ()  # the sessions held right now, for the front door's routing table
+    kv_capacity_tokens: int = 0  # what the KV pool holds in all
+    kv_free_tokens: int = 0  # what it has free
+
+
+class OpenPhase(enum.Enum):
+    """Where an opening session stands."""
+
+    FEEDING = "feeding"  # prompt chunks still to run
+    OPEN = "open"  # cached and visible
+    FAILED = "failed"  # its error is in `error`; its pages are freed
+
+
+class Opening:
+    """A session being opened: its prompt is fed chunk by chunk; it is visible only when complete."""
+
+    def __init__(self, spec: SessionSpec, table: PageTable) -> None:
+        self.spec = spec
+        self.table = table
+        self.context = spec.committed_ids[:-1]  # the last token is fed with the first block
+        self.phase = OpenPhase.FEEDING
+        self.error: HybridSpecError | None = None
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not yet cached."""
+        return len(self.context) - self.table.length
+
+    def fail(self, error: HybridSpecError) -> None:
+        """Give up: free the pages and keep the error for the caller."""
+        self.table.release()
+        self.phase, self.error = OpenPhase.FAILED, error
 
 
 class Verifier:
-    """Owns one target model and the sessions verified against it."""
+    """Owns one target model, its KV pool and the sessions verified against it."""
 
     def __init__(self, target: LoadedModel, limits: VerifierLimits | None = None) -> None:
         self.target = target
         self.limits = limits if limits is not None else VerifierLimits()
+        self.engine = Engine(target.model, self.limits.kv_cache_tokens)
         self.info = ModelInfo(
             model_name=target.name, vocab_size=target.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
             model_fingerprint=model_fingerprint(target.model), max_context=self.limits.max_context,
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
-            idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids)
-        self.batchable = supports_batching(target.model)
-        self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s,
-                                      self.limits.max_cached_tokens)
-        self._lock = ModelLock()
+            idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
+            device=str(target.device), dtype=str(target.model.dtype).removeprefix("torch."))
+        self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s)
+        self._lock = threading.Lock()  # one step or bookkeeping call at a time
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
 
     def stats(self) -> VerifierStats:
-        """Sessions held, their cached tokens, and evictions so far."""
-        with self._lock.for_prefill():
+        """Sessions held, their cached tokens, evictions so far, and the KV pool's use."""
+        with self._lock:
             self._sessions.expire_idle()
+            pool = self.engine.pool
             return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
-                                 self._sessions.ids())
-
-    def open_session(self, spec: SessionSpec) -> int:
-        """Open (or re-open, replacing) a session from its committed tokens; returns its length.
-
-        The prompt is fed in chunks of `prefill_chunk` tokens; rounds of other sessions run between
-        them. The session becomes visible only once its cache is complete.
-        """
-        spec.check_against(self.info)
-        with self._lock.for_prefill():
-            self._sessions.reserve(spec.session_id)
-        cache = DynamicCache(config=self.target.model.config)
-        context = list(spec.committed_ids[:-1])
-        chunk = self.limits.prefill_chunk
-        for start in range(0, len(context), chunk):
-            with self._lock.for_prefill():
-                self._prefill(context[start:start + chunk], cache)
-        with self._lock.for_prefill():
-            self._sessions.reserve(spec.session_id)  # others may have taken the room meanwhile
-            self._sessions.put(Session(spec=spec, committed=list(spec.committed_ids), cache=cache,
-                                       next_round=spec.next_round))
-        return len(spec.committed_ids)
+                                 self._sessions.ids(), pool.capacity_tokens, pool.free_tokens)
 
     def close_session(self, session_id: str) -> bool:
-        """Free a session's cache; True if it existed."""
-        with self._lock.for_prefill():
+        """Free a session's pages; True if it existed."""
+        with self._lock:
             return self._sessions.pop(session_id)
+
+    def begin_open(self, spec: SessionSpec) -> Opening:
+        """Validate an open and check there is room; its prompt is then fed by `step`."""
+        spec.check_against(self.info)
+        with self._lock:
+            self._sessions.reserve(spec.session_id)
+        return Opening(spec, PageTable(self.engine.pool))
+
+    def abandon(self, opening: Opening) -> None:
+        """The caller went away: free what the open holds."""
+        with self._lock:
+            if opening.phase is OpenPhase.FEEDING:
+                opening.fail(FailedPrecondition("the open was abandoned"))
+
+    # ---- driving steps directly ----------------------------------------------------------------
+
+    def open_session(self, spec: SessionSpec) -> int:
+        """Open (or re-open, replacing) a session from its committed tokens; returns its length."""
+        opening = self.begin_open(spec)
+        while opening.phase is OpenPhase.FEEDING:
+            self.step([], [opening])
+        if opening.error is not None:
+            raise opening.error
+        return len(spec.committed_ids)
 
     def verify(self, block: DraftBlock) -> VerifyResult:
         """Score one block in one forward pass over its session's cached context."""
@@ -115,25 +155,35 @@ class Verifier:
         return result
 
     def verify_batch(self, blocks: Sequence[DraftBlock]) -> list[VerifyResult | HybridSpecError]:
-        """Verify many sessions' rounds, scoring all valid ones in one forward pass.
+        """Verify many sessions' rounds, scoring all valid ones in one forward pass."""
+        return self.step(blocks, [])
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Opening]) -> list[VerifyResult | HybridSpecError]:
+        """Run rounds and up to `prefill_chunk` prompt tokens of `openings` (oldest first).
 
         Returns, per block and in order, its result or the error it earned; one bad block never
-        fails the others. Two rounds of one session are scored one after the other.
+        fails the others. Two rounds of one session are scored one after the other. An opening's
+        progress is in its phase.
         """
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
         pending = list(range(len(blocks)))
-        with self._lock.for_rounds():
-            while pending:
+        with self._lock:
+            feeding = [o for o in openings if o.phase is OpenPhase.FEEDING]
+            while True:
                 wave, later, seen = [], [], set()
                 for i in pending:
                     (later if blocks[i].session_id in seen else wave).append(i)
                     seen.add(blocks[i].session_id)
-                self._verify_wave([(i, blocks[i]) for i in wave], results)
-                pending = later
+                self._run_wave([(i, blocks[i]) for i in wave], feeding, results)
+                feeding, pending = [], later
+                if not pending:
+                    break
         return results  # type: ignore[return-value]
 
-    def _verify_wave(self, items: list[tuple[int, DraftBlock]], results: list) -> None:
-        """One forward pass for blocks of distinct sessions (lock held)."""
+    def _run_wave(self, items: list[tuple[int, DraftBlock]], openings: list[Opening], results: list) -> None:
+        """One forward pass for blocks of distinct sessions plus prompt chunks (lock held)."""
         # 1. Admit: identical replays are answered from memory, bad blocks get their error.
         admitted: list[tuple[int, DraftBlock, Session]] = []
         for i, block in items:
@@ -148,25 +198,30 @@ class Verifier:
                 admitted.append((i, block, session))
             except HybridSpecError as exc:
                 results[i] = exc
-        if not admitted:
+        # 2. Pages for every feed; a feed that cannot get them fails alone.
+        feeds, rounds = self._plan(admitted, openings, results)
+        if not feeds:
             return
-        # 2. One pass over [last committed token, x_1..x_γ] per session gives p_1..p_{γ+1}.
+        # 3. One pass over [last committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
         start = time.perf_counter()
         try:
-            logits = self._score(admitted)
+            logits = self.engine.forward(feeds)
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
-            for i, _, session in admitted:
+            for i, _, session in rounds:
                 self._roll_back(session)
                 results[i] = error
+            for opening in openings:
+                if opening.phase is OpenPhase.FEEDING:
+                    opening.fail(error)
             return
         forward_ms = (time.perf_counter() - start) * 1e3
-        # 3. Apply each session's rule; keep the KV of committed + accepted draft (the new token is
+        # 4. Apply each session's rule; keep the KV of committed + accepted draft (the new token is
         #    fed at the head of the next block). A failure here is the failing session's alone.
-        for (i, block, session), session_logits in zip(admitted, logits):
+        for (i, block, session), session_logits in zip(rounds, logits):
             try:
                 outcome = _apply_rule(session.spec, block, session_logits)
-                truncate_cache(session.cache, len(session.committed) + outcome.num_accepted)
+                session.table.truncate(len(session.committed) + outcome.num_accepted)
             except Exception as exc:
                 self._roll_back(session)
                 results[i] = incident(log, exc, "a verification rule")
@@ -176,24 +231,68 @@ class Verifier:
             session.last_block = block
             session.last_result = VerifyResult(
                 round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
-                committed_len=len(session.committed), verify_ms=forward_ms, batch_size=len(admitted))
+                committed_len=len(session.committed), verify_ms=forward_ms, batch_size=len(rounds))
             results[i] = session.last_result
-        self._sessions.enforce_budget(keep=admitted[-1][1].session_id)
+        # 5. Openings whose prompt is now cached become sessions.
+        for opening in openings:
+            if opening.phase is OpenPhase.FEEDING and opening.remaining == 0:
+                self._finish(opening)
 
-    def _score(self, admitted: list[tuple[int, DraftBlock, Session]]) -> list[torch.Tensor]:
-        """Logits [γ_i+1, V] per admitted block; each session's cache then also holds its block."""
-        feeds = [[session.committed[-1], *block.draft_ids] for _, block, session in admitted]
-        if len(admitted) > 1 and self.batchable:
-            logits, caches = batched_forward(self.target.model, [s.cache for _, _, s in admitted], feeds)
-            for (_, _, session), cache in zip(admitted, caches):
-                session.cache = cache
-            return logits
-        return [self._forward(feed, session.cache) for feed, (_, _, session) in zip(feeds, admitted)]
+    def _plan(self, admitted: list[tuple[int, DraftBlock, Session]], openings: list[Opening],
+              results: list) -> tuple[list[Feed], list[tuple[int, DraftBlock, Session]]]:
+        """The step's feeds: every admitted round, then prompt chunks up to `prefill_chunk` tokens."""
+        keep = {block.session_id for _, block, _ in admitted} | {o.spec.session_id for o in openings}
+        feeds, rounds = [], []
+        for i, block, session in admitted:
+            tokens = [session.committed[-1], *block.draft_ids]
+            try:
+                self._grow(session.table, len(tokens), keep)
+            except HybridSpecError as exc:
+                results[i] = exc
+                continue
+            feeds.append(Feed(session.table, tokens, scored=True))
+            rounds.append((i, block, session))
+        budget = self.limits.prefill_chunk
+        for opening in openings:
+            if opening.remaining == 0:
+                self._finish(opening)  # a one-token prompt has nothing to prefill
+                continue
+            if budget == 0:
+                break
+            start = opening.table.length
+            chunk = list(opening.context[start:start + budget])
+            try:
+                self._grow(opening.table, len(chunk), keep)
+            except HybridSpecError as exc:
+                opening.fail(exc)
+                continue
+            feeds.append(Feed(opening.table, chunk, scored=False))
+            budget -= len(chunk)
+        return feeds, rounds
+
+    def _grow(self, table: PageTable, tokens: int, keep: set[str]) -> None:
+        """Room in the pool for `tokens` more tokens, evicting idle LRU sessions if it is full."""
+        needed = table.pages_needed(tokens)
+        if needed > self.engine.pool.free_pages:
+            self._sessions.make_room(self.engine.pool, needed, keep)
+        table.grow(tokens)
+
+    def _finish(self, opening: Opening) -> None:
+        """Make a fully cached opening a live session (replacing one of the same id)."""
+        try:
+            self._sessions.reserve(opening.spec.session_id)  # others may have taken the room meanwhile
+        except HybridSpecError as exc:
+            opening.fail(exc)
+            return
+        spec = opening.spec
+        self._sessions.put(Session(spec=spec, committed=list(spec.committed_ids), table=opening.table,
+                                   next_round=spec.next_round))
+        opening.phase = OpenPhase.OPEN
 
     @staticmethod
     def _roll_back(session: Session) -> None:
         """Cut the cache back to the committed tokens (all but the last, which the next block feeds)."""
-        truncate_cache(session.cache, len(session.committed) - 1)
+        session.table.truncate(min(session.table.length, len(session.committed) - 1))
 
     @staticmethod
     def _replay(block: DraftBlock, session: Session) -> VerifyResult:
@@ -214,29 +313,17 @@ class Verifier:
         if len(session.committed) + len(block.draft_ids) + 1 > self.limits.max_context:
             raise ResourceExhausted(f"the block would grow the session past max_context {self.limits.max_context}")
 
-    @torch.inference_mode()
-    def _prefill(self, token_ids: list[int], cache: DynamicCache) -> None:
-        """Feed context tokens into the cache. No logits are needed, so the output head (a fifth of
-        the small target's per-token cost) runs for one position only."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.target.device)
-        self.target.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-
-    @torch.inference_mode()
-    def _forward(self, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
-        """Feed tokens after the cached ones; returns float32 CPU logits [len(token_ids), V].
-
-        Logits go to the CPU so verifier randomness is the same on CPU and GPU replicas.
-        """
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.target.device)
-        out = self.target.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits[0].float().cpu()
-
 
 def _apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor) -> rules.Outcome:
-    """The session's acceptance rule on one block. logits: [γ+1, V] float32."""
-    draft = torch.tensor(block.draft_ids, dtype=torch.long)
+    """The session's acceptance rule on one block. logits: [γ+1, V] float32 on the model's device.
+
+    Greedy needs only argmaxes, taken on the device; the sampling rules get probabilities on the CPU
+    so that a seeded round draws the same numbers on CPU and GPU replicas.
+    """
     if spec.mode is Mode.GREEDY:
-        return rules.verify_greedy(draft, logits)
+        return rules.verify_greedy(torch.tensor(block.draft_ids, dtype=torch.long, device=logits.device), logits)
+    draft = torch.tensor(block.draft_ids, dtype=torch.long)
+    logits = logits.cpu()
     target_probs = logits_to_probs(logits, spec.sampling)
     generator = round_generator(spec.seed, block.round)
     if spec.mode is Mode.BILD:

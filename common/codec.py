@@ -27,7 +27,8 @@ def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
                         tokenizer_fingerprint=i.tokenizer_fingerprint,
                         model_fingerprint=i.model_fingerprint, max_context=i.max_context,
                         max_draft=i.max_draft, max_sessions=i.max_sessions,
-                        idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids))
+                        idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids),
+                        device=i.device, dtype=i.dtype)
 
 
 def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
@@ -36,7 +37,8 @@ def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
                      tokenizer_fingerprint=m.tokenizer_fingerprint,
                      model_fingerprint=m.model_fingerprint, max_context=m.max_context,
                      max_draft=m.max_draft, max_sessions=m.max_sessions,
-                     idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids))
+                     idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids),
+                     device=m.device, dtype=m.dtype)
 
 
 def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:

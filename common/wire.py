@@ -86,6 +86,8 @@ class ModelInfo:
     max_sessions: int
     idle_timeout_s: int
     eos_token_ids: tuple[int, ...] = ()
+    device: str = ""  # where the target runs, e.g. "cpu" or "cuda:0"
+    dtype: str = ""  # the precision it is served in; greedy output equals its own decoding in this dtype
 
 
 def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:

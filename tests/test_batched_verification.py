@@ -1,13 +1,14 @@
-"""Batched verification: many sessions in one pass give exactly the unbatched answers; LRU eviction."""
-import asyncio
+"""Batched verification: many sessions in one pass give exactly the unbatched answers; the scheduler;
+the KV pool's bounds (LRU eviction, RESOURCE_EXHAUSTED)."""
 import random
+import time
 
 import pytest
 
-from hybridspec.cloud.batcher import RoundBatcher
+from hybridspec.cloud.scheduler import Scheduler
 from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.errors import FailedPrecondition, InvalidArgument
-from hybridspec.common.wire import DraftBlock, Mode, SamplingParams, SessionSpec
+from hybridspec.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hybridspec.common.wire import DraftBlock, Mode, SamplingParams, SessionSpec, VerifyResult
 
 
 def sessions(rng: random.Random, n: int) -> list[SessionSpec]:
@@ -61,35 +62,133 @@ def test_two_rounds_of_one_session_in_one_batch_run_in_order(target):
     assert (first.committed_len, second.committed_len) == (3, 4)
 
 
-def test_batcher_groups_concurrent_rounds(target):
-    verifier = Verifier(target, VerifierLimits(max_context=512))
-    for i in range(8):
-        verifier.open_session(SessionSpec(f"c{i}", (5, 6 + i)))
-
-    async def go():
-        batcher = RoundBatcher(verifier.verify_batch, max_batch=8, max_wait_ms=200)
-        return await asyncio.gather(*(batcher.submit(DraftBlock(f"c{i}", 0, 2, (9, 9))) for i in range(8)))
-
-    results = asyncio.run(go())
-    assert [r.batch_size for r in results] == [8] * 8
-    assert all(r.verify_ms > 0 for r in results)
-
-
-def test_batcher_raises_the_domain_error(target):
-    verifier = Verifier(target, VerifierLimits(max_context=512))
-
-    async def go():
-        return await RoundBatcher(verifier.verify_batch, 4, 1).submit(DraftBlock("ghost", 0, 1, ()))
-
-    with pytest.raises(FailedPrecondition, match="unknown"):
-        asyncio.run(go())
+def test_prompt_chunks_in_a_round_step_change_no_round(target):
+    """Continuous batching: rounds that share their forward passes with another session's prompt
+    chunks give exactly the answers they give alone."""
+    limits = VerifierLimits(max_context=512, max_draft=16, max_sessions=16, prefill_chunk=7)
+    specs = sessions(random.Random(5), 3)
+    alone = drive(Verifier(target, limits), specs, 4, random.Random(9), batched=False)
+    verifier = Verifier(target, limits)
+    committed = {s.session_id: verifier.open_session(s) for s in specs}
+    rng, history = random.Random(9), []
+    opening = verifier.begin_open(SessionSpec("long", tuple(range(4, 200))))
+    for r in range(4):
+        blocks = [DraftBlock(s.session_id, r, committed[s.session_id],
+                             tuple(rng.randrange(4, 256) for _ in range(rng.randint(0, 6)))) for s in specs]
+        for block, result in zip(blocks, verifier.step(blocks, [opening])):
+            committed[block.session_id] = result.committed_len
+            history.append((result.num_accepted, result.next_token, result.committed_len))
+    assert history == alone
+    assert opening.remaining == 195 - 4 * 7  # one chunk rode along with each step
 
 
-def test_lru_session_is_evicted_past_the_token_budget(target):
-    verifier = Verifier(target, VerifierLimits(max_context=512, max_cached_tokens=50))
-    verifier.open_session(SessionSpec("old", tuple([5] * 30)))
-    verifier.open_session(SessionSpec("new", tuple([6] * 30)))  # 60 > 50: "old" goes
+def scheduler_of(target, **limits) -> Scheduler:
+    return Scheduler(Verifier(target, VerifierLimits(max_context=512, **limits)), max_batch=8, max_wait_ms=200)
+
+
+def test_scheduler_groups_rounds_of_active_sessions(target):
+    scheduler = scheduler_of(target)
+    try:
+        for i in range(8):
+            assert scheduler.submit_open(SessionSpec(f"c{i}", (5, 6 + i))).result(30) == 2
+        # A first round each makes all eight sessions active...
+        firsts = [scheduler.submit_round(DraftBlock(f"c{i}", 0, 2, (9,))) for i in range(8)]
+        lengths = [f.result(30).committed_len for f in firsts]
+        # ...so the next rounds wait (up to max_wait) for each other and share one pass.
+        seconds = [scheduler.submit_round(DraftBlock(f"c{i}", 1, lengths[i], (9, 9))) for i in range(8)]
+        results = [f.result(30) for f in seconds]
+        assert [r.batch_size for r in results] == [8] * 8
+        assert all(r.verify_ms >= r.queue_ms >= 0 for r in results)
+    finally:
+        scheduler.stop()
+
+
+def test_a_lone_round_does_not_wait_for_company(target):
+    scheduler = scheduler_of(target)
+    try:
+        scheduler.submit_open(SessionSpec("solo", (5, 6))).result(30)
+        result = scheduler.submit_round(DraftBlock("solo", 0, 2, ())).result(30)
+        assert result.queue_ms < 100  # max_wait is 200 ms: it did not wait for it
+    finally:
+        scheduler.stop()
+
+
+def test_scheduler_answers_the_domain_error(target):
+    scheduler = scheduler_of(target)
+    try:
+        result = scheduler.submit_round(DraftBlock("ghost", 0, 1, ())).result(30)
+        assert isinstance(result, FailedPrecondition) and "unknown" in str(result)
+    finally:
+        scheduler.stop()
+
+
+def test_rounds_run_between_the_chunks_of_a_long_prefill(target):
+    scheduler = scheduler_of(target, max_draft=16, prefill_chunk=4)
+    try:
+        scheduler.submit_open(SessionSpec("short", (5, 6))).result(30)
+        long_open = scheduler.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens, 125 chunks
+        time.sleep(0.02)
+        for r in range(3):
+            result = scheduler.submit_round(DraftBlock("short", r, 2 + r, ())).result(30)
+            assert isinstance(result, VerifyResult) and result.committed_len == 3 + r
+        assert not long_open.done()  # with one lock for the whole prefill the rounds came after it
+        assert long_open.result(60) == 500
+    finally:
+        scheduler.stop()
+
+
+def test_an_abandoned_open_gives_its_pages_back(target):
+    scheduler = scheduler_of(target, prefill_chunk=1, kv_cache_tokens=1024)
+    pool = scheduler.verifier.engine.pool
+    try:
+        opening = scheduler.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))
+        time.sleep(0.05)
+        assert opening.cancel()
+        deadline = time.monotonic() + 10
+        while pool.free_tokens < pool.capacity_tokens and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.free_tokens == pool.capacity_tokens
+    finally:
+        scheduler.stop()
+
+
+def test_lru_session_is_evicted_when_the_kv_pool_is_full(target):
+    verifier = Verifier(target, VerifierLimits(max_context=512, kv_cache_tokens=48))  # three pages of 16
+    verifier.open_session(SessionSpec("old", tuple([5] * 30)))  # 29 cached tokens: two pages
+    verifier.open_session(SessionSpec("new", tuple([6] * 30)))  # needs two more: "old" goes
     assert verifier.stats().evictions == 1
     with pytest.raises(FailedPrecondition, match="evicted"):
         verifier.verify(DraftBlock("old", 0, 30, ()))
     assert verifier.verify(DraftBlock("new", 0, 30, ())).committed_len == 31
+
+
+def test_a_block_that_cannot_fit_is_resource_exhausted_and_changes_nothing(target):
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=32, kv_cache_tokens=32))
+    verifier.open_session(SessionSpec("s", tuple([5] * 20)))  # 19 cached: two pages, the whole pool
+    with pytest.raises(ResourceExhausted, match="KV cache is full"):
+        verifier.verify(DraftBlock("s", 0, 20, (7,) * 16))
+    assert verifier.verify(DraftBlock("s", 0, 20, (7,) * 4)).committed_len >= 21  # 24 tokens still fit
+
+
+def test_memory_never_grows_past_the_pool(target):
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_sessions=64, kv_cache_tokens=256))
+    for i in range(40):
+        verifier.open_session(SessionSpec(f"s{i}", tuple(range(4, 60))))
+    stats = verifier.stats()
+    assert stats.cached_tokens <= stats.kv_capacity_tokens == 256 and stats.evictions >= 36
+
+
+def test_a_refused_open_leaves_the_scheduler_idle(target):
+    """Found while building the scheduler: an open refused at admission stayed queued and the model
+    thread spun on it forever."""
+    scheduler = scheduler_of(target, max_sessions=1)
+    try:
+        scheduler.submit_open(SessionSpec("a", (5, 6))).result(30)
+        refused = scheduler.submit_open(SessionSpec("b", (5, 6))).result(30)
+        assert isinstance(refused, ResourceExhausted)
+        clock = time.pthread_getcpuclockid(scheduler._thread.ident)
+        before = time.clock_gettime(clock)
+        time.sleep(0.3)
+        assert time.clock_gettime(clock) - before < 0.05  # the model thread sleeps when there is no work
+    finally:
+        scheduler.stop()

@@ -107,7 +107,8 @@ def test_failed_rounds_leave_the_cache_at_the_committed_length(broken_target):
         (result,) = verifier.verify_batch([DraftBlock("sampled", 0, 3, (POISON_TOKEN,) * 16, *q)])
         assert isinstance(result, Internal)
     session = verifier._sessions.get("sampled")
-    assert session.cache.get_seq_length() == len(session.committed) - 1 == 2
+    assert session.table.length == len(session.committed) - 1 == 2
+    assert len(session.table.pages) == 1  # the pages the failed blocks took went back to the pool
 
 
 def test_internal_errors_reach_the_client_as_an_incident_id_only(broken_target, stub_of):
@@ -201,23 +202,7 @@ def test_a_replay_is_answered_only_for_the_identical_request(server, stub_of):
 
 # ---- 6. one long prefill starves everyone; one client takes every slot ----------------------------
 
-def test_rounds_run_between_the_chunks_of_a_long_prefill(target):
-    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=16, prefill_chunk=4))
-    verifier.open_session(SessionSpec("short", (5, 6)))
-    done: dict[str, float] = {}
-
-    def long_open() -> None:
-        verifier.open_session(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens, 125 chunks
-        done["open"] = time.perf_counter()
-
-    opener = threading.Thread(target=long_open)
-    opener.start()
-    time.sleep(0.02)
-    for r in range(3):
-        verifier.verify(DraftBlock("short", r, 2 + r, ()))
-    done["rounds"] = time.perf_counter()
-    opener.join()
-    assert done["rounds"] < done["open"]  # with one lock for the whole prefill they came after it
+# (rounds between the chunks of a long prefill: tests/test_batched_verification.py, the scheduler's job)
 
 
 def test_one_client_cannot_take_every_session_slot(target, stub_of):

@@ -26,7 +26,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class ModelInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -45,7 +47,9 @@ class ModelInfo(_message.Message):
     max_sessions: int
     idle_timeout_s: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    device: str
+    dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p")

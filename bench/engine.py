@@ -1,0 +1,121 @@
+"""What the verifier engine delivers to many edges, and whether cloud-only decoding stays honest.
+
+    taskset -c 1 python bench/engine.py [--sessions 8] [--context 200] [--steps 6] [--out FILE]
+
+All in one run, one torch thread, embedded target, drafts that are the target's own greedy tokens
+(so every round accepts all γ = 4 drafts: the ceiling batching is measured against):
+- unbatched: each session's round in a forward pass of its own; batched: all sessions' rounds in
+  one step. Verified tokens/s, and their ratio.
+- cloud capacity: tokens/s the replica delivers to the sessions by hybrid rounds vs by cloud-only
+  decode steps (one token per session per step), both batched, and their ratio.
+- cloud-only Generate over a real localhost gRPC server vs the target's own Hugging Face
+  `generate()`, same prompt and length, tokens/s, and whether they produce the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.common.embedded import default_paths
+from hybridspec.common.models import load_model
+from hybridspec.common.wire import DraftBlock, GenerateSpec, SessionSpec
+from hybridspec.distill.prompts import FREEFORM_PROMPTS
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.prompt import encode_prompt
+
+GAMMA = 4
+
+
+def reference(target, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation (Hugging Face generate)."""
+    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def rounds_per_s(verifier: Verifier, prompts: list[list[int]], refs: list[list[int]], gamma: int,
+                 steps: int, batched: bool) -> tuple[float, int]:
+    """Drive every session `steps` rounds of `gamma` drafts from its reference; (tokens/s, tokens)."""
+    ids = [f"{'b' if batched else 'u'}{gamma}-{i}" for i in range(len(prompts))]
+    length = [verifier.open_session(SessionSpec(sid, tuple(p))) for sid, p in zip(ids, prompts)]
+    done = [0] * len(prompts)
+    tokens, elapsed = 0, 0.0
+    for r in range(steps):
+        blocks = [DraftBlock(sid, r, length[i], tuple(refs[i][done[i]:done[i] + gamma])) for i, sid in enumerate(ids)]
+        t0 = time.perf_counter()
+        results = verifier.verify_batch(blocks) if batched else [verifier.verify(b) for b in blocks]
+        elapsed += time.perf_counter() - t0
+        for i, result in enumerate(results):
+            assert result.num_accepted == gamma, "a draft of the target's own tokens was rejected"
+            tokens += result.num_accepted + 1
+            done[i] += result.num_accepted + 1
+            length[i] = result.committed_len
+    for sid in ids:
+        verifier.close_session(sid)
+    return tokens / elapsed, tokens
+
+
+def generate_per_s(target, verifier: Verifier, prompt: list[int], n: int, repeats: int) -> dict:
+    """Cloud-only Generate through a localhost gRPC server vs Hugging Face generate()."""
+    server = BackgroundServer(verifier)
+    try:
+        with VerifierClient(server.address) as client:
+            ours, theirs, same = [], [], True
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                got = list(client.generate(GenerateSpec(tuple(prompt), max_new_tokens=n)))
+                ours.append(len(got) / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                want = reference(target, prompt, len(got))
+                theirs.append(len(want) / (time.perf_counter() - t0))
+                same &= got == want
+    finally:
+        server.stop()
+    return {"generate_tok_s": round(statistics.median(ours), 2), "hf_generate_tok_s": round(statistics.median(theirs), 2),
+            "generate_vs_hf": round(statistics.median(ours) / statistics.median(theirs), 2),
+            "generate_same_tokens": same}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--context", type=int, default=200, help="prompt tokens per session (approximately)")
+    parser.add_argument("--steps", type=int, default=6, help="rounds per session and mode")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    target = load_model(default_paths()["target"], device="cpu", dtype=args.dtype)
+    verifier = Verifier(target, VerifierLimits(max_context=4096, max_draft=GAMMA, max_sessions=4 * args.sessions))
+    prompts = []
+    for i in range(args.sessions):
+        text = " ".join(FREEFORM_PROMPTS[(i + j) % len(FREEFORM_PROMPTS)] for j in range(6))
+        prompts.append(encode_prompt(target.tokenizer, text, chat=True)[-args.context:])
+    print(f"references for {args.sessions} sessions ...", flush=True)
+    refs = [reference(target, p, (GAMMA + 1) * args.steps) for p in prompts]
+    row: dict = {"dtype": args.dtype, "sessions": args.sessions, "context": args.context, "gamma": GAMMA}
+    unbatched, _ = rounds_per_s(verifier, prompts, refs, GAMMA, args.steps, batched=False)
+    batched, _ = rounds_per_s(verifier, prompts, refs, GAMMA, args.steps, batched=True)
+    cloud_only, _ = rounds_per_s(verifier, prompts, refs, 0, args.steps, batched=True)
+    row.update(unbatched_tok_s=round(unbatched, 2), batched_tok_s=round(batched, 2),
+               batched_vs_unbatched=round(batched / unbatched, 2), cloud_only_batched_tok_s=round(cloud_only, 2),
+               capacity_hybrid_vs_cloud_only=round(batched / cloud_only, 2))
+    print(json.dumps(row), flush=True)
+    row.update(generate_per_s(target, verifier, prompts[0], 48, repeats=3))
+    print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The replica's KV memory: allocated once, handed out to sessions in pages (docs/design.md §3).
+
+Every layer's keys and values live in one tensor of `pages × PAGE_TOKENS` token rows, allocated
+when the replica starts, so memory is bounded by the configured token budget and never grows with
+traffic. A session owns a `PageTable`: the pages holding its tokens in order. Extending a session
+takes free pages; rejecting a draft suffix or rolling back a failed round is a length update; a
+closed or evicted session gives its pages back. Nothing is ever concatenated or copied per round.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.errors import ResourceExhausted
+
+PAGE_TOKENS = 16  # tokens per page: small enough to waste little, large enough to keep tables short
+
+
+class KVPool:
+    """Per-layer key and value storage `[kv_heads, pages * PAGE_TOKENS, head_dim]` plus a free list.
+
+    Heads come first so that gathering a session's rows yields the `[heads, tokens, dim]` layout
+    attention reads, with no transpose.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if tokens < PAGE_TOKENS:
+            raise ValueError(f"the KV budget must hold at least one page of {PAGE_TOKENS} tokens, got {tokens}")
+        self.pages = tokens // PAGE_TOKENS
+        rows = self.pages * PAGE_TOKENS
+        # torch.empty, not zeros: a row is only ever read after a pass has written it, and untouched
+        # CPU memory stays virtual until then.
+        self.keys = [torch.empty(kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        # A stack: the most recently freed pages are reused first, so a steady load keeps touching
+        # the same (resident, cache-warm) memory instead of walking through the whole pool.
+        self._free: list[int] = list(range(self.pages - 1, -1, -1))
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool can hold in all."""
+        return self.pages * PAGE_TOKENS
+
+    @property
+    def free_pages(self) -> int:
+        """Pages not owned by any session."""
+        return len(self._free)
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens that fit in the free pages."""
+        return len(self._free) * PAGE_TOKENS
+
+    def take(self, count: int) -> list[int]:
+        """`count` free pages; ResourceExhausted (and nothing taken) if there are fewer."""
+        if count > len(self._free):
+            raise ResourceExhausted(f"the replica's KV cache is full ({self.capacity_tokens} tokens); retry later")
+        return [self._free.pop() for _ in range(count)]
+
+    def give_back(self, pages: list[int]) -> None:
+        """Return pages to the free list."""
+        self._free.extend(reversed(pages))
+
+
+class PageTable:
+    """The pages holding one session's cached tokens, and how many tokens are stored."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.pages: list[int] = []
+        self.length = 0  # tokens whose keys and values are stored
+
+    def pages_needed(self, extra: int) -> int:
+        """Pages to take before `extra` more tokens fit."""
+        return max(0, -(-(self.length + extra) // PAGE_TOKENS) - len(self.pages))
+
+    def grow(self, extra: int) -> None:
+        """Make room for `extra` more tokens (the caller frees pages first if it must)."""
+        self.pages += self.pool.take(self.pages_needed(extra))
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens; pages past them go back to the pool."""
+        if length > self.length:
+            raise ValueError(f"cannot truncate {self.length} cached tokens to {length}")
+        self.length = length
+        keep = -(-length // PAGE_TOKENS)
+        self.pool.give_back(self.pages[keep:])
+        del self.pages[keep:]
+
+    def release(self) -> None:
+        """Give every page back (the session is gone)."""
+        self.truncate(0)
+
+    def rows(self, stop: int, device: torch.device) -> torch.Tensor:
+        """Pool row index of each of the tokens 0..stop-1, as a 1-D int64 tensor."""
+        position = torch.arange(stop, device=device)
+        pages = torch.tensor(self.pages, dtype=torch.long, device=device)
+        return pages[position // PAGE_TOKENS] * PAGE_TOKENS + position % PAGE_TOKENS

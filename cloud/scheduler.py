@@ -1,0 +1,215 @@
+"""Continuous batching: one thread decides what each forward pass of a replica carries (no tensors here).
+
+Every step carries every queued round (one per session, at most `max_batch` sessions) plus up to
+`prefill_chunk` tokens of the prompts being opened, oldest first (cloud/verifier.py `step`). Rounds
+come first because an edge is waiting on each one; a prompt is fed a chunk per step, so a long
+prompt delays other sessions' rounds by one chunk at most and is never starved by them. Verify
+blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
+
+A lone round runs at once. Only while other sessions that sent rounds recently have none queued
+does a round wait for their company, and then at most `max_wait_ms`: under load the batch grows
+while the previous step runs, and a single edge never pays a batching delay.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+
+from ..common.errors import HybridSpecError, Unavailable, incident
+from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from .verifier import Opening, OpenPhase, Verifier
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
+DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
+ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
+
+
+@dataclass
+class _Round:
+    block: DraftBlock
+    future: Future
+    arrived: float
+
+
+@dataclass
+class _Open:
+    spec: SessionSpec
+    future: Future
+    opening: Opening | None = None  # set once the scheduler thread has admitted it
+
+
+class Scheduler:
+    """Owns the model thread of one Verifier; callers get concurrent futures."""
+
+    def __init__(self, verifier: Verifier, max_batch: int = DEFAULT_MAX_BATCH,
+                 max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> None:
+        if max_batch < 1 or max_wait_ms < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_wait_ms >= 0, got {max_batch}, {max_wait_ms}")
+        self.verifier = verifier
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_ms / 1e3
+        self._cv = threading.Condition()
+        self._rounds: deque[_Round] = deque()
+        self._opens: deque[_Open] = deque()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+        self._recent: dict[str, float] = {}  # session -> when its last round arrived
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="verifier-steps", daemon=True)
+        self._thread.start()
+
+    def submit_round(self, block: DraftBlock) -> Future:
+        """Verify one round in the next step; resolves to a VerifyResult or a HybridSpecError."""
+        return self._put(self._rounds, _Round(block, Future(), time.perf_counter()))
+
+    def submit_open(self, spec: SessionSpec) -> Future:
+        """Open a session; resolves to its committed length or a HybridSpecError. Cancelling the
+        future before it resolves abandons the open and frees what it holds."""
+        return self._put(self._opens, _Open(spec, Future()))
+
+    def submit_call(self, fn: Callable[[], object]) -> Future:
+        """Run bookkeeping (close, stats) between steps."""
+        return self._put(self._calls, (fn, Future()))
+
+    def stop(self) -> None:
+        """Stop after the current step; queued work fails with Unavailable."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        gone = Unavailable("the verifier is shutting down")
+        for item in [*self._rounds, *self._opens]:
+            _resolve(item.future, gone)
+        for _, future in self._calls:
+            _resolve(future, gone)
+
+    def _put(self, queue: deque, item):
+        with self._cv:
+            if self._stopped:
+                raise Unavailable("the verifier is shutting down")
+            queue.append(item)
+            self._cv.notify()
+        return item[1] if isinstance(item, tuple) else item.future
+
+    def _loop(self) -> None:
+        while True:
+            # 1. Wait for work, and briefly for the company of recently active sessions.
+            with self._cv:
+                while not (self._stopped or self._rounds or self._opens or self._calls):
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                self._wait_for_company()
+                calls, self._calls = list(self._calls), deque()
+                rounds = self._take_rounds()
+                opens = list(self._opens)
+            # 2. Bookkeeping first: a close or a stats call never waits behind a long queue.
+            for fn, future in calls:
+                _resolve(future, _call(fn))
+            # 3. Admit new opens; drop those whose caller went away.
+            feeding = self._admit_opens(opens)
+            if not rounds and not feeding:
+                self._settle_opens(opens)  # opens refused at admission leave the queue
+                continue
+            # 4. One step.
+            try:
+                results = self.verifier.step([r.block for r in rounds], feeding)
+            except Exception as exc:  # a bug the verifier did not contain: fail this step, keep serving
+                error = incident(log, exc, "a verification step")
+                results = [error] * len(rounds)
+                for opening in feeding:
+                    opening.fail(error)
+            # 5. Answer.
+            done = time.perf_counter()
+            for item, result in zip(rounds, results):
+                if isinstance(result, VerifyResult):
+                    # The verifier reported its forward time; the rest of the wait was queueing.
+                    total_ms = (done - item.arrived) * 1e3
+                    result = replace(result, verify_ms=total_ms, queue_ms=max(0.0, total_ms - result.verify_ms))
+                _resolve(item.future, result)
+            self._settle_opens(opens)
+
+    def _wait_for_company(self) -> None:
+        """Hold queued rounds up to max_wait while recently active sessions have none queued (cv held)."""
+        if not self._rounds or self.max_wait_s == 0:
+            return
+        deadline = self._rounds[0].arrived + self.max_wait_s
+        while not self._stopped:
+            now = time.perf_counter()
+            for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
+                del self._recent[sid]
+            queued = {r.block.session_id for r in self._rounds}
+            if len(queued) >= min(self.max_batch, len(self._recent | dict.fromkeys(queued))) or now >= deadline:
+                return
+            self._cv.wait(deadline - now)
+
+    def _take_rounds(self) -> list[_Round]:
+        """Up to max_batch queued rounds of distinct sessions; a second round of a session waits (cv held)."""
+        taken, rest, sessions = [], deque(), set()
+        for item in self._rounds:
+            if item.future.cancelled():
+                continue
+            if len(taken) < self.max_batch and item.block.session_id not in sessions:
+                taken.append(item)
+                sessions.add(item.block.session_id)
+                self._recent[item.block.session_id] = item.arrived
+            else:
+                rest.append(item)
+        self._rounds = rest
+        return taken
+
+    def _admit_opens(self, opens: list[_Open]) -> list[Opening]:
+        """The openings to feed this step, admitting new ones (validation, room)."""
+        feeding = []
+        for item in opens:
+            if item.future.done():  # cancelled: _settle_opens frees it
+                continue
+            if item.opening is None:
+                try:
+                    item.opening = self.verifier.begin_open(item.spec)
+                except HybridSpecError as exc:
+                    _resolve(item.future, exc)
+                    continue
+                except Exception as exc:
+                    _resolve(item.future, incident(log, exc, "an open"))
+                    continue
+            if item.opening.phase is OpenPhase.FEEDING:
+                feeding.append(item.opening)
+        return feeding
+
+    def _settle_opens(self, opens: list[_Open]) -> None:
+        """Answer the opens that finished or failed and drop them (and the cancelled) from the queue."""
+        finished = set()
+        for item in opens:
+            opening = item.opening
+            if item.future.cancelled() and opening is not None:
+                self.verifier.abandon(opening)
+            elif opening is not None and opening.phase is OpenPhase.OPEN:
+                _resolve(item.future, len(item.spec.committed_ids))
+            elif opening is not None and opening.phase is OpenPhase.FAILED:
+                _resolve(item.future, opening.error)
+            if item.future.done():
+                finished.add(id(item))
+        with self._cv:
+            self._opens = deque(i for i in self._opens if id(i) not in finished)
+
+
+def _call(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except HybridSpecError as exc:
+        return exc
+    except Exception as exc:
+        return incident(log, exc, "a verifier call")
+
+
+def _resolve(future: Future, value: object) -> None:
+    """Set a result unless the caller cancelled or it is answered already."""
+    if not future.done() and future.set_running_or_notify_cancel():
+        future.set_result(value)
