@@ -1,6 +1,7 @@
 """`hybridspec cloud serve`: the gRPC front door and the verifier pool behind it."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
@@ -23,6 +24,8 @@ def register(sub) -> None:
                        "verifier inside the front door")
     serve.add_argument("--replicas", type=int, help="Ray replicas, each with its own copy of the target")
     serve.add_argument("--ray-address", help='join this Ray cluster ("auto", ray://HOST:10001); default: start one')
+    serve.add_argument("--direct-verify", action=argparse.BooleanOptionalAction, default=None,
+                       help="edges stream rounds straight to their replica's own port (default on; ray backend)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (-1 = off, 0 = any free port)")
     serve.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
@@ -41,9 +44,9 @@ def serve_config(args):
     from ..cloud.config import ServeConfig
     from ..common.config import load_config
 
-    keys = ["target", "host", "port", "backend", "replicas", "ray_address", "metrics_port", "device", "dtype",
-            "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client", "max_context",
-            "max_draft"]
+    keys = ["target", "host", "port", "backend", "replicas", "ray_address", "direct_verify", "metrics_port", "device",
+            "dtype", "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client",
+            "max_context", "max_draft"]
     return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
 
 

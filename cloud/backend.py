@@ -4,7 +4,9 @@ A backend speaks the wire dataclasses (never protobuf) and raises the domain err
 what every backend shares — issuing session ids, routing each session to the replica holding its
 cache, per-client limits (cloud/routing.py) — and leaves the calls to one replica to subclasses:
 `InProcessBackend` here (one Verifier in the front door's process: tests, single-box use, and the
-baseline for the Ray hop's cost) and `RayPool` in pool.py (the production pool). Cloud-only
+baseline for the Ray hop's cost) and `RayPool` in pool.py (the production pool). A backend may name,
+per replica, a direct Verify endpoint that the session's rounds can go to instead of the front door
+(`SessionOpened.verify_address`); `ReplicaEndpointBackend` is what such an endpoint serves. Cloud-only
 generation is written once, on top of any backend, in `generate_tokens`.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, replace
 from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
 from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
+from .metrics import Tally
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .routing import SessionTable
 from .runner import VerifierRunner
@@ -39,6 +42,7 @@ class ReplicaStatus:
     evictions: int  # sessions the replica dropped (idle or LRU) since it started
     failures: int = 0  # times the pool saw this replica die
     routed_total: int = 0  # sessions ever routed to this replica
+    direct: Tally = Tally()  # rounds and errors its own endpoint answered since the last status
 
 
 class ReplicaLost(FailedPrecondition):
@@ -93,7 +97,7 @@ class Backend(ABC):
                     continue
                 route.opening, route.routed_at = False, time.monotonic()
                 self._check_still_routed(session_id, route)
-                return SessionOpened(session_id, committed_len)
+                return SessionOpened(session_id, committed_len, self._verify_address(route.replica))
             raise Unavailable("no verifier replica could open the session; retry shortly")
         except BaseException:  # an error, the call's deadline, or a client that went away
             if self.table.lookup(session_id) is route:
@@ -133,7 +137,7 @@ class Backend(ABC):
             for orphan in self.table.unrouted(name, held):  # held there, routed nowhere: free it
                 self._close_quietly(name, orphan)
             return ReplicaStatus(name, True, stats.sessions, stats.cached_tokens, stats.evictions, failures,
-                                 self.routed_total.get(name, 0))
+                                 self.routed_total.get(name, 0), await self._tally_of(name))
 
         return list(await asyncio.gather(*(one(name) for name in self._replica_names())))
 
@@ -166,6 +170,14 @@ class Backend(ABC):
     def _failures(self, replica: str) -> int:
         """Times that replica died (0 where replicas cannot die on their own)."""
         return 0
+
+    def _verify_address(self, replica: str) -> str:
+        """Where that replica takes its sessions' rounds directly; "" = through this front door."""
+        return ""
+
+    async def _tally_of(self, replica: str) -> Tally:
+        """What that replica's direct endpoint answered since the last call (nothing without one)."""
+        return Tally()
 
     def _close_quietly(self, replica: str, session_id: str) -> None:
         async def close() -> None:
@@ -219,6 +231,23 @@ class InProcessBackend(Backend):
         if self._runner is None:
             raise Unavailable("the verifier is not started")
         return self._runner
+
+
+class ReplicaEndpointBackend(InProcessBackend):
+    """A replica's own runner, as its direct Verify endpoint serves it (cloud/server.py).
+
+    Sessions reach that runner only through the front door, which issued their ids and routed them
+    there; so no second routing table is kept: the runner's verifier is the authority, answering
+    FAILED_PRECONDITION for any id it does not hold, whoever presents it. Only `verify` is served.
+    """
+
+    def __init__(self, runner: VerifierRunner) -> None:
+        super().__init__(runner.verifier)
+        self._runner = runner
+
+    async def verify(self, block: DraftBlock) -> VerifyResult:
+        """Verify one round of a session this replica holds."""
+        return await self._live().verify(block)
 
 
 async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> AsyncIterator[int]:

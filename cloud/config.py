@@ -25,6 +25,7 @@ class ServeConfig:
     ray_address: str = ""  # "" = start a local Ray cluster; "auto" or ray://HOST:10001 joins one
     ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
     ray_local_only: bool = True  # a cluster this server starts listens on 127.0.0.1 only and admits no other node
+    direct_verify: bool = True  # (ray) edges stream rounds straight to their replica's own port on `host`
     device: str = "auto"  # auto | cpu | cuda | cuda:N (inside each replica)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     torch_threads: int = 0  # intra-op threads per replica on CPU; 0 keeps torch's default
@@ -70,7 +71,8 @@ class ServeConfig:
     def replica_spec(self, target: str) -> ReplicaSpec:
         """What each replica loads (`target` already resolved to a path or hub id)."""
         return ReplicaSpec(target=target, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
-                           limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms)
+                           limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms,
+                           verify_host=self.host if self.direct_verify else "")
 
     def pool_spec(self, target: str) -> PoolSpec:
         """The Ray pool this config describes."""

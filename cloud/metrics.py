@@ -2,16 +2,67 @@
 
 Names follow Prometheus conventions; acceptance per draft position is two counters whose ratio,
 `accepted_at_position / drafted_at_position`, is the per-position acceptance rate (as vLLM exports).
+Rounds a replica answers on its own endpoint (direct verify) never pass the front door: the replica
+keeps them in an `EndpointTally` and the front door adds them to its metrics at each status refresh.
 """
 from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ..common.wire import VerifyResult
-from .backend import ReplicaStatus
+
+if TYPE_CHECKING:  # backend.py imports this module for Tally
+    from .backend import ReplicaStatus
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TALLY_KEEP = 100_000  # rounds a replica keeps for the front door; older ones are dropped if it never asks
+
+
+@dataclass(frozen=True)
+class RoundSample:
+    """One answered round, as the round metrics count it."""
+
+    gamma: int  # draft tokens
+    num_accepted: int
+    batch_size: int
+    seconds: float  # time the serving endpoint spent on it
+    queue_ms: float
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a replica's own endpoint answered since the front door last asked."""
+
+    rounds: tuple[RoundSample, ...] = ()
+    errors: tuple[tuple[str, int], ...] = ()  # (status code, calls)
+
+
+class EndpointTally:
+    """The metrics sink of a replica's own Verify endpoint: it only remembers, until `take`."""
+
+    def __init__(self) -> None:
+        self._rounds: collections.deque[RoundSample] = collections.deque(maxlen=TALLY_KEEP)
+        self._errors: collections.Counter[str] = collections.Counter()
+
+    def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
+        """Remember one answered round."""
+        self._rounds.append(RoundSample(gamma, result.num_accepted, result.batch_size, seconds, result.queue_ms))
+
+    def observe_error(self, code: str) -> None:
+        """Remember one call answered with an error status."""
+        self._errors[code] += 1
+
+    def take(self) -> Tally:
+        """Everything remembered since the last call."""
+        tally = Tally(tuple(self._rounds), tuple(self._errors.items()))
+        self._rounds.clear()
+        self._errors.clear()
+        return tally
 
 
 class Metrics:
@@ -37,8 +88,8 @@ class Metrics:
                                         registry=r)
         self.batch_size = Histogram("hybridspec_batch_size", "Rounds scored per forward pass", buckets=BATCH_BUCKETS,
                                     registry=r)
-        self.verify_seconds = Histogram("hybridspec_verify_seconds", "Front-door time per round (routing, queue, "
-                                        "forward)", buckets=LATENCY_BUCKETS, registry=r)
+        self.verify_seconds = Histogram("hybridspec_verify_seconds", "Time per round at the endpoint that served it "
+                                        "(the front door: routing, queue, forward; a replica: queue, forward)", buckets=LATENCY_BUCKETS, registry=r)
         self.queue_seconds = Histogram("hybridspec_queue_seconds", "Time a round waited on its replica before its "
                                        "forward pass (batching, other batches, prefill chunks): the overload signal",
                                        buckets=LATENCY_BUCKETS, registry=r)
@@ -51,21 +102,36 @@ class Metrics:
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Count one answered round with γ draft tokens."""
+        self._count(RoundSample(gamma, result.num_accepted, result.batch_size, seconds, result.queue_ms))
+
+    def observe_error(self, code: str) -> None:
+        """Count one call answered with an error status."""
+        self.errors.labels(code).inc()
+
+    def add_tally(self, tally: Tally) -> None:
+        """Count what a replica's own endpoint answered."""
+        for sample in tally.rounds:
+            self._count(sample)
+        for code, calls in tally.errors:
+            self.errors.labels(code).inc(calls)
+
+    def _count(self, s: RoundSample) -> None:
         self.rounds.inc()
-        self.draft_tokens.inc(gamma)
-        self.accepted_tokens.inc(result.num_accepted)
-        for position in range(1, gamma + 1):
+        self.draft_tokens.inc(s.gamma)
+        self.accepted_tokens.inc(s.num_accepted)
+        for position in range(1, s.gamma + 1):
             self.drafted_at.labels(str(position)).inc()
-            if position <= result.num_accepted:
+            if position <= s.num_accepted:
                 self.accepted_at.labels(str(position)).inc()
-        self.batch_size.observe(result.batch_size)
-        self.verify_seconds.observe(seconds)
-        self.queue_seconds.observe(result.queue_ms / 1e3)
+        self.batch_size.observe(s.batch_size)
+        self.verify_seconds.observe(s.seconds)
+        self.queue_seconds.observe(s.queue_ms / 1e3)
 
     def observe_replicas(self, replicas: list[ReplicaStatus]) -> None:
         """Refresh the per-replica gauges and add new evictions (a restarted replica counts from 0 again)."""
         self.replicas_alive.set(sum(r.alive for r in replicas))
         for r in replicas:
+            self.add_tally(r.direct)
             self._add_new("failures", r.name, r.failures, self.replica_failures)
             self._add_new("routed", r.name, r.routed_total, self.sessions_routed.labels(r.name))
             self.sessions_open.labels(r.name).set(r.sessions)

@@ -6,6 +6,10 @@ sessions. When a replica dies, Ray restarts it (with an empty cache); meanwhile 
 FAILED_PRECONDITION and the edge re-opens them with its committed tokens: on another live replica,
 or — with a single replica — on the restarted one, which a new session waits for (bounded). The pool
 never parses protobuf, and no Ray error text (tracebacks, pids, addresses) ever reaches a client.
+
+Replicas started with a `verify_host` serve their sessions' rounds on their own gRPC endpoint too;
+OpenSession answers with the owning replica's address, and a (re)started replica reports its new one.
+Opening, closing, limits and routing stay here either way.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from ray.exceptions import RayActorError
 from ..common.errors import HybridSpecError, Unavailable, incident
 from ..common.wire import DraftBlock, SessionSpec, VerifyResult
 from .backend import Backend, ReplicaLost
+from .metrics import Tally
 from .reaper import start_reaper
-from .replica import ReplicaSpec, VerifierReplica
+from .replica import ReplicaReady, ReplicaSpec, VerifierReplica
 from .verifier import VerifierStats
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ class _Replica:
     handle: ray.actor.ActorHandle
     alive: bool = True
     failures: int = 0  # times this replica died
+    verify_address: str = ""  # its direct endpoint (changes when Ray restarts it); "" = none
 
 
 def init_ray(attempts: int = 2, local_only: bool = True, **kwargs) -> None:
@@ -111,14 +117,17 @@ class RayPool(Backend):
                                    lifetime=None).remote(self.spec.replica)
             self.replicas[name] = _Replica(name, handle)
         try:
-            infos = await asyncio.gather(*(r.handle.ready.remote() for r in self.replicas.values()))
+            readies: list[ReplicaReady] = await asyncio.gather(*(r.handle.ready.remote()
+                                                                 for r in self.replicas.values()))
         except RayActorError as exc:
             await self.stop()
             raise Unavailable(f"a verifier replica failed to start: {_last_line(exc)}") from None
-        if len({(i.tokenizer_fingerprint, i.model_fingerprint) for i in infos}) != 1:
+        if len({(r.info.tokenizer_fingerprint, r.info.model_fingerprint) for r in readies}) != 1:
             await self.stop()
             raise Unavailable("replicas loaded different models; check the target setting")
-        self.info = infos[0]
+        for replica, ready in zip(self.replicas.values(), readies):
+            replica.verify_address = ready.verify_address
+        self.info = readies[0].info
         log.info("%d replicas ready: %s", len(self.replicas), ", ".join(self.replicas))
 
     async def stop(self) -> None:
@@ -174,6 +183,17 @@ class RayPool(Backend):
     def _failures(self, replica: str) -> int:
         return self.replicas[replica].failures
 
+    def _verify_address(self, replica: str) -> str:
+        r = self.replicas[replica]
+        return r.verify_address if r.alive else ""
+
+    async def _tally_of(self, replica: str) -> Tally:
+        r = self.replicas[replica]
+        try:
+            return await asyncio.wait_for(self._call(r, r.handle.take_tally.remote(), "take_tally"), timeout=5)
+        except (HybridSpecError, asyncio.TimeoutError):
+            return Tally()  # those rounds go uncounted; serving them mattered more
+
     async def _call(self, replica: _Replica, ref, what: str):
         """Await an actor call. A dead replica drops its sessions (the edge re-opens them); any
         other Ray failure is logged as an incident and reaches the client as INTERNAL."""
@@ -194,7 +214,10 @@ class RayPool(Backend):
         replica.failures += 1
         replica.alive = False
         for sid in self.table.on_replica(replica.name):
-            self.table.remove(sid)
+            # An open in flight there gets ReplicaLost from its own call and places the session again
+            # under the same id (the edge re-opening after its direct stream broke is exactly that).
+            if not self.table.get(sid).opening:
+                self.table.remove(sid)
         log.warning("replica %s failed (%s); Ray is restarting it", replica.name, type(exc).__name__)
         task = asyncio.get_running_loop().create_task(self._await_restart(replica))
         self._watchers.add(task)
@@ -203,7 +226,8 @@ class RayPool(Backend):
     async def _await_restart(self, replica: _Replica) -> None:
         while True:
             try:
-                await replica.handle.ready.remote()
+                ready: ReplicaReady = await replica.handle.ready.remote()
+                replica.verify_address = ready.verify_address
                 replica.alive = True
                 self._revived.set()
                 log.info("replica %s is back", replica.name)

@@ -1,20 +1,30 @@
-"""A verifier replica as a Ray actor: one target model on its device, its sessions, its batcher.
+"""A verifier replica as a Ray actor: one target model on its device, its sessions, its scheduler.
 
 The actor speaks the wire dataclasses (Ray pickles them); it never sees protobuf. Domain errors are
 returned as values rather than raised, so the pool gets the error itself instead of Ray's wrapped
 traceback, and a raised exception always means the replica itself failed.
+
+With a `verify_host`, the actor also hosts its own small gRPC endpoint (cloud/server.py,
+`start_verify_endpoint`) on its event loop, beside the Ray calls: edges stream their rounds to it
+directly, saving the front door's hop and the Ray call per round. Protobuf stays in service.py.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ..common.errors import HybridSpecError
 from ..common.wire import DraftBlock, ModelInfo, SessionSpec, VerifyResult
+from .backend import ReplicaEndpointBackend
+from .metrics import Tally
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .runner import VerifierRunner
+from .server import VerifyEndpoint, start_verify_endpoint
 from .verifier import Verifier, VerifierLimits, VerifierStats
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bound on every interface: advertise the node's address
 
 T = TypeVar("T")
 
@@ -30,6 +40,15 @@ class ReplicaSpec:
     limits: VerifierLimits = VerifierLimits()
     max_batch: int = DEFAULT_MAX_BATCH
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
+    verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
+
+
+@dataclass(frozen=True)
+class ReplicaReady:
+    """A loaded replica: what it serves, and where it takes its sessions' rounds directly."""
+
+    info: ModelInfo
+    verify_address: str  # HOST:PORT; "" without a direct endpoint
 
 
 class VerifierReplica:
@@ -44,10 +63,22 @@ class VerifierReplica:
             torch.set_num_threads(spec.torch_threads)
         verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
         self.runner = VerifierRunner(verifier, spec.max_batch, spec.max_wait_ms)
+        self._verify_host = spec.verify_host
+        self._endpoint: VerifyEndpoint | None = None
+        self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
 
-    async def ready(self) -> ModelInfo:
-        """Answers once the model is loaded (the constructor has run)."""
-        return self.runner.verifier.info
+    async def ready(self) -> ReplicaReady:
+        """Answers once the model is loaded (the constructor has run). The first call starts the
+        direct endpoint: it needs the actor's event loop, which the constructor does not run on."""
+        async with self._starting:
+            if self._verify_host and self._endpoint is None:
+                self._endpoint = await start_verify_endpoint(ReplicaEndpointBackend(self.runner), self._verify_host,
+                                                             _advertised(self._verify_host))
+        return ReplicaReady(self.runner.verifier.info, self._endpoint.address if self._endpoint else "")
+
+    async def take_tally(self) -> Tally:
+        """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
+        return self._endpoint.tally.take() if self._endpoint else Tally()
 
     async def open_session(self, spec: SessionSpec) -> int | HybridSpecError:
         """Open or re-open a session."""
@@ -64,6 +95,16 @@ class VerifierReplica:
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
         return await _as_value(self.runner.stats())
+
+
+def _advertised(host: str) -> str:
+    """The address edges dial for an endpoint bound on `host`."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    return f"[{ip}]" if ":" in ip else ip
 
 
 async def _as_value(call: Awaitable[T]) -> T | HybridSpecError:

@@ -1,4 +1,5 @@
-"""The gRPC front door: Verifier service, health checking, reflection, metrics, graceful drain.
+"""The gRPC front door: Verifier service, health checking, reflection, metrics, graceful drain; and
+the small direct endpoint each Ray replica serves its own sessions' rounds on.
 
 The port is bound before the models load, so health checks answer NOT_SERVING while replicas
 start; the server reports SERVING once the backend is ready and NOT_SERVING again when draining.
@@ -18,8 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..common.channel import SHARED_OPTIONS
-from .backend import Backend, InProcessBackend
-from .metrics import Metrics
+from .backend import Backend, InProcessBackend, ReplicaEndpointBackend
+from .metrics import EndpointTally, Metrics
 from .service import SERVICE_NAME, VerifierService
 from .verifier import Verifier
 
@@ -85,6 +86,32 @@ async def start_server(backend: Backend, host: str, port: int, metrics_port: int
                             asyncio.get_running_loop().create_task(_refresh_forever(backend, metrics)))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return running
+
+
+@dataclass
+class VerifyEndpoint:
+    """A replica's own endpoint: VerifyStream for the sessions that replica holds, and health."""
+
+    server: grpc.aio.Server
+    address: str  # HOST:PORT as clients should dial it
+    tally: EndpointTally  # its rounds and errors, until the front door collects them
+
+
+async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, advertised_host: str) -> VerifyEndpoint:
+    """Serve `backend`'s VerifyStream on a free port of `host` (the front door's interface), with the
+    front door's limits, validation and error handling (the same VerifierService); no other Verifier
+    RPC: sessions are opened, closed and counted against their client only at the front door."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+    tally = EndpointTally()
+    VerifierService(backend, tally).register(server, only=("VerifyStream",))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{host}:0")
+    if port == 0:
+        raise OSError(f"cannot bind a port on {host} for the replica's verify endpoint")
+    await server.start()
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    return VerifyEndpoint(server, f"{advertised_host}:{port}", tally)
 
 
 async def serve_forever(backend: Backend, host: str, port: int, grace_s: float, metrics_port: int | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -22,7 +22,7 @@ from ..common.errors import HybridSpecError, InvalidArgument, incident
 from ..common.proto import verifier_pb2 as pb
 from ..common.wire import check_session_id
 from .backend import Backend, generate_tokens
-from .metrics import Metrics
+from .metrics import EndpointTally, Metrics
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -53,14 +53,17 @@ def client_of(context: grpc.aio.ServicerContext) -> str:
 
 
 class VerifierService:
-    """Serves one backend (an in-process verifier or the Ray pool)."""
+    """Serves one backend: the front door's (an in-process verifier or the Ray pool), or a replica's
+    own runner behind its direct Verify endpoint (which registers VerifyStream only)."""
 
-    def __init__(self, backend: Backend, metrics: Metrics) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics | EndpointTally) -> None:
+        """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds and errors."""
         self.backend = backend
         self.metrics = metrics
 
-    def register(self, server: grpc.aio.Server) -> None:
-        """Add the Verifier RPCs to `server`, with lenient deserializers."""
+    def register(self, server: grpc.aio.Server, only: Collection[str] | None = None) -> None:
+        """Add the Verifier RPCs (or those named in `only`) to `server`, with lenient deserializers;
+        gRPC answers any other method UNIMPLEMENTED."""
         unary, server_stream, bidi = (grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler,
                                       grpc.stream_stream_rpc_method_handler)
         handlers = {
@@ -73,6 +76,8 @@ class VerifierService:
                                   pb.CloseSessionReply.SerializeToString),
             "Generate": server_stream(self.Generate, _lenient(pb.GenerateRequest), pb.GenerateReply.SerializeToString),
         }
+        if only is not None:
+            handlers = {name: handler for name, handler in handlers.items() if name in only}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
     # ---- the RPCs -----------------------------------------------------------------------------
@@ -155,6 +160,6 @@ class VerifierService:
         except Exception as exc:
             error = incident(log, exc, rpc)
             code, message = error.code, str(error)
-        self.metrics.errors.labels(code).inc()
+        self.metrics.observe_error(code)
         await context.abort(getattr(grpc.StatusCode, code), message)
         raise AssertionError("context.abort returned")  # it always raises

@@ -69,12 +69,13 @@ def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
 
 def opened_to_pb(o: SessionOpened) -> pb.OpenSessionReply:
     """Encode the answer to OpenSession."""
-    return pb.OpenSessionReply(session_id=o.session_id, committed_len=o.committed_len)
+    return pb.OpenSessionReply(session_id=o.session_id, committed_len=o.committed_len,
+                               verify_address=o.verify_address)
 
 
 def opened_from_pb(m: pb.OpenSessionReply) -> SessionOpened:
     """Decode the answer to OpenSession."""
-    return SessionOpened(session_id=m.session_id, committed_len=m.committed_len)
+    return SessionOpened(session_id=m.session_id, committed_len=m.committed_len, verify_address=m.verify_address)
 
 
 def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:

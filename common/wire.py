@@ -146,10 +146,12 @@ class SessionSpec:
 
 @dataclass(frozen=True)
 class SessionOpened:
-    """The answer to OpenSession: the id every later call of the session carries, and its length."""
+    """The answer to OpenSession: the id every later call of the session carries, its length, and
+    where its rounds go ("" = the front door that opened it; else its replica's own endpoint)."""
 
     session_id: str
     committed_len: int
+    verify_address: str = ""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,12 @@ Verification rounds travel on one bidirectional stream per session. `submit` sen
 returns at once with a handle whose reply a reader thread fills in, so the edge can keep drafting
 while the round is verified (pipelining); `verify` waits for it. A failed stream is replaced on the
 next round. Uplink/downlink counters hold serialized message bytes (no HTTP/2 framing).
+
+Everything but the rounds goes to the front door. The rounds go where the last OpenSession said:
+straight to the replica that holds the session when the reply names its endpoint (a second channel),
+else to the front door. When that endpoint stops answering, the round fails with ReplicaUnreachable
+(a FailedPrecondition: re-open at the front door, which knows where the session lives now), and the
+endpoint is avoided for a while, so an edge that cannot reach replicas directly still gets served.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import grpc
 
 from ..common import codec
 from ..common.channel import SHARED_OPTIONS
-from ..common.errors import HybridSpecError, Unavailable, error_for_code
+from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable, error_for_code
 from ..common.proto import verifier_pb2 as pb
 from ..common.proto import verifier_pb2_grpc as pb_grpc
 from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
@@ -33,6 +39,20 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 _END = object()
+AVOID_UNREACHABLE_S = 60.0  # a replica endpoint that failed is not dialled again for this long
+
+
+class ReplicaUnreachable(FailedPrecondition):
+    """The replica endpoint a session's rounds went to stopped answering: re-open at the front door."""
+
+
+class _Endpoint:
+    """A channel and its stub."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.VerifierStub(self.channel)
 
 
 @dataclass
@@ -51,11 +71,14 @@ class PendingRound:
 class _Stream:
     """One VerifyStream call: a request queue, the rounds awaiting replies, and the reader thread."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, client: VerifierClient) -> None:
+    def __init__(self, endpoint: _Endpoint, client: VerifierClient, direct: bool) -> None:
+        """direct: `endpoint` is a replica's own, not the front door."""
+        self.address = endpoint.address
+        self.direct = direct
         self.requests: queue.Queue = queue.Queue()
         self.pending: collections.deque[PendingRound] = collections.deque()
         self.dead = False
-        self.call = stub.VerifyStream(iter(self.requests.get, _END))
+        self.call = endpoint.stub.VerifyStream(iter(self.requests.get, _END))
         threading.Thread(target=self._read, args=(client,), daemon=True, name="verify-stream").start()
 
     def _read(self, client: VerifierClient) -> None:
@@ -66,9 +89,11 @@ class _Stream:
                 round_.arrived = time.perf_counter()
                 client._count(down=reply.ByteSize())
                 round_.future.set_result(codec.result_from_pb(reply))
-            error = Unavailable(f"the verifier at {client.address} ended the stream")
+            error = Unavailable(f"the verifier at {self.address} ended the stream")
         except grpc.RpcError as exc:
-            error = _domain_error(exc, client.address)
+            error = _domain_error(exc, self.address)
+        if self.direct and isinstance(error, Unavailable) and not self.dead:  # not ended by close()
+            error = client.replica_lost(self.address, str(error))
         self.dead = True
         while self.pending:
             self.pending.popleft().future.set_exception(error)
@@ -79,7 +104,7 @@ class _Stream:
 
 
 class VerifierClient:
-    """A connection to one verifier endpoint (the front door of a pool)."""
+    """A connection to a verifier pool's front door, and to the replica holding the current session."""
 
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address = address
@@ -87,14 +112,21 @@ class VerifierClient:
         self.uplink_bytes = 0
         self.downlink_bytes = 0
         self._lock = threading.Lock()
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.VerifierStub(self._channel)
+        self._front = _Endpoint(address)
+        self._direct: _Endpoint | None = None  # where rounds go instead of the front door
+        self._avoid: dict[str, float] = {}  # replica endpoint -> when it may be dialled again
         self._stream: _Stream | None = None
 
+    @property
+    def rounds_address(self) -> str:
+        """Where the next round goes: the session's replica endpoint, or the front door."""
+        return self._direct.address if self._direct is not None else self.address
+
     def close(self) -> None:
-        """End the stream and the channel."""
+        """End the stream and the channels."""
         self._end_stream()
-        self._channel.close()
+        self._route("")
+        self._front.channel.close()
 
     def __enter__(self) -> VerifierClient:
         return self
@@ -104,7 +136,7 @@ class VerifierClient:
 
     def model_info(self, timeout_s: float | None = None) -> ModelInfo:
         """What the verifier serves (also a cheap round trip: see `ping`)."""
-        reply = self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s)
+        reply = self._unary(self._front.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout_s)
         return codec.model_info_from_pb(reply)
 
     def ping(self, timeout_s: float | None = None) -> float:
@@ -117,12 +149,20 @@ class VerifierClient:
         """Open (spec.session_id empty) or re-open a session; returns the id the server issued for it,
         which every later call must carry, and the committed length the verifier now holds."""
         self._end_stream()
-        return codec.opened_from_pb(self._unary(self._stub.OpenSession, codec.session_to_pb(spec)))
+        opened = codec.opened_from_pb(self._unary(self._front.stub.OpenSession, codec.session_to_pb(spec)))
+        self._route(opened.verify_address)
+        return opened
+
+    def replica_lost(self, address: str, why: str) -> ReplicaUnreachable:
+        """The error for a round whose replica endpoint failed; rounds avoid that endpoint for a while."""
+        with self._lock:
+            self._avoid[address] = time.monotonic() + AVOID_UNREACHABLE_S
+        return ReplicaUnreachable(f"{why}; re-open the session at the front door")
 
     def close_session(self, session_id: str) -> bool:
         """Free the session on the verifier."""
         self._end_stream()
-        return self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).existed
+        return self._unary(self._front.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).existed
 
     def close_session_later(self, session_id: str) -> None:
         """Free the session without waiting for the reply (a round trip the edge need not spend)."""
@@ -130,7 +170,7 @@ class VerifierClient:
 
         def close() -> None:
             try:
-                self._unary(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+                self._unary(self._front.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
             except HybridSpecError:
                 pass  # the verifier expires idle sessions itself
 
@@ -139,7 +179,8 @@ class VerifierClient:
     def submit(self, block: DraftBlock) -> PendingRound:
         """Send one round on the session's stream; the reply arrives in the returned handle."""
         if self._stream is None or self._stream.dead:
-            self._stream = _Stream(self._stub, self)
+            direct = self._direct
+            self._stream = _Stream(direct or self._front, self, direct is not None)
         request = codec.block_to_pb(block)
         round_ = PendingRound(time.perf_counter())
         self._stream.pending.append(round_)  # before sending: the reader pops in reply order
@@ -153,8 +194,12 @@ class VerifierClient:
         try:
             return round_.future.result(timeout=max(0.0, round_.sent + timeout - time.perf_counter()))
         except FutureTimeout:
+            stream = self._stream
             self._end_stream(cancel=True)
-            raise Unavailable(f"cloud verifier at {self.address} did not answer within {timeout:g} s") from None
+            why = f"cloud verifier at {stream.address if stream else self.address} did not answer within {timeout:g} s"
+            if stream is not None and stream.direct:
+                raise self.replica_lost(stream.address, why) from None
+            raise Unavailable(why) from None
 
     def verify(self, block: DraftBlock) -> VerifyResult:
         """Send one round and wait for its reply."""
@@ -166,7 +211,7 @@ class VerifierClient:
         request = codec.generate_to_pb(spec)
         self._count(up=request.ByteSize())
         # The whole stream's deadline: the usual timeout plus a generous second per token.
-        call = self._stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens)
+        call = self._front.stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens)
         try:
             for reply in call:
                 self._count(down=reply.ByteSize())
@@ -189,6 +234,18 @@ class VerifierClient:
         with self._lock:
             self.uplink_bytes += up
             self.downlink_bytes += down
+
+    def _route(self, verify_address: str) -> None:
+        """Send rounds to `verify_address` ("" or an endpoint to avoid: the front door). A channel to
+        the same replica is kept across sessions; one to another replica is closed."""
+        with self._lock:
+            if self._avoid.get(verify_address, 0.0) > time.monotonic():
+                verify_address = ""
+        if self._direct is not None and self._direct.address != verify_address:
+            self._direct.channel.close()
+            self._direct = None
+        if verify_address and self._direct is None:
+            self._direct = _Endpoint(verify_address)
 
     def _end_stream(self, cancel: bool = False) -> None:
         if self._stream is not None:

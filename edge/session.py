@@ -1,5 +1,6 @@
 """The generation's session on the verifier: opened under the id the server issues, re-opened from the
-committed tokens whenever the verifier lost it, closed at the end; and the rounds sent on it."""
+committed tokens whenever the verifier lost it (or its replica's own endpoint stopped answering: the
+front door re-opens it and says where it lives now), closed at the end; and the rounds sent on it."""
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ from dataclasses import replace
 
 from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ..common.wire import DraftBlock, SessionSpec, VerifyResult
-from .client import PendingRound, VerifierClient
+from .client import PendingRound, ReplicaUnreachable, VerifierClient
 from .estimates import Estimates
 from .state import GenerationState
 from .stats import Stats
@@ -94,7 +95,11 @@ class Round:
         try:
             try:
                 result = session.client.wait(self.pending)
-            except FailedPrecondition:
+            except FailedPrecondition as exc:
+                if isinstance(exc, ReplicaUnreachable):
+                    # The session's replica stopped answering on its own endpoint. If the front door is
+                    # gone too this is an outage (Unavailable, handled as always); else re-open there.
+                    session.client.ping()
                 session.reopen()
                 return session.client.verify(replace(self.block, session_id=session.id))
             pending = self.pending

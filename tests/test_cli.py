@@ -108,7 +108,7 @@ def test_sigterm_drains_and_exits_zero(served):
     assert proc.wait(timeout=30) == 0
 
 
-def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs):
+def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs, tmp_path):
     """The default backend: a real local Ray cluster with one replica, started and stopped by the CLI."""
     import re
     import urllib.request
@@ -121,11 +121,14 @@ def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs):
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
                              str(model_dirs["target"]), "--port", "0", "--metrics-port", "0", "--replicas", "1",
                              "--torch-threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"), text=True, env=ENV)
     try:
         line = proc.stdout.readline()
         address = parse_ready_line(line)
-        assert address and "1 Ray replica" in line, line
+        if not address:  # it exited: say why
+            proc.kill()
+            pytest.fail(f"cloud serve printed {line!r}; stderr: {(tmp_path / 'stderr').read_text()[-2000:]}")
+        assert "1 Ray replica" in line, line
         with grpc.insecure_channel(address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
         assert status == health_pb2.HealthCheckResponse.SERVING

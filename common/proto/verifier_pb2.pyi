@@ -86,12 +86,14 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., seed: _Optional[int] = ..., rollback_threshold: _Optional[float] = ..., lenience: _Optional[float] = ..., tokenizer_fingerprint: _Optional[str] = ..., next_round: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("committed_len", "session_id")
+    __slots__ = ("committed_len", "session_id", "verify_address")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     session_id: str
-    def __init__(self, committed_len: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    verify_address: str
+    def __init__(self, committed_len: _Optional[int] = ..., session_id: _Optional[str] = ..., verify_address: _Optional[str] = ...) -> None: ...
 
 class DraftPosition(_message.Message):
     __slots__ = ("support_ids", "probs")

@@ -95,7 +95,8 @@ class VerifierServicer:
     def VerifyStream(self, request_iterator, context):
         """The same as Verify on one long-lived stream per session: the edge may send round r+1 before the
         reply to round r arrives (pipelined drafting). Replies come back in request order. Any error
-        ends the stream with the status Verify would have returned.
+        ends the stream with the status Verify would have returned. A replica's own endpoint
+        (OpenSessionReply.verify_address) serves this RPC only, and only for the sessions it holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,164 @@
+"""Per-round overhead of the hop edge → verifier → edge beyond the forward pass, for three paths in one run.
+
+    python bench/hop_overhead.py [--rounds 300] [--gamma 4] [--target tiny|PATH] [--pin] [--out FILE]
+
+Paths, each a real gRPC client (edge/client.py) on localhost sending one round at a time:
+    front-door  the front door routes each round to a 1-replica Ray pool (direct_verify off)
+    direct      the edge streams to the replica's own endpoint, named in OpenSessionReply (direct_verify on)
+    in-process  the front door runs the verifier itself (InProcessBackend, no Ray): the floor
+overhead = client round trip (submit → reply) − the verifier's forward time (VerifyResult.verify_ms −
+queue_ms, cloud/scheduler.py), with the configured batching wait (a lone session's round never waits
+for company): what is left is gRPC, the front door, Ray and the event-loop and thread hand-offs.
+The paths take turns round by round, so load from other work on the machine hits all of them alike.
+--target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py);
+--pin puts Ray's processes (the replicas) on the second core and the front doors and edges on the first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from hybridspec.cloud.backend import InProcessBackend
+from hybridspec.cloud.pool import WORKER_ENV, PoolSpec, RayPool, init_ray
+from hybridspec.cloud.replica import ReplicaSpec
+from hybridspec.cloud.scheduler import DEFAULT_MAX_WAIT_MS
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.common.models import load_model
+from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.edge.client import VerifierClient
+
+PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
+LIMITS = VerifierLimits(max_context=512, max_draft=32, max_sessions=8)
+WARMUP_ROUNDS = 20
+
+
+@dataclass
+class Lane:
+    """One path under test: its client, its session and what it measured."""
+
+    name: str
+    client: VerifierClient
+    session_id: str = ""
+    length: int = 0
+    round: int = 0
+    direct: bool = False  # rounds go to a replica's own endpoint
+    overhead_ms: list[float] = field(default_factory=list)
+    rtt_ms: list[float] = field(default_factory=list)
+    forward_ms: list[float] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+
+    def open(self) -> None:
+        """A fresh session (untimed): rounds of a fixed block grow the context until it must be renewed."""
+        if self.session_id:
+            self.client.close_session(self.session_id)
+        opened = self.client.open_session(SessionSpec("", PROMPT))
+        self.session_id, self.length, self.round = opened.session_id, opened.committed_len, 0
+        self.direct = self.client.rounds_address != self.client.address
+
+    def one_round(self, draft: tuple[int, ...], keep: bool) -> None:
+        """Send one round, wait for its reply, and (keep) record where its time went."""
+        if self.length + len(draft) + 1 >= LIMITS.max_context:
+            was_direct = self.direct
+            self.open()
+            assert self.direct == was_direct, f"{self.name}: rounds changed path on a new session"
+        pending = self.client.submit(DraftBlock(self.session_id, self.round, self.length, draft))
+        result = self.client.wait(pending)
+        self.length, self.round = result.committed_len, self.round + 1
+        if keep:
+            rtt = (pending.arrived - pending.sent) * 1e3
+            forward = result.verify_ms - result.queue_ms
+            self.rtt_ms.append(rtt)
+            self.forward_ms.append(forward)
+            self.queue_ms.append(result.queue_ms)
+            self.overhead_ms.append(rtt - forward)
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile."""
+    return statistics.quantiles(values, n=10)[-1]
+
+
+def tiny_target(out: Path) -> str:
+    """A random 2-layer Llama with a real tokenizer, saved as a model directory."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tinymodels import make_model, save_model
+
+    return str(save_model(make_model(seed=0), out / "target"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
+    parser.add_argument("--rounds", type=int, default=300, help="timed rounds per path")
+    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    parser.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
+                        help="the scheduler's wait for recently active sessions' rounds")
+    parser.add_argument("--pin", action="store_true", help="replicas on the second core, the rest on the first")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    pin = args.pin and len(cores) >= 2
+    torch.set_num_threads(1)
+    tmp = tempfile.TemporaryDirectory()
+    target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
+
+    if pin:
+        os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
+    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
+             logging_level="ERROR")
+    servers = {}
+    for name, verify_host in (("front-door", ""), ("direct", "127.0.0.1")):
+        spec = ReplicaSpec(target=target, device="cpu", torch_threads=1, limits=LIMITS, max_wait_ms=args.max_wait_ms,
+                           verify_host=verify_host)
+        servers[name] = BackgroundServer(RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=f"hop-{name}")))
+    if pin:
+        os.sched_setaffinity(0, {cores[0]})  # the front doors' loops, the in-process verifier and the edges
+    verifier = Verifier(load_model(target, device="cpu"), LIMITS)
+    servers["in-process"] = BackgroundServer(InProcessBackend(verifier, max_wait_ms=args.max_wait_ms))
+    paths = [Lane(name, VerifierClient(server.address)) for name, server in servers.items()]
+    draft = tuple(range(10, 10 + args.gamma))
+    try:
+        for path in paths:
+            path.open()
+        assert [p.direct for p in paths] == [False, True, False], "only the direct path should name an endpoint"
+        for r in range(WARMUP_ROUNDS + args.rounds):
+            for path in paths:  # round-robin: background load hits every path alike
+                path.one_round(draft, keep=r >= WARMUP_ROUNDS)
+    finally:
+        for path in paths:
+            path.client.close()
+        for server in servers.values():
+            server.stop()
+        import ray
+
+        ray.shutdown()
+        tmp.cleanup()
+
+    rows = [{"path": p.name, "overhead_median_ms": statistics.median(p.overhead_ms), "overhead_p90_ms": p90(p.overhead_ms),
+             "rtt_median_ms": statistics.median(p.rtt_ms), "forward_median_ms": statistics.median(p.forward_ms),
+             "queue_median_ms": statistics.median(p.queue_ms)} for p in paths]
+    result = {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "max_wait_ms": args.max_wait_ms,
+              "pinned": pin, "cores": len(cores), "rows": rows}
+    print(f"per-round overhead beyond the forward pass; target {args.target}, γ = {args.gamma}, {args.rounds} rounds "
+          f"per path, max_wait_ms {args.max_wait_ms:g}, {'pinned' if pin else 'not pinned'}, {len(cores)} cores")
+    print(f"{'path':<12} {'overhead med':>12} {'p90':>7} {'rtt med':>8} {'forward':>8} {'queue':>6}  (ms)")
+    for row in rows:
+        print(f"{row['path']:<12} {row['overhead_median_ms']:>12.2f} {row['overhead_p90_ms']:>7.2f} "
+              f"{row['rtt_median_ms']:>8.2f} {row['forward_median_ms']:>8.2f} {row['queue_median_ms']:>6.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Direct verify: rounds go from the edge straight to the replica holding the session (real gRPC, real Ray)."""
+import grpc
+import pytest
+import ray
+
+from hybridspec.cloud.config import ServeConfig
+from hybridspec.cloud.pool import PoolSpec, RayPool
+from hybridspec.cloud.replica import ReplicaSpec
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import VerifierLimits
+from hybridspec.common.proto import verifier_pb2 as pb
+from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.worker import EdgeWorker
+
+from tinymodels import EVERY_ROUND, greedy_reference
+
+PROMPT = [7, 19, 40, 81]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def direct_pool(ray_cluster, model_dirs):
+    """Two replicas, each with its own Verify endpoint on 127.0.0.1, behind a front door."""
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, verify_host="127.0.0.1",
+                          limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=8))
+    pool = RayPool(PoolSpec(replica=replica, replicas=2, num_cpus=0.5, name="direct-pool"))
+    server = BackgroundServer(pool, metrics_port=0)
+    yield server, pool
+    server.stop()
+
+
+def count_front_door_rounds(pool):
+    """Wrap the pool's verify (what the front door's Verify RPCs call) to count the rounds it routes."""
+    calls = {"n": 0}
+    original = pool.verify
+
+    async def counted(block):
+        calls["n"] += 1
+        return await original(block)
+
+    pool.verify = counted
+    return calls, lambda: vars(pool).pop("verify")
+
+
+def edge_config(address):
+    return EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
+
+
+def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_pool, target, random_drafter):
+    server, pool = direct_pool
+    assert all(r.verify_address.startswith("127.0.0.1:") for r in pool.replicas.values())
+    calls, restore = count_front_door_rounds(pool)
+    try:
+        rounds_before = server.running.metrics.rounds._value.get()
+        with VerifierClient(server.address) as client:
+            for drafter in (target, random_drafter):  # all accepted / nearly all rejected; one client
+                gen = EdgeWorker(drafter, client, edge_config(server.address)).generate(PROMPT)
+                assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
+                assert client.rounds_address in {r.verify_address for r in pool.replicas.values()}
+    finally:
+        restore()
+    assert calls["n"] == 0  # every round went to a replica's own endpoint
+    server.call(server.running.refresh_metrics())  # the replicas' tallies reach the front door's /metrics
+    assert server.running.metrics.rounds._value.get() - rounds_before >= 2 * NEW_TOKENS / 4
+
+
+def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(direct_pool):
+    server, pool = direct_pool
+    with grpc.insecure_channel(server.address) as front:
+        opened = pb_grpc.VerifierStub(front).OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
+    owner = next(r for r in pool.replicas.values() if r.verify_address == opened.verify_address)
+    other = next(r for r in pool.replicas.values() if r is not owner)
+
+    def stream(address, *requests):
+        with grpc.insecure_channel(address) as channel:
+            return list(pb_grpc.VerifierStub(channel).VerifyStream(iter(requests), timeout=30))
+
+    def refused(address, request, code):
+        with pytest.raises(grpc.RpcError) as info:
+            stream(address, request)
+        assert info.value.code() == code, info.value.details()
+        assert "Traceback" not in info.value.details() and opened.session_id not in info.value.details()
+        return info.value.details()
+
+    first = pb.VerifyRequest(session_id=opened.session_id, round=0, committed_len=2, draft_ids=[9])
+    # Another replica's session, and an id nobody issued: unknown here, nothing said about elsewhere.
+    assert "unknown" in refused(other.verify_address, first, grpc.StatusCode.FAILED_PRECONDITION)
+    assert "unknown" in refused(owner.verify_address, pb.VerifyRequest(session_id="made-up", round=0, committed_len=1),
+                                grpc.StatusCode.FAILED_PRECONDITION)
+    assert "64" in refused(owner.verify_address, pb.VerifyRequest(session_id="x" * 9000, round=0, committed_len=1),
+                           grpc.StatusCode.INVALID_ARGUMENT)
+    # Garbage bytes, and RPCs only the front door serves.
+    with grpc.insecure_channel(owner.verify_address) as channel:
+        raw = channel.stream_stream("/hybridspec.v1.Verifier/VerifyStream")
+        with pytest.raises(grpc.RpcError) as info:
+            list(raw(iter([b"\xff\xff\xff garbage"]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.VerifierStub(channel).OpenSession(pb.OpenSessionRequest(committed_ids=[5]), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # The owner still serves the real session, untouched by all of that.
+    assert stream(owner.verify_address, first)[0].committed_len in (3, 4)
+    with grpc.insecure_channel(server.address) as front:
+        pb_grpc.VerifierStub(front).CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+    # Closed at the front door: its replica no longer serves it.
+    second = pb.VerifyRequest(session_id=opened.session_id, round=1, committed_len=3, draft_ids=[])
+    refused(owner.verify_address, second, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, target, random_drafter):
+    server, pool = direct_pool
+    with VerifierClient(server.address) as client:
+        worker = EdgeWorker(random_drafter, client, edge_config(server.address))
+        original, calls, killed = client.submit, {"n": 0}, []
+
+        def submit_after_killing(block):
+            calls["n"] += 1
+            if calls["n"] == 3:  # mid-generation: crash the replica whose endpoint the rounds go to
+                replica = pool.replicas[pool.table.get(block.session_id).replica]
+                killed.append(replica.verify_address)
+                ray.kill(replica.handle, no_restart=False)
+            return original(block)
+
+        client.submit = submit_after_killing
+        gen = worker.generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
+    assert gen.stats.reopens >= 1 and killed
+    server.call(server.running.refresh_metrics())
+    assert server.running.metrics.replica_failures._value.get() >= 1
+
+
+def test_direct_verify_is_a_config_switch():
+    assert ServeConfig().replica_spec("t").verify_host == "127.0.0.1"
+    assert ServeConfig(host="0.0.0.0").replica_spec("t").verify_host == "0.0.0.0"
+    assert ServeConfig(direct_verify=False).replica_spec("t").verify_host == ""
+
+
+def test_the_in_process_backend_names_no_replica_endpoint(server):
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        opened = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+    assert opened.verify_address == ""
