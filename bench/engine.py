@@ -1,6 +1,6 @@
 """What the verifier engine delivers to many edges, and whether cloud-only decoding stays honest.
 
-    taskset -c 1 python bench/engine.py [--sessions 8] [--context 200] [--steps 6] [--out FILE]
+    taskset -c 1 python bench/engine.py [--sessions 8] [--steps 6] [--out FILE]
 
 All in one run, one torch thread, embedded target, drafts that are the target's own greedy tokens
 (so every round accepts all γ = 4 drafts: the ceiling batching is measured against):
@@ -33,11 +33,15 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.prompt import encode_prompt
 
 GAMMA = 4
+TOPICS = ["the history of the bicycle", "how bridges are built", "the life of bees", "ocean currents",
+          "the invention of paper", "volcanoes", "how computers store numbers", "the seasons", "rivers",
+          "the printing press", "how trains work", "the moon", "forests", "the history of music", "deserts",
+          "how rain forms", "the Roman roads", "glaciers", "the telephone", "coral reefs"]
 
 
 def reference(target, prompt: list[int], n: int) -> list[int]:
     """The target's own greedy continuation (Hugging Face generate)."""
-    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+    out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
 
@@ -55,7 +59,8 @@ def rounds_per_s(verifier: Verifier, prompts: list[list[int]], refs: list[list[i
         results = verifier.verify_batch(blocks) if batched else [verifier.verify(b) for b in blocks]
         elapsed += time.perf_counter() - t0
         for i, result in enumerate(results):
-            assert result.num_accepted == gamma, "a draft of the target's own tokens was rejected"
+            if result.num_accepted < len(blocks[i].draft_ids):
+                raise SystemExit(f"session {i} round {r}: the target rejected its own greedy token (a near-tie)")
             tokens += result.num_accepted + 1
             done[i] += result.num_accepted + 1
             length[i] = result.committed_len
@@ -88,7 +93,6 @@ def generate_per_s(target, verifier: Verifier, prompt: list[int], n: int, repeat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--context", type=int, default=200, help="prompt tokens per session (approximately)")
     parser.add_argument("--steps", type=int, default=6, help="rounds per session and mode")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default="")
@@ -96,13 +100,25 @@ def main() -> None:
     torch.set_num_threads(1)
     target = load_model(default_paths()["target"], device="cpu", dtype=args.dtype)
     verifier = Verifier(target, VerifierLimits(max_context=4096, max_draft=GAMMA, max_sessions=4 * args.sessions))
-    prompts = []
-    for i in range(args.sessions):
-        text = " ".join(FREEFORM_PROMPTS[(i + j) % len(FREEFORM_PROMPTS)] for j in range(6))
-        prompts.append(encode_prompt(target.tokenizer, text, chat=True)[-args.context:])
+    # Earlier questions as context, then a request for a long answer; prompts whose answer ends
+    # before the rounds do are skipped.
+    need = (GAMMA + 1) * args.steps
     print(f"references for {args.sessions} sessions ...", flush=True)
-    refs = [reference(target, p, (GAMMA + 1) * args.steps) for p in prompts]
-    row: dict = {"dtype": args.dtype, "sessions": args.sessions, "context": args.context, "gamma": GAMMA}
+    prompts, refs = [], []
+    for i, topic in enumerate(TOPICS):
+        context = " ".join(FREEFORM_PROMPTS[(i + j) % len(FREEFORM_PROMPTS)] for j in range(8))
+        prompt = encode_prompt(target.tokenizer, f"{context} Now, instead, write a long, detailed essay about "
+                               f"{topic}.", chat=True)
+        ref = reference(target, prompt, need)
+        if len(ref) == need:
+            prompts.append(prompt)
+            refs.append(ref)
+        if len(prompts) == args.sessions:
+            break
+    else:
+        raise SystemExit(f"only {len(prompts)} prompts have {need}-token answers; use fewer --steps or --sessions")
+    row: dict = {"dtype": args.dtype, "sessions": args.sessions, "gamma": GAMMA,
+                 "prompt_tokens": [len(p) for p in prompts]}
     unbatched, _ = rounds_per_s(verifier, prompts, refs, GAMMA, args.steps, batched=False)
     batched, _ = rounds_per_s(verifier, prompts, refs, GAMMA, args.steps, batched=True)
     cloud_only, _ = rounds_per_s(verifier, prompts, refs, 0, args.steps, batched=True)

@@ -5,8 +5,8 @@
 
 Every edge drafts the target's own greedy continuation, so each round commits γ+1 tokens and the
 number measured is the verifier's: committed ("verified") tokens per second over all sessions.
-Default mode: real edges (one thread and one gRPC channel each) talk to the real front door, which
-routes to one Ray replica; a batched and an unbatched pool (max_batch_size 16 vs 1) run side by side
+Default mode: real edges (one thread and gRPC channels each) open sessions at the real front door,
+which routes them to one Ray replica, and stream their rounds to that replica (direct verify); a batched and an unbatched pool (max_batch_size 16 vs 1) run side by side
 in one Ray cluster. With two or more cores the replicas get one core and the front door plus the
 edges the other, one torch thread each, as if on two hosts. It also measures one round's latency
 through front door + Ray against a direct in-process call of the verifier core.
@@ -169,7 +169,7 @@ def _pool_runs(args, target, refs, cores):
     servers = {}
     for name, max_batch in (("unbatched", 1), ("batched", MAX_BATCH)):
         spec = ReplicaSpec(target=args.target, device=args.device, torch_threads=1 if cores else 0, limits=LIMITS,
-                           max_batch=max_batch, max_wait_ms=2.0)
+                           max_batch=max_batch, max_wait_ms=2.0, verify_host="127.0.0.1")  # direct verify, the default
         servers[name] = BackgroundServer(RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=name)))
     if cores:
         os.sched_setaffinity(0, {cores[0]})  # the front doors' loops and the edges

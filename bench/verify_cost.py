@@ -37,34 +37,27 @@ GAMMA = 4
 NEW_TOKENS = 64
 
 
-def engine_ms(engine: Engine, context: list[int], n: int, repeats: int) -> float:
-    """Median time of one engine step scoring n tokens after `context` (cut back after each)."""
+@torch.inference_mode()
+def forward_ms(engine: Engine, model, context: list[int], n: int, repeats: int) -> tuple[float, float]:
+    """Median times of feeding n scored tokens after `context`: (engine step, Hugging Face forward
+    with its DynamicCache). The two alternate, so drifting load on the machine hits both alike."""
     table = PageTable(engine.pool)
     table.grow(len(context))
     engine.forward([Feed(table, context, scored=False)])
-    times = []
+    ours, theirs = [], []
     for _ in range(repeats):
         table.grow(n)
         t0 = time.perf_counter()
         engine.forward([Feed(table, context[-n:], scored=True)])
-        times.append(time.perf_counter() - t0)
+        ours.append(time.perf_counter() - t0)
         table.truncate(len(context))
-    table.release()
-    return 1e3 * statistics.median(times)
-
-
-@torch.inference_mode()
-def hf_forward_ms(model, context: list[int], n: int, repeats: int) -> float:
-    """Median time of feeding n tokens after `context` through Hugging Face's DynamicCache."""
-    times = []
-    for _ in range(repeats):
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        ids = torch.tensor([context[-n:]])
         t0 = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        model(input_ids=torch.tensor([context[-n:]]), past_key_values=cache, use_cache=True)
+        theirs.append(time.perf_counter() - t0)
+    table.release()
+    return 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
 
 
 def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:
@@ -105,8 +98,9 @@ def main() -> None:
         verifier = Verifier(target, VerifierLimits(max_context=2048, max_draft=GAMMA, kv_cache_tokens=8192))
         context = list(range(100, 100 + args.context))
         sizes = (1, GAMMA + 1, 2 * GAMMA + 1)
-        t = {n: engine_ms(verifier.engine, context, n, args.repeats) for n in sizes}
-        hf = {n: hf_forward_ms(target.model, context, n, args.repeats) for n in sizes}
+        both = {n: forward_ms(verifier.engine, target.model, context, n, args.repeats) for n in sizes}
+        t = {n: ours for n, (ours, _) in both.items()}
+        hf = {n: theirs for n, (_, theirs) in both.items()}
         prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
         row = {"dtype": dtype, **{f"t{n}_ms": round(v, 1) for n, v in t.items()},
                "v_gamma4": round(t[GAMMA + 1] / t[1], 2),

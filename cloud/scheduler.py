@@ -7,8 +7,9 @@ prompt delays other sessions' rounds by one chunk at most and is never starved b
 blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
 
 A lone round runs at once. Only while other sessions that sent rounds recently have none queued
-does a round wait for their company, and then at most `max_wait_ms`: under load the batch grows
-while the previous step runs, and a single edge never pays a batching delay.
+does a round wait for their company, and then at most `max_wait_ms` from the moment the model is
+free: under load the batch grows while the previous step runs, the sessions that step answered get
+a moment to rejoin, and a single edge never pays a batching delay.
 """
 from __future__ import annotations
 
@@ -100,12 +101,13 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             # 1. Wait for work, and briefly for the company of recently active sessions.
+            free_since = time.perf_counter()
             with self._cv:
                 while not (self._stopped or self._rounds or self._opens or self._calls):
                     self._cv.wait()
                 if self._stopped:
                     return
-                self._wait_for_company()
+                self._wait_for_company(free_since)
                 calls, self._calls = list(self._calls), deque()
                 rounds = self._take_rounds()
                 opens = list(self._opens)
@@ -135,11 +137,13 @@ class Scheduler:
                 _resolve(item.future, result)
             self._settle_opens(opens)
 
-    def _wait_for_company(self) -> None:
-        """Hold queued rounds up to max_wait while recently active sessions have none queued (cv held)."""
+    def _wait_for_company(self, free_since: float) -> None:
+        """Hold queued rounds while recently active sessions have none queued (cv held): at most
+        max_wait after the model became free or the oldest round arrived, whichever is later. The
+        sessions answered by the step that just ended need that moment to send their next round."""
         if not self._rounds or self.max_wait_s == 0:
             return
-        deadline = self._rounds[0].arrived + self.max_wait_s
+        deadline = max(free_since, self._rounds[0].arrived) + self.max_wait_s
         while not self._stopped:
             now = time.perf_counter()
             for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
