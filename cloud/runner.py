@@ -40,7 +40,7 @@ class VerifierRunner:
             lambda: self.verifier.close_session(session_id)))
 
     async def stats(self) -> VerifierStats:
-        """Sessions, cached tokens, evictions, held ids, KV pool use."""
+        """Sessions, cached tokens, evictions, held ids, KV pool size."""
         return await self._wait("stats", self._scheduler.submit_call(self.verifier.stats))
 
     async def stop(self) -> None:

@@ -59,7 +59,6 @@ class VerifierStats:
     evictions: int
     session_ids: tuple[str, ...] = ()  # the sessions held right now, for the front door's routing table
     kv_capacity_tokens: int = 0  # what the KV pool holds in all
-    kv_free_tokens: int = 0  # what it has free
 
 
 class OpenPhase(enum.Enum):
@@ -111,12 +110,11 @@ class Verifier:
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def stats(self) -> VerifierStats:
-        """Sessions held, their cached tokens, evictions so far, and the KV pool's use."""
+        """Sessions held, their cached tokens, evictions so far, and the KV pool's size."""
         with self._lock:
             self._sessions.expire_idle()
-            pool = self.engine.pool
             return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
-                                 self._sessions.ids(), pool.capacity_tokens, pool.free_tokens)
+                                 self._sessions.ids(), self.engine.pool.capacity_tokens)
 
     def close_session(self, session_id: str) -> bool:
         """Free a session's pages; True if it existed."""
