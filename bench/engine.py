@@ -50,7 +50,7 @@ def rounds_per_s(verifier: Verifier, prompts: list[list[int]], refs: list[list[i
                  steps: int, batched: bool) -> tuple[float, int]:
     """Drive every session `steps` rounds of `gamma` drafts from its reference; (tokens/s, tokens)."""
     ids = [f"{'b' if batched else 'u'}{gamma}-{i}" for i in range(len(prompts))]
-    length = [verifier.open_session(SessionSpec(sid, tuple(p))) for sid, p in zip(ids, prompts)]
+    length = [verifier.open_session(SessionSpec(sid, tuple(p))).committed_len for sid, p in zip(ids, prompts)]
     done = [0] * len(prompts)
     tokens, elapsed = 0, 0.0
     for r in range(steps):

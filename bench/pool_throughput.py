@@ -64,7 +64,8 @@ def block(sid: str, ref: tuple[list[int], list[int]], r: int, committed_len: int
 
 def run_core(verifier: Verifier, refs, gamma: int, rounds: int, batched: bool) -> float:
     """Committed tokens/s when one caller drives all sessions, round by round."""
-    lengths = [verifier.open_session(SessionSpec(f"core-{i}", tuple(prompt))) for i, (prompt, _) in enumerate(refs)]
+    lengths = [verifier.open_session(SessionSpec(f"core-{i}", tuple(prompt))).committed_len
+               for i, (prompt, _) in enumerate(refs)]
     committed = 0
     start = time.perf_counter()
     for r in range(rounds):
@@ -196,7 +197,7 @@ def _pool_runs(args, target, refs, cores):
     verifier = Verifier(target, LIMITS)
     direct = []
     for i in range(3):
-        length = verifier.open_session(SessionSpec(f"direct-{i}", tuple(refs[i][0])))
+        length = verifier.open_session(SessionSpec(f"direct-{i}", tuple(refs[i][0]))).committed_len
         for r in range(args.rounds):
             t0 = time.perf_counter()
             length = verifier.verify(block(f"direct-{i}", refs[i], r, length, args.gamma)).committed_len

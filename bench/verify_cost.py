@@ -69,7 +69,7 @@ def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:
                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
         ref = ref.tolist()
         sid = f"flip-{i}"
-        length = verifier.open_session(SessionSpec(sid, tuple(prompt)))
+        length = verifier.open_session(SessionSpec(sid, tuple(prompt))).committed_len
         done, r, same = 0, 0, True
         while done + GAMMA + 1 <= len(ref):
             result = verifier.verify(DraftBlock(sid, r, length, tuple(ref[done:done + GAMMA])))

@@ -10,7 +10,9 @@ def register(sub) -> None:
     d.add_argument("--target", required=True, help="target model directory, .gguf file or cached hub id")
     d.add_argument("--out", required=True, help="directory for the compact drafter and its report")
     d.add_argument("--config", help="YAML file of DistillConfig keys")
-    d.add_argument("--layers", type=int, help="drafter decoder layers (default 2)")
+    d.add_argument("--kind", choices=["model", "eagle"],
+                   help="model: a small causal LM (default); eagle: a head drafting from the target's features")
+    d.add_argument("--layers", type=int, help="drafter decoder layers, model kind (default 2)")
     d.add_argument("--steps", type=int, help="optimiser steps (default 400)")
     d.add_argument("--head-size", type=int, help="vocabulary rows the drafter predicts over (default 8192; 0 = all)")
     src = d.add_mutually_exclusive_group()
@@ -18,6 +20,9 @@ def register(sub) -> None:
     src.add_argument("--generate", type=int, help="training responses the target generates (default 480)")
     d.add_argument("--max-new-tokens", type=int, help="length of each generated response (default 128)")
     d.add_argument("--temperature", type=float, help="target sampling temperature for generated data (default 0)")
+    d.add_argument("--temperatures", help='several temperatures, comma-separated (e.g. "0,0.7"): prompts split evenly')
+    d.add_argument("--self-instruct", type=int, help="extra prompts the target writes itself, then answers (default 0)")
+    d.add_argument("--unroll", type=int, help="eagle: passes feeding the head its own features (default 2)")
     d.add_argument("--gen-batch-size", type=int, help="prompts per batched target generation (default 16)")
     d.add_argument("--batch-tokens", type=int, help="tokens per optimiser step (default 2048)")
     d.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
@@ -35,7 +40,7 @@ def run_distill(args) -> int:
     from ..common.config import load_config
     from ..distill.train import DistillConfig, distill
 
-    keys = ["target", "out", "layers", "steps", "head_size", "data", "generate", "max_new_tokens", "temperature",
+    keys = ["target", "out", "kind", "temperatures", "self_instruct", "unroll", "layers", "steps", "head_size", "data", "generate", "max_new_tokens", "temperature",
             "gen_batch_size", "batch_tokens", "lr", "eval_every", "heldout", "seed", "device", "base", "store"]
     overrides = {k: getattr(args, k) for k in keys}
     if args.data is not None:

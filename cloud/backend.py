@@ -90,14 +90,15 @@ class Backend(ABC):
                     self.routed_total[route.replica] = self.routed_total.get(route.replica, 0) + 1
                 route.opening = True
                 try:
-                    committed_len = await self._open_on(route.replica, spec)
+                    opened = await self._open_on(route.replica, spec)
                 except ReplicaLost:
                     route.replica = ""  # the replica took the session with it: place it again
                     self._check_still_routed(session_id, route)
                     continue
                 route.opening, route.routed_at = False, time.monotonic()
                 self._check_still_routed(session_id, route)
-                return SessionOpened(session_id, committed_len, self._verify_address(route.replica))
+                # The replica's answer (length, asked-for features) plus where the rounds go.
+                return replace(opened, session_id=session_id, verify_address=self._verify_address(route.replica))
             raise Unavailable("no verifier replica could open the session; retry shortly")
         except BaseException:  # an error, the call's deadline, or a client that went away
             if self.table.lookup(session_id) is route:
@@ -152,7 +153,7 @@ class Backend(ABC):
         """The replica a new session goes to (Unavailable if none can take it)."""
 
     @abstractmethod
-    async def _open_on(self, replica: str, spec: SessionSpec) -> int:
+    async def _open_on(self, replica: str, spec: SessionSpec) -> SessionOpened:
         """Open on that replica; ReplicaLost if it died."""
 
     @abstractmethod
@@ -215,7 +216,7 @@ class InProcessBackend(Backend):
     async def _place(self) -> str:
         return self.NAME
 
-    async def _open_on(self, replica: str, spec: SessionSpec) -> int:
+    async def _open_on(self, replica: str, spec: SessionSpec) -> SessionOpened:
         return await self._live().open_session(spec)
 
     async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:

@@ -6,7 +6,9 @@ once over exactly the tokens that are needed. Attention is the only part that mu
 apart: the model's attention layers are routed to `packed_attention`, which attends each session's
 queries to that session's own keys. Keys and values are written straight into the session's pages
 of the replica's KV pool and gathered from them in one index operation per layer; nothing is
-concatenated, padded or split per round. Logits are computed only where a rule needs them.
+concatenated, padded or split per round. Logits are computed only where a rule needs them; the
+target's final hidden states (the features an EAGLE drafter asks for) are handed out only for the
+feeds that want them, read from the pass's own output at no extra cost.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ class Feed:
     table: PageTable  # the session's pages; grown beforehand to fit the tokens
     tokens: Sequence[int]
     scored: bool  # True: logits at every fed position (a round); False: a prefill chunk, no logits
+    features: bool = False  # True: also the final hidden states at every fed position
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a pass computed for one feed."""
+
+    logits: torch.Tensor | None  # float32 [len(tokens), V] on the model's device if the feed is scored
+    hidden: torch.Tensor | None  # [len(tokens), H] final hidden states (after the final norm, the
+    #                              output head's input), in the model's dtype, if the feed asked
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,9 @@ class Engine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.model = model
         self.device = model.device
+        # The module whose output's last_hidden_state the output head is applied to (LlamaModel for
+        # a LlamaForCausalLM): its forward hook hands out features without changing the logits' path.
+        self._decoder = model.get_decoder()
         self.pool = KVPool(config.num_hidden_layers, config.num_key_value_heads, head_dim, kv_tokens,
                            model.dtype, model.device)
         model.set_attn_implementation(ATTENTION)
@@ -112,11 +127,12 @@ class Engine:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, feeds: Sequence[Feed]) -> list[torch.Tensor | None]:
+    def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
         """Append every feed's tokens to its session in one pass.
 
-        Returns per feed its float32 logits `[len(tokens), V]` on the model's device if it is
-        scored, else None. Each table's length grows by its tokens only if the pass succeeds.
+        Returns per feed its Scores: float32 logits `[len(tokens), V]` on the model's device if it
+        is scored, its final hidden states if it asked for features. Each table's length grows by
+        its tokens only if the pass succeeds.
         """
         # 1. Lay the feeds out in one packed sequence.
         ids, positions, write, read, keep, rows = [], [], [], [], [], []
@@ -138,8 +154,14 @@ class Engine:
                              causal=past == 0 and n > 1))
             queries += n
             keys += past + n
-        # 2. One forward pass; logits only at scored positions (one throw-away row if none is).
+        # 2. One forward pass; logits only at scored positions (one throw-away row if none is). The
+        #    final hidden states of every position are an intermediate of that pass anyway: they are
+        #    kept only when a feed asked for them.
         cache = _PackedPass(self.pool, torch.cat(write), torch.cat(read))
+        hidden: list[torch.Tensor] = []
+        hook = None
+        if any(feed.features for feed in feeds):
+            hook = self._decoder.register_forward_hook(lambda _m, _a, output: hidden.append(_last_hidden_state(output)))
         _active.rows = rows
         try:
             out = self.model(input_ids=torch.tensor([ids], device=self.device),
@@ -148,16 +170,26 @@ class Engine:
                              logits_to_keep=torch.cat(keep) if keep else 1)
         finally:
             _active.rows = None
+            if hook is not None:
+                hook.remove()
+        if hook is not None and len(hidden) != 1:
+            raise RuntimeError(f"the decoder of {type(self.model).__name__} ran {len(hidden)} times in one pass")
         # 3. The pass wrote every feed's keys: the tokens are now cached.
         for feed in feeds:
             feed.table.length += len(feed.tokens)
         logits = out.logits[0].float() if keep else None
-        results: list[torch.Tensor | None] = []
+        results: list[Scores] = []
         start = 0
-        for feed in feeds:
+        for feed, row in zip(feeds, rows):
+            scored = None
             if feed.scored:
-                results.append(logits[start:start + len(feed.tokens)])
+                scored = logits[start:start + len(feed.tokens)]
                 start += len(feed.tokens)
-            else:
-                results.append(None)
+            results.append(Scores(scored, hidden[0][0, row.queries] if feed.features else None))
         return results
+
+
+def _last_hidden_state(output) -> torch.Tensor:
+    """The decoder's final hidden states `[1, tokens, H]`, from its output object or tuple."""
+    state = getattr(output, "last_hidden_state", None)
+    return state if state is not None else output[0]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ..common.wire import VerifyResult
+from ..common.wire import SessionOpened, VerifyResult
 
 if TYPE_CHECKING:  # backend.py imports this module for Tally
     from .backend import ReplicaStatus
@@ -32,6 +32,7 @@ class RoundSample:
     batch_size: int
     seconds: float  # time the serving endpoint spent on it
     queue_ms: float
+    feature_bytes: int = 0  # features sent with the reply (sessions of an EAGLE drafter)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class Tally:
 
     rounds: tuple[RoundSample, ...] = ()
     errors: tuple[tuple[str, int], ...] = ()  # (status code, calls)
+
+
+def _sample(gamma: int, result: VerifyResult, seconds: float) -> RoundSample:
+    return RoundSample(gamma, result.num_accepted, result.batch_size, seconds, result.queue_ms,
+                       result.features.nbytes if result.features is not None else 0)
 
 
 class EndpointTally:
@@ -51,7 +57,7 @@ class EndpointTally:
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Remember one answered round."""
-        self._rounds.append(RoundSample(gamma, result.num_accepted, result.batch_size, seconds, result.queue_ms))
+        self._rounds.append(_sample(gamma, result, seconds))
 
     def observe_error(self, code: str) -> None:
         """Remember one call answered with an error status."""
@@ -98,11 +104,18 @@ class Metrics:
                                        registry=r)
         self.replica_failures = Counter("hybridspec_replica_failures", "Replica crashes seen by the pool", registry=r)
         self.errors = Counter("hybridspec_errors", "Calls answered with an error status", ["code"], registry=r)
+        self.feature_bytes = Counter("hybridspec_feature_bytes", "Bytes of target features sent to edges that "
+                                     "asked for them (OpenSession and Verify replies)", registry=r)
         self._seen: dict[tuple[str, str], int] = {}  # (counter, replica) -> the replica's last total
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Count one answered round with γ draft tokens."""
-        self._count(RoundSample(gamma, result.num_accepted, result.batch_size, seconds, result.queue_ms))
+        self._count(_sample(gamma, result, seconds))
+
+    def observe_opened(self, opened: SessionOpened) -> None:
+        """Count what an OpenSession reply carries besides the session (its features)."""
+        if opened.features is not None:
+            self.feature_bytes.inc(opened.features.nbytes)
 
     def observe_error(self, code: str) -> None:
         """Count one call answered with an error status."""
@@ -126,6 +139,7 @@ class Metrics:
         self.batch_size.observe(s.batch_size)
         self.verify_seconds.observe(s.seconds)
         self.queue_seconds.observe(s.queue_ms / 1e3)
+        self.feature_bytes.inc(s.feature_bytes)
 
     def observe_replicas(self, replicas: list[ReplicaStatus]) -> None:
         """Refresh the per-replica gauges and add new evictions (a restarted replica counts from 0 again)."""

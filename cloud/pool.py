@@ -23,7 +23,7 @@ from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
 from ..common.errors import HybridSpecError, Unavailable, incident
-from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from ..common.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .backend import Backend, ReplicaLost
 from .metrics import Tally
 from .reaper import start_reaper
@@ -157,7 +157,7 @@ class RayPool(Backend):
             except asyncio.TimeoutError:
                 raise Unavailable("no verifier replica is alive; Ray is restarting them, retry shortly") from None
 
-    async def _open_on(self, replica: str, spec: SessionSpec) -> int:
+    async def _open_on(self, replica: str, spec: SessionSpec) -> SessionOpened:
         r = self.replicas[replica]
         return await self._call(r, r.handle.open_session.remote(spec), "OpenSession")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..common.errors import HybridSpecError
-from ..common.wire import DraftBlock, ModelInfo, SessionSpec, VerifyResult
+from ..common.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 from .backend import ReplicaEndpointBackend
 from .metrics import Tally
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
@@ -80,7 +80,7 @@ class VerifierReplica:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
         return self._endpoint.tally.take() if self._endpoint else Tally()
 
-    async def open_session(self, spec: SessionSpec) -> int | HybridSpecError:
+    async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
         """Open or re-open a session."""
         return await _as_value(self.runner.open_session(spec))
 

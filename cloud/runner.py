@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import Future
 
 from ..common.errors import HybridSpecError, incident
-from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from ..common.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .scheduler import Scheduler
 from .verifier import Verifier, VerifierStats
 
@@ -26,8 +26,9 @@ class VerifierRunner:
         self.verifier = verifier
         self._scheduler = Scheduler(verifier, max_batch, max_wait_ms)
 
-    async def open_session(self, spec: SessionSpec) -> int:
-        """Open or re-open a session; returns its committed length. Cancelling abandons the open."""
+    async def open_session(self, spec: SessionSpec) -> SessionOpened:
+        """Open or re-open a session; returns its committed length and asked-for features.
+        Cancelling abandons the open."""
         return await self._wait("OpenSession", self._scheduler.submit_open(spec))
 
     async def verify(self, block: DraftBlock) -> VerifyResult:

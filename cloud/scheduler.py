@@ -70,8 +70,8 @@ class Scheduler:
         return self._put(self._rounds, _Round(block, Future(), time.perf_counter()))
 
     def submit_open(self, spec: SessionSpec) -> Future:
-        """Open a session; resolves to its committed length or a HybridSpecError. Cancelling the
-        future before it resolves abandons the open and frees what it holds."""
+        """Open a session; resolves to its SessionOpened (length, asked-for features) or a
+        HybridSpecError. Cancelling the future before it resolves abandons the open and frees what it holds."""
         return self._put(self._opens, _Open(spec, Future()))
 
     def submit_call(self, fn: Callable[[], object]) -> Future:
@@ -195,7 +195,7 @@ class Scheduler:
             if item.future.cancelled() and opening is not None:
                 self.verifier.abandon(opening)
             elif opening is not None and opening.phase is OpenPhase.OPEN:
-                _resolve(item.future, len(item.spec.committed_ids))
+                _resolve(item.future, opening.opened())
             elif opening is not None and opening.phase is OpenPhase.FAILED:
                 _resolve(item.future, opening.error)
             if item.future.done():

@@ -97,6 +97,7 @@ class VerifierService:
             opened = await self.backend.open_session(spec, client_of(context))
             # A generation that already has rounds behind it is being resumed, whatever id it gets.
             (self.metrics.reopens if spec.next_round > 0 else self.metrics.sessions_opened).inc()
+            self.metrics.observe_opened(opened)
             return codec.opened_to_pb(opened)
 
         return await self._guard(context, "OpenSession", work())

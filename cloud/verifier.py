@@ -14,6 +14,10 @@ Integrity rules, enforced here for every caller:
   never another's.
 - A replayed round is answered from memory only when it is the very block that was answered.
 - An opening session becomes visible only once its whole prompt is cached.
+
+Features (the target's final hidden states, for an edge's EAGLE drafter) go only to sessions that
+asked (`SessionSpec.features`): the open's reply carries those of every committed token but the last,
+each round's those of [last committed token, accepted drafts]; a replay returns the same ones.
 """
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from ..common import verification as rules
-from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, incident
+from ..common.errors import FailedPrecondition, HybridSpecError, InvalidArgument, ResourceExhausted, incident
+from ..common.features import encode_features, join_blocks
 from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint
 from ..common.sampling import logits_to_probs, round_generator
-from ..common.wire import DraftBlock, Mode, ModelInfo, SessionSpec, VerifyResult
+from ..common.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
+                           VerifyResult)
 from .engine import Engine, Feed
 from .kvpool import PageTable
 from .sessions import Session, SessionStore
@@ -78,6 +84,12 @@ class Opening:
         self.context = spec.committed_ids[:-1]  # the last token is fed with the first block
         self.phase = OpenPhase.FEEDING
         self.error: HybridSpecError | None = None
+        self.features: list[FeatureBlock] = []  # asked-for features of the chunks cached so far
+
+    def opened(self) -> SessionOpened:
+        """The answer to the open, once it is OPEN: its length and the features of its context."""
+        return SessionOpened(self.spec.session_id, len(self.spec.committed_ids),
+                             features=join_blocks(self.features) if self.features else None)
 
     @property
     def remaining(self) -> int:
@@ -103,7 +115,8 @@ class Verifier:
             model_fingerprint=model_fingerprint(target.model), max_context=self.limits.max_context,
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
-            device=str(target.device), dtype=str(target.model.dtype).removeprefix("torch."))
+            device=str(target.device), dtype=str(target.model.dtype).removeprefix("torch."),
+            feature_dim=target.model.config.hidden_size)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s)
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
 
@@ -124,6 +137,8 @@ class Verifier:
     def begin_open(self, spec: SessionSpec) -> Opening:
         """Validate an open and check there is room; its prompt is then fed by `step`."""
         spec.check_against(self.info)
+        if not isinstance(spec.features, FeatureFormat):
+            raise InvalidArgument(f"features {spec.features!r} is not a FeatureFormat")
         with self._lock:
             self._sessions.reserve(spec.session_id)
         return Opening(spec, PageTable(self.engine.pool))
@@ -136,14 +151,15 @@ class Verifier:
 
     # ---- driving steps directly ----------------------------------------------------------------
 
-    def open_session(self, spec: SessionSpec) -> int:
-        """Open (or re-open, replacing) a session from its committed tokens; returns its length."""
+    def open_session(self, spec: SessionSpec) -> SessionOpened:
+        """Open (or re-open, replacing) a session from its committed tokens; returns its length and
+        the features it asked for."""
         opening = self.begin_open(spec)
         while opening.phase is OpenPhase.FEEDING:
             self.step([], [opening])
         if opening.error is not None:
             raise opening.error
-        return len(spec.committed_ids)
+        return opening.opened()
 
     def verify(self, block: DraftBlock) -> VerifyResult:
         """Score one block in one forward pass over its session's cached context."""
@@ -197,13 +213,13 @@ class Verifier:
             except HybridSpecError as exc:
                 results[i] = exc
         # 2. Pages for every feed; a feed that cannot get them fails alone.
-        feeds, rounds = self._plan(admitted, openings, results)
+        feeds, rounds, chunks = self._plan(admitted, openings, results)
         if not feeds:
             return
         # 3. One pass over [last committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
         start = time.perf_counter()
         try:
-            logits = self.engine.forward(feeds)
+            scores = self.engine.forward(feeds)
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
             for i, _, session in rounds:
@@ -216,9 +232,12 @@ class Verifier:
         forward_ms = (time.perf_counter() - start) * 1e3
         # 4. Apply each session's rule; keep the KV of committed + accepted draft (the new token is
         #    fed at the head of the next block). A failure here is the failing session's alone.
-        for (i, block, session), session_logits in zip(rounds, logits):
+        for (i, block, session), round_scores in zip(rounds, scores):
             try:
-                outcome = _apply_rule(session.spec, block, session_logits)
+                outcome = _apply_rule(session.spec, block, round_scores.logits)
+                # Features of the tokens now committed context: the last committed one and the accepted.
+                features = _features(session.spec, round_scores.hidden, len(session.committed) - 1,
+                                     outcome.num_accepted + 1)
                 session.table.truncate(len(session.committed) + outcome.num_accepted)
             except Exception as exc:
                 self._roll_back(session)
@@ -229,18 +248,28 @@ class Verifier:
             session.last_block = block
             session.last_result = VerifyResult(
                 round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
-                committed_len=len(session.committed), verify_ms=forward_ms, batch_size=len(rounds))
+                committed_len=len(session.committed), verify_ms=forward_ms, batch_size=len(rounds),
+                features=features)
             results[i] = session.last_result
-        # 5. Openings whose prompt is now cached become sessions.
+        # 5. Openings keep their chunk's features; those whose prompt is now cached become sessions.
+        for (opening, position), chunk_scores in zip(chunks, scores[len(rounds):]):
+            try:
+                features = _features(opening.spec, chunk_scores.hidden, position)
+            except Exception as exc:
+                opening.fail(incident(log, exc, "encoding features"))
+                continue
+            if features is not None:
+                opening.features.append(features)
         for opening in openings:
             if opening.phase is OpenPhase.FEEDING and opening.remaining == 0:
                 self._finish(opening)
 
-    def _plan(self, admitted: list[tuple[int, DraftBlock, Session]], openings: list[Opening],
-              results: list) -> tuple[list[Feed], list[tuple[int, DraftBlock, Session]]]:
-        """The step's feeds: every admitted round, then prompt chunks up to `prefill_chunk` tokens."""
+    def _plan(self, admitted: list[tuple[int, DraftBlock, Session]], openings: list[Opening], results: list,
+              ) -> tuple[list[Feed], list[tuple[int, DraftBlock, Session]], list[tuple[Opening, int]]]:
+        """The step's feeds: every admitted round, then prompt chunks up to `prefill_chunk` tokens
+        (with, per chunk, its opening and the position of its first token)."""
         keep = {block.session_id for _, block, _ in admitted} | {o.spec.session_id for o in openings}
-        feeds, rounds = [], []
+        feeds, rounds, chunks = [], [], []
         for i, block, session in admitted:
             tokens = [session.committed[-1], *block.draft_ids]
             try:
@@ -248,7 +277,7 @@ class Verifier:
             except HybridSpecError as exc:
                 results[i] = exc
                 continue
-            feeds.append(Feed(session.table, tokens, scored=True))
+            feeds.append(Feed(session.table, tokens, scored=True, features=_wants_features(session.spec)))
             rounds.append((i, block, session))
         budget = self.limits.prefill_chunk
         for opening in openings:
@@ -264,9 +293,10 @@ class Verifier:
             except HybridSpecError as exc:
                 opening.fail(exc)
                 continue
-            feeds.append(Feed(opening.table, chunk, scored=False))
+            feeds.append(Feed(opening.table, chunk, scored=False, features=_wants_features(opening.spec)))
+            chunks.append((opening, start))
             budget -= len(chunk)
-        return feeds, rounds
+        return feeds, rounds, chunks
 
     def _grow(self, table: PageTable, tokens: int, keep: set[str]) -> None:
         """Room in the pool for `tokens` more tokens, evicting idle LRU sessions if it is full."""
@@ -310,6 +340,19 @@ class Verifier:
                 f"committed_len {block.committed_len} disagrees with this session's committed length")
         if len(session.committed) + len(block.draft_ids) + 1 > self.limits.max_context:
             raise ResourceExhausted(f"the block would grow the session past max_context {self.limits.max_context}")
+
+
+def _wants_features(spec: SessionSpec) -> bool:
+    return spec.features is not FeatureFormat.NONE
+
+
+def _features(spec: SessionSpec, hidden: torch.Tensor | None, position: int,
+              count: int | None = None) -> FeatureBlock | None:
+    """The features of a feed's first `count` tokens (all if None), the first being the session's
+    position `position`, in the format the session asked for; None if it asked for none."""
+    if hidden is None:
+        return None
+    return encode_features(hidden[:count], position, spec.features)
 
 
 def _apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor) -> rules.Outcome:

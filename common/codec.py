@@ -3,12 +3,37 @@ from __future__ import annotations
 
 from .errors import InvalidArgument
 from .proto import verifier_pb2 as pb
-from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionOpened, SessionSpec,
-                   VerifyResult)
+from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DraftBlock, FeatureBlock, FeatureFormat, GenerateSpec, Mode,
+                   ModelInfo, SamplingParams, SessionOpened, SessionSpec, VerifyResult)
 
 _MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
                Mode.BILD: pb.MODE_BILD, Mode.LENIENT: pb.MODE_LENIENT}
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
+_FEATURES_TO_PB = {FeatureFormat.NONE: pb.FEATURES_NONE, FeatureFormat.INT8: pb.FEATURES_INT8,
+                   FeatureFormat.FP16: pb.FEATURES_FP16}
+_PB_TO_FEATURES = {v: k for k, v in _FEATURES_TO_PB.items()}
+
+
+def _feature_format(value: int, field: str) -> FeatureFormat:
+    if value not in _PB_TO_FEATURES:
+        raise InvalidArgument(f"{field} {value} is not a known FeatureFormat")
+    return _PB_TO_FEATURES[value]
+
+
+def features_to_pb(b: FeatureBlock) -> pb.Features:
+    """Encode a block of features (bytes as they are: the codec never touches tensors)."""
+    return pb.Features(start=b.start, count=b.count, dim=b.dim, format=_FEATURES_TO_PB[b.format], data=b.data,
+                       scales=b.scales)
+
+
+def features_from_pb(m: pb.Features) -> FeatureBlock:
+    """Decode a block of features; its byte lengths are checked by FeatureBlock.validate."""
+    return FeatureBlock(start=m.start, count=m.count, dim=m.dim, format=_feature_format(m.format, "features.format"),
+                        data=m.data, scales=m.scales)
+
+
+def _optional_features(b: FeatureBlock | None) -> pb.Features | None:
+    return None if b is None else features_to_pb(b)
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
@@ -28,7 +53,7 @@ def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
                         model_fingerprint=i.model_fingerprint, max_context=i.max_context,
                         max_draft=i.max_draft, max_sessions=i.max_sessions,
                         idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids),
-                        device=i.device, dtype=i.dtype)
+                        device=i.device, dtype=i.dtype, feature_dim=i.feature_dim)
 
 
 def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
@@ -38,7 +63,7 @@ def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
                      model_fingerprint=m.model_fingerprint, max_context=m.max_context,
                      max_draft=m.max_draft, max_sessions=m.max_sessions,
                      idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids),
-                     device=m.device, dtype=m.dtype)
+                     device=m.device, dtype=m.dtype, feature_dim=m.feature_dim)
 
 
 def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:
@@ -47,7 +72,7 @@ def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:
         session_id=s.session_id, committed_ids=list(s.committed_ids), sampling=sampling_to_pb(s.sampling),
         mode=_MODE_TO_PB[s.mode], seed=s.seed, rollback_threshold=s.rollback_threshold,
         lenience=s.lenience, tokenizer_fingerprint=s.tokenizer_fingerprint,
-        model_fingerprint=s.model_fingerprint, next_round=s.next_round)
+        model_fingerprint=s.model_fingerprint, next_round=s.next_round, features=_FEATURES_TO_PB[s.features])
 
 
 def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
@@ -59,23 +84,25 @@ def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
         mode = _PB_TO_MODE[m.mode]
     else:
         raise InvalidArgument(f"mode {m.mode} is not a known Mode")
+    features = _feature_format(m.features, "features")
     return SessionSpec(
         session_id=m.session_id, committed_ids=tuple(m.committed_ids), sampling=sampling, mode=mode,
         seed=m.seed, rollback_threshold=m.rollback_threshold or DEFAULT_ROLLBACK_THRESHOLD,
         lenience=m.lenience or DEFAULT_LENIENCE,
         tokenizer_fingerprint=m.tokenizer_fingerprint, model_fingerprint=m.model_fingerprint,
-        next_round=m.next_round)
+        next_round=m.next_round, features=features)
 
 
 def opened_to_pb(o: SessionOpened) -> pb.OpenSessionReply:
     """Encode the answer to OpenSession."""
     return pb.OpenSessionReply(session_id=o.session_id, committed_len=o.committed_len,
-                               verify_address=o.verify_address)
+                               verify_address=o.verify_address, features=_optional_features(o.features))
 
 
 def opened_from_pb(m: pb.OpenSessionReply) -> SessionOpened:
     """Decode the answer to OpenSession."""
-    return SessionOpened(session_id=m.session_id, committed_len=m.committed_len, verify_address=m.verify_address)
+    return SessionOpened(session_id=m.session_id, committed_len=m.committed_len, verify_address=m.verify_address,
+                         features=features_from_pb(m.features) if m.HasField("features") else None)
 
 
 def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:
@@ -100,14 +127,15 @@ def result_to_pb(r: VerifyResult) -> pb.VerifyReply:
     """Encode a verification result."""
     return pb.VerifyReply(round=r.round, num_accepted=r.num_accepted, next_token=r.next_token,
                           committed_len=r.committed_len, verify_ms=r.verify_ms, batch_size=r.batch_size,
-                          queue_ms=r.queue_ms)
+                          queue_ms=r.queue_ms, features=_optional_features(r.features))
 
 
 def result_from_pb(m: pb.VerifyReply) -> VerifyResult:
     """Decode a verification result."""
     return VerifyResult(round=m.round, num_accepted=m.num_accepted, next_token=m.next_token,
                         committed_len=m.committed_len, verify_ms=m.verify_ms, batch_size=m.batch_size,
-                        queue_ms=m.queue_ms)
+                        queue_ms=m.queue_ms,
+                        features=features_from_pb(m.features) if m.HasField("features") else None)
 
 
 def generate_to_pb(g: GenerateSpec) -> pb.GenerateRequest:

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from .eagle import EAGLE_KIND, EagleHead
+
 MANIFEST = "hybridspec-drafter.json"
 WEIGHTS = "drafter.safetensors"
 EMBEDDED_TARGET = "embedded:target"  # base reference resolved to the pulled default target
@@ -33,6 +35,7 @@ class Manifest:
     base_tokenizer_fingerprint: str  # the drafter only makes sense with this tokenizer
     format: int = 1
     store: str = "float16"  # how matrices are stored: float16, or int8 with one fp16 scale per row
+    kind: str = "model"  # model: a small causal LM; eagle: an EAGLE feature head (common/eagle.py)
 
 
 SCALE_SUFFIX = ".int8_scale"
@@ -65,7 +68,7 @@ def resolve_base(path: Path, manifest: Manifest) -> Path:
 
 
 def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
-    """(model, tokenizer, head_ids) for a compact drafter; the target's shared tensors are read
+    """(model, tokenizer, head_ids) for a compact drafter (an EagleHead for an eagle head); the target's shared tensors are read
     straight from its safetensors files, without loading the whole target.
 
     full_head: give the model the target's whole output head instead of its slice (head_ids then
@@ -80,6 +83,9 @@ def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     config = AutoConfig.from_pretrained(base, local_files_only=True)
     tied = getattr(config, "tie_word_embeddings", False)
+    if manifest.kind == EAGLE_KIND:
+        head = _load_eagle(path, base, config, tied, dtype)
+        return head, tokenizer, head.head_ids
     config.num_hidden_layers = manifest.num_layers
     config.tie_word_embeddings = False
     if getattr(config, "layer_types", None):
@@ -100,6 +106,19 @@ def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
     model.lm_head = nn.Linear(head.shape[1], head_ids.numel(), bias=False, dtype=dtype)
     model.lm_head.weight = nn.Parameter(head[head_ids].to(dtype), requires_grad=False)
     return model, tokenizer, head_ids
+
+
+def _load_eagle(path: Path, base: Path, config, tied: bool, dtype: torch.dtype) -> EagleHead:
+    with safe_open(path / WEIGHTS, framework="pt") as f:
+        own = {k: f.get_tensor(k) for k in f.keys()}
+    head_ids = own.pop("head_ids").long()
+    embed = _read_base_tensor(base, "model.embed_tokens.weight").to(dtype)
+    head = embed if tied else _read_base_tensor(base, "lm_head.weight").to(dtype)
+    model = EagleHead(config, embed, head[head_ids].clone(), head_ids).to(dtype)
+    missing = model.load_state_dict({k: v.to(dtype) for k, v in dequantize(own).items()}, strict=False).missing_keys
+    if missing:
+        raise FileNotFoundError(f"eagle head {path} lacks weights: {', '.join(sorted(missing)[:3])}")
+    return model
 
 
 def _read_base_tensor(base: Path, name: str) -> torch.Tensor:

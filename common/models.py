@@ -28,6 +28,11 @@ class LoadedModel:
     head_ids: torch.Tensor | None = None  # compact drafters: the vocabulary ids of the head's rows
 
     @property
+    def is_eagle(self) -> bool:
+        """True for an EAGLE feature head (it drafts only with the target's features)."""
+        return getattr(self.model, "is_eagle_head", False)
+
+    @property
     def vocab_size(self) -> int:
         """Ids the model can see: rows of the input embedding (the head may be a subset or padded)."""
         return int(self.model.get_input_embeddings().weight.shape[0])
@@ -108,7 +113,7 @@ def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> L
     if kind is SourceKind.COMPACT:
         model, tokenizer, head_ids = compact.load_compact(path, kwargs["dtype"])
         model.to(dev).eval()
-        return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev, head_ids=head_ids.to(dev))
+        return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev, head_ids=None if head_ids is None else head_ids.to(dev))
     source, tok_kwargs = {SourceKind.GGUF: (str(path.parent), {"gguf_file": path.name}),
                           SourceKind.DIRECTORY: (str(path), {}), SourceKind.HUB_ID: (spec, {})}[kind]
     kwargs.update(tok_kwargs)

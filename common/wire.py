@@ -73,6 +73,49 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class FeatureFormat(str, Enum):
+    """How the target's final hidden states travel back to an edge that asked for them (docs/eagle.md)."""
+
+    NONE = "none"  # not sent (every drafter but eagle)
+    INT8 = "int8"  # per vector: int8 values and one fp16 scale (value = int8 * scale)
+    FP16 = "fp16"  # per vector: fp16 values
+
+    @property
+    def bytes_per_value(self) -> int:
+        """Bytes of one feature value on the wire."""
+        return 1 if self is FeatureFormat.INT8 else 2
+
+
+@dataclass(frozen=True)
+class FeatureBlock:
+    """The target's final hidden states at `count` consecutive positions of a session, starting at
+    position `start` (0 = the first prompt token). `data` holds them row-major, little-endian;
+    `scales` one fp16 per vector for int8, empty for fp16."""
+
+    start: int
+    count: int
+    dim: int
+    format: FeatureFormat
+    data: bytes
+    scales: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        """What the vectors cost on the wire."""
+        return len(self.data) + len(self.scales)
+
+    def validate(self) -> None:
+        """InvalidArgument when the byte lengths do not match the declared shape and format."""
+        if self.format is FeatureFormat.NONE or self.count < 1 or self.dim < 1 or self.start < 0:
+            raise InvalidArgument("features: need a format, count >= 1, dim >= 1 and start >= 0")
+        if len(self.data) != self.count * self.dim * self.format.bytes_per_value:
+            raise InvalidArgument(f"features: {len(self.data)} data bytes for {self.count} x {self.dim} "
+                                  f"{self.format.value} values")
+        scales = 2 * self.count if self.format is FeatureFormat.INT8 else 0
+        if len(self.scales) != scales:
+            raise InvalidArgument(f"features: {len(self.scales)} scale bytes, expected {scales}")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What a verifier serves and the limits it enforces."""
@@ -88,6 +131,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     device: str = ""  # where the target runs, e.g. "cpu" or "cuda:0"
     dtype: str = ""  # the precision it is served in; greedy output equals its own decoding in this dtype
+    feature_dim: int = 0  # size of the final hidden states it can send (0: it sends none)
 
 
 def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:
@@ -116,6 +160,7 @@ class SessionSpec:
     tokenizer_fingerprint: str = ""  # empty: not checked
     model_fingerprint: str = ""  # empty: not checked
     next_round: int = 0
+    features: FeatureFormat = FeatureFormat.NONE  # send the target's hidden states for an eagle drafter
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -152,6 +197,7 @@ class SessionOpened:
     session_id: str
     committed_len: int
     verify_address: str = ""
+    features: FeatureBlock | None = None  # asked-for features of committed_ids[:-1] (all but the last)
 
 
 @dataclass(frozen=True)
@@ -206,6 +252,7 @@ class VerifyResult:
     verify_ms: float = 0.0  # time the verifier spent on the round: queueing + forward pass
     batch_size: int = 1  # rounds scored in the same forward pass
     queue_ms: float = 0.0  # of verify_ms, the time the round waited before its forward pass began
+    features: FeatureBlock | None = None  # asked-for features of the last committed token + accepted drafts
 
 
 @dataclass(frozen=True)

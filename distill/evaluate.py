@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..common.features import encode_features
+from ..common.models import LoadedModel
+from ..common.wire import FeatureFormat, SamplingParams
 from .data import Sample
 
 
@@ -74,4 +77,42 @@ def evaluate(model: nn.Module, head_ids: torch.Tensor | None, samples: list[Samp
         report.acceptance[gamma] = accepted / max(drafted, 1)
         report.tokens_per_round[gamma] = total / max(rounds, 1)
         report.per_position[gamma] = [h / t if t else 0.0 for h, t in zip(hits, tries)]
+    return report
+
+
+@torch.inference_mode()
+def eagle_report(loaded: LoadedModel, samples: list[Sample], feats: list[torch.Tensor], vocab_size: int,
+                 fmt: FeatureFormat = FeatureFormat.INT8, gammas: tuple[int, ...] = (4, 8)) -> Report:
+    """Greedy rounds replayed exactly as an edge runs them with an EAGLE head: the head sees the
+    features the verifier would have sent by then (through the wire format `fmt`), bridges the rest
+    with its own, and a round accepts the drafts that match the target's tokens. `agreement` is the
+    acceptance of the first draft of a round (all its inputs true features)."""
+    from ..edge.drafter import DraftSettings, NgramDrafter
+    from ..edge.eagle import EagleDrafter, FeatureLog
+
+    settings = DraftSettings(sampling=SamplingParams(), vocab_size=vocab_size, stop_ids=frozenset(),
+                             fallback_threshold=0.0)
+    report = Report(agreement=0.0, acceptance={}, tokens_per_round={}, per_position={})
+    for gamma in gammas:
+        rounds = drafted = accepted = total = 0
+        tries, hits = [0] * gamma, [0] * gamma
+        for s, f in zip(samples, feats):
+            log = FeatureLog()
+            log.add(encode_features(f, 0, fmt))  # the drafter only ever reads what precedes its context
+            drafter = EagleDrafter(loaded, settings, log, NgramDrafter(settings.sampling))
+            pos, total = s.start, total + len(s.ids) - s.start
+            while pos < len(s.ids):
+                block = min(gamma, len(s.ids) - pos - 1)
+                ids = drafter.propose(s.ids[:pos], block, fallback=False).ids if block else []
+                k = 0
+                while k < len(ids) and ids[k] == s.ids[pos + k]:
+                    k += 1
+                for j in range(min(k + 1, len(ids))):
+                    tries[j] += 1
+                    hits[j] += j < k
+                rounds, drafted, accepted, pos = rounds + 1, drafted + len(ids), accepted + k, pos + k + 1
+        report.acceptance[gamma] = accepted / max(drafted, 1)
+        report.tokens_per_round[gamma] = total / max(rounds, 1)
+        report.per_position[gamma] = [h / t if t else 0.0 for h, t in zip(hits, tries)]
+        report.agreement = report.per_position[gamma][0]
     return report

@@ -121,3 +121,40 @@ FREEFORM_PROMPTS = [
     "How do airplanes stay in the air?", "What is a good way to start learning to code?",
     "Write a short message wishing a friend happy birthday.",
 ]
+
+# Self-instruct: the target itself writes the requests it will then answer, so the data covers the
+# shapes users send rather than only TASKS. Each meta-prompt asks for one request of some kind about a
+# training topic (or about nothing in particular); sampled at a high temperature for variety.
+REQUEST_KINDS = [
+    "a question", "a short factual question", "a how-to question", "a request for advice",
+    "a request to write something creative", "a request to explain something simply",
+    "a request to compare two things", "a question a child might ask", "a request for a list of ideas",
+    "a casual chat message", "a request to rewrite or improve a sentence", "a request for a recommendation",
+]
+
+
+def self_instruct_meta_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` prompts asking the target to write one user request (kinds × training topics, or open)."""
+    rng = random.Random(seed)
+    metas = []
+    for _ in range(count):
+        kind = rng.choice(REQUEST_KINDS)
+        if rng.random() < 0.3:
+            metas.append(f"Write {kind} that a person might send to an AI assistant. Reply with the request only.")
+        else:
+            topic = rng.choice(TRAIN_TOPICS)
+            metas.append(f"Write {kind} about {topic} that a person might send to an AI assistant. "
+                         "Reply with the request only.")
+    return metas
+
+
+def clean_request(text: str, max_chars: int = 300) -> str | None:
+    """The request in a target-written reply, or None if it is unusable (empty, too long, held out)."""
+    text = text.strip().strip('"').strip()
+    for prefix in ("Request:", "Question:", "Here is a request:", "Here's a request:"):
+        if text.lower().startswith(prefix.lower()):
+            text = text[len(prefix):].strip().strip('"').strip()
+    text = text.split("\n\n")[0].strip()
+    if len(text) < 8 or len(text) > max_chars or text in FREEFORM_PROMPTS:
+        return None
+    return text

@@ -46,21 +46,21 @@ def own_state(student: PreTrainedModel) -> dict[str, torch.Tensor]:
     return {k: v for k, v in student.state_dict().items() if k.startswith(("model.layers.", "model.norm."))}
 
 
-def save_compact(student: PreTrainedModel, head_ids: torch.Tensor, out: Path, manifest: Manifest) -> None:
-    """Write the drafter's own weights (as `manifest.store` says) plus the manifest."""
+def save_compact(state: dict[str, torch.Tensor], head_ids: torch.Tensor, out: Path, manifest: Manifest) -> None:
+    """Write a drafter's own weights `state` (as `manifest.store` says), its head rows and the manifest."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = stored_tensors(student, manifest.store)
+    tensors = stored_tensors(state, manifest.store)
     tensors["head_ids"] = head_ids.to("cpu", torch.int32).contiguous()
     save_file(tensors, out / WEIGHTS)
     (out / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
 
 
-def stored_tensors(student: PreTrainedModel, store: str) -> dict[str, torch.Tensor]:
-    """The drafter's own weights as a checkpoint stores them (fp16, or int8 matrices plus scales)."""
+def stored_tensors(state: dict[str, torch.Tensor], store: str) -> dict[str, torch.Tensor]:
+    """A drafter's own weights as a checkpoint stores them (fp16, or int8 matrices plus scales)."""
     if store not in STORES:
         raise ValueError(f"store must be one of {', '.join(STORES)}, got {store!r}")
     tensors: dict[str, torch.Tensor] = {}
-    for name, value in own_state(student).items():
+    for name, value in state.items():
         half = value.detach().to("cpu", torch.float16).contiguous()
         if store == "int8" and half.dim() == 2:
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int8(half)
@@ -69,10 +69,12 @@ def stored_tensors(student: PreTrainedModel, store: str) -> dict[str, torch.Tens
     return tensors
 
 
-def round_to_storage(student: PreTrainedModel, store: str) -> None:
-    """Replace the student's own weights by what a checkpoint would restore, to evaluate exactly that."""
-    restored = dequantize(stored_tensors(student, store))
-    student.load_state_dict({k: v.to(student.dtype) for k, v in restored.items()}, strict=False)
+def round_to_storage(student: nn.Module, store: str, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Replace the student's own weights (`state`; default: those of a causal-LM student) by what a
+    checkpoint would restore, to evaluate exactly that."""
+    restored = dequantize(stored_tensors(own_state(student) if state is None else state, store))
+    dtype = next(student.parameters()).dtype
+    student.load_state_dict({k: v.to(dtype) for k, v in restored.items()}, strict=False)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

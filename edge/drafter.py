@@ -1,8 +1,9 @@
 """Drafters: propose a block of tokens and the exact q each was sampled from; observe the verdict.
 
-Two kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds, and `NgramDrafter`
-(prompt lookup), which copies what followed the latest earlier occurrence of the context's last
-n-gram and needs no model. `make_drafter` builds one per generation with every setting fixed
+Three kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds; `EagleDrafter`
+(edge/eagle.py), a head drafting from the target's own features; and `NgramDrafter` (prompt lookup),
+which copies what followed the latest earlier occurrence of the context's last n-gram and needs no
+model. `make_drafter` builds one per generation with every setting fixed
 (sampling, α_FB, stop ids, what to do with a low-confidence token); `Lookahead` wraps one to draft
 the next block while the current one is verified. A proposal's `dists` is None at temperature 0,
 where q is one-hot.
@@ -22,7 +23,7 @@ from ..common.sampling import logits_to_probs, round_generator
 from ..common.sparse import SparseDist, truncate
 from ..common.wire import DraftBlock, SamplingParams
 
-DRAFTER_KINDS = ("model", "ngram")
+DRAFTER_KINDS = ("model", "ngram")  # "model" drafts with whatever the drafter checkpoint is (LM or eagle head)
 Interrupt = Callable[[], bool]
 
 
@@ -156,7 +157,11 @@ class ModelDrafter:
         ids = torch.tensor([feed], dtype=torch.long, device=self.loaded.device)
         out = self.loaded.model(input_ids=ids, past_key_values=self._cache, use_cache=True)
         self._cached.extend(feed)
-        logits = out.logits[0, -1].float().cpu()
+        return self._to_vocab(out.logits[0, -1].float())
+
+    def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits as float32 CPU logits over the target's vocabulary."""
+        logits = logits.cpu()
         vocab_size = self.settings.vocab_size
         if self._head_ids is not None:
             # A compact drafter predicts over a subset of the vocabulary; the rest gets no mass.

@@ -23,7 +23,7 @@ def sessions(rng: random.Random, n: int) -> list[SessionSpec]:
 
 def drive(verifier: Verifier, specs, rounds: int, rng: random.Random, batched: bool):
     """Run `rounds` rounds of random drafts for every session; returns every result in order."""
-    committed = {s.session_id: verifier.open_session(s) for s in specs}
+    committed = {s.session_id: verifier.open_session(s).committed_len for s in specs}
     history = []
     for r in range(rounds):
         blocks = [DraftBlock(s.session_id, r, committed[s.session_id],
@@ -69,7 +69,7 @@ def test_prompt_chunks_in_a_round_step_change_no_round(target):
     specs = sessions(random.Random(5), 3)
     alone = drive(Verifier(target, limits), specs, 4, random.Random(9), batched=False)
     verifier = Verifier(target, limits)
-    committed = {s.session_id: verifier.open_session(s) for s in specs}
+    committed = {s.session_id: verifier.open_session(s).committed_len for s in specs}
     rng, history = random.Random(9), []
     opening = verifier.begin_open(SessionSpec("long", tuple(range(4, 200))))
     for r in range(4):
@@ -90,7 +90,7 @@ def test_scheduler_groups_rounds_of_active_sessions(target):
     scheduler = scheduler_of(target)
     try:
         for i in range(8):
-            assert scheduler.submit_open(SessionSpec(f"c{i}", (5, 6 + i))).result(30) == 2
+            assert scheduler.submit_open(SessionSpec(f"c{i}", (5, 6 + i))).result(30).committed_len == 2
         # A first round each makes all eight sessions active...
         firsts = [scheduler.submit_round(DraftBlock(f"c{i}", 0, 2, (9,))) for i in range(8)]
         lengths = [f.result(30).committed_len for f in firsts]
@@ -132,7 +132,7 @@ def test_rounds_run_between_the_chunks_of_a_long_prefill(target):
             result = scheduler.submit_round(DraftBlock("short", r, 2 + r, ())).result(30)
             assert isinstance(result, VerifyResult) and result.committed_len == 3 + r
         assert not long_open.done()  # with one lock for the whole prefill the rounds came after it
-        assert long_open.result(60) == 500
+        assert long_open.result(60).committed_len == 500
     finally:
         scheduler.stop()
 

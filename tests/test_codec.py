@@ -13,7 +13,7 @@ def test_round_trips():
     assert codec.block_from_pb(codec.block_to_pb(block)) == block
     result = VerifyResult(4, 1, 8, 12, 0.5)
     assert codec.result_from_pb(codec.result_to_pb(result)) == result
-    info = ModelInfo("m", 100, "t", "f", 10, 4, 2, 60, (2, 3))
+    info = ModelInfo("m", 100, "t", "f", 10, 4, 2, 60, (2, 3), feature_dim=64)
     assert codec.model_info_from_pb(codec.model_info_to_pb(info)) == info
     gen = GenerateSpec((1, 2), sampling, 9, 3, "t")
     assert codec.generate_from_pb(codec.generate_to_pb(gen)) == gen

@@ -8,6 +8,7 @@ from hybridspec.cloud.pool import PoolSpec, RayPool
 from hybridspec.cloud.replica import ReplicaSpec
 from hybridspec.cloud.server import BackgroundServer
 from hybridspec.cloud.verifier import VerifierLimits
+from hybridspec.common import codec
 from hybridspec.common.proto import verifier_pb2 as pb
 from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.edge.client import VerifierClient
@@ -107,6 +108,27 @@ def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(dir
     # Closed at the front door: its replica no longer serves it.
     second = pb.VerifyRequest(session_id=opened.session_id, round=1, committed_len=3, draft_ids=[])
     refused(owner.verify_address, second, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def test_features_travel_through_the_pool_and_the_replica_endpoint(direct_pool, target):
+    """Asked-for features survive the Ray hop (open) and the replica's own endpoint (rounds), and count."""
+    server, _ = direct_pool
+    bytes_before = server.running.metrics.feature_bytes._value.get()
+    with grpc.insecure_channel(server.address) as front:
+        stub = pb_grpc.VerifierStub(front)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).feature_dim == target.model.config.hidden_size
+        opened = stub.OpenSession(pb.OpenSessionRequest(committed_ids=PROMPT, features=pb.FEATURES_INT8))
+        with grpc.insecure_channel(opened.verify_address) as channel:
+            replies = list(pb_grpc.VerifierStub(channel).VerifyStream(iter([
+                pb.VerifyRequest(session_id=opened.session_id, round=0, committed_len=len(PROMPT), draft_ids=[9]),
+            ]), timeout=30))
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+    blocks = [codec.features_from_pb(opened.features), codec.features_from_pb(replies[0].features)]
+    assert [(b.start, b.count) for b in blocks] == [(0, len(PROMPT) - 1), (len(PROMPT) - 1, replies[0].num_accepted + 1)]
+    for block in blocks:
+        block.validate()
+    server.call(server.running.refresh_metrics())
+    assert server.running.metrics.feature_bytes._value.get() - bytes_before == sum(b.nbytes for b in blocks)
 
 
 def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, target, random_drafter):

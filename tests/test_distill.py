@@ -61,12 +61,12 @@ def test_int8_storage_halves_the_weights_and_keeps_the_predictions(model_dirs, t
     import torch
 
     from hybridspec.common.compact import Manifest
-    from hybridspec.distill.student import build_student, save_compact
+    from hybridspec.distill.student import build_student, own_state, save_compact
 
     student = build_student(target.model, 2, torch.arange(200))
     manifest = Manifest(base=str(model_dirs["target"]), num_layers=2, base_tokenizer_fingerprint="")
-    save_compact(student, torch.arange(200), tmp_path / "fp16", manifest)
-    save_compact(student, torch.arange(200), tmp_path / "int8", Manifest(**{**manifest.__dict__, "store": "int8"}))
+    save_compact(own_state(student), torch.arange(200), tmp_path / "fp16", manifest)
+    save_compact(own_state(student), torch.arange(200), tmp_path / "int8", Manifest(**{**manifest.__dict__, "store": "int8"}))
     fp16, int8 = (load_model(tmp_path / d, device="cpu") for d in ("fp16", "int8"))
     assert (tmp_path / "int8" / WEIGHTS).stat().st_size < 0.6 * (tmp_path / "fp16" / WEIGHTS).stat().st_size
     ids = torch.randint(4, 256, (4, 32))

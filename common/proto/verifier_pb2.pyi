@@ -15,18 +15,27 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_SPECULATIVE: _ClassVar[Mode]
     MODE_BILD: _ClassVar[Mode]
     MODE_LENIENT: _ClassVar[Mode]
+
+class FeatureFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FEATURES_NONE: _ClassVar[FeatureFormat]
+    FEATURES_INT8: _ClassVar[FeatureFormat]
+    FEATURES_FP16: _ClassVar[FeatureFormat]
 MODE_UNSPECIFIED: Mode
 MODE_GREEDY: Mode
 MODE_SPECULATIVE: Mode
 MODE_BILD: Mode
 MODE_LENIENT: Mode
+FEATURES_NONE: FeatureFormat
+FEATURES_INT8: FeatureFormat
+FEATURES_FP16: FeatureFormat
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype", "feature_dim")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +47,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -49,7 +59,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    feature_dim: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_dim: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p")
@@ -61,8 +72,24 @@ class SamplingParams(_message.Message):
     top_p: float
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
 
+class Features(_message.Message):
+    __slots__ = ("start", "count", "dim", "format", "data", "scales")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    count: int
+    dim: int
+    format: FeatureFormat
+    data: bytes
+    scales: bytes
+    def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., dim: _Optional[int] = ..., format: _Optional[_Union[FeatureFormat, str]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "committed_ids", "sampling", "mode", "seed", "rollback_threshold", "lenience", "tokenizer_fingerprint", "next_round", "model_fingerprint")
+    __slots__ = ("session_id", "committed_ids", "sampling", "mode", "seed", "rollback_threshold", "lenience", "tokenizer_fingerprint", "next_round", "model_fingerprint", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +100,7 @@ class OpenSessionRequest(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -83,17 +111,20 @@ class OpenSessionRequest(_message.Message):
     tokenizer_fingerprint: str
     next_round: int
     model_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., seed: _Optional[int] = ..., rollback_threshold: _Optional[float] = ..., lenience: _Optional[float] = ..., tokenizer_fingerprint: _Optional[str] = ..., next_round: _Optional[int] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    features: FeatureFormat
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., seed: _Optional[int] = ..., rollback_threshold: _Optional[float] = ..., lenience: _Optional[float] = ..., tokenizer_fingerprint: _Optional[str] = ..., next_round: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., features: _Optional[_Union[FeatureFormat, str]] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("committed_len", "session_id", "verify_address")
+    __slots__ = ("committed_len", "session_id", "verify_address", "features")
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     committed_len: int
     session_id: str
     verify_address: str
-    def __init__(self, committed_len: _Optional[int] = ..., session_id: _Optional[str] = ..., verify_address: _Optional[str] = ...) -> None: ...
+    features: Features
+    def __init__(self, committed_len: _Optional[int] = ..., session_id: _Optional[str] = ..., verify_address: _Optional[str] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class DraftPosition(_message.Message):
     __slots__ = ("support_ids", "probs")
@@ -118,7 +149,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_len: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftPosition, _Mapping]]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size", "queue_ms")
+    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size", "queue_ms", "features")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +157,7 @@ class VerifyReply(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -133,7 +165,8 @@ class VerifyReply(_message.Message):
     verify_ms: float
     batch_size: int
     queue_ms: float
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    features: Features
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
