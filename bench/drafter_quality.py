@@ -7,6 +7,9 @@ free-form prompts, in no training template's shape, measures how far the drafter
 measured exactly for greedy decoding by replaying speculative rounds over the target's own greedy
 continuation (distill/evaluate.py). c is the drafter's per-token decode latency over the target's,
 both with one torch thread on this CPU (the way edge and cloud each get one core in the demo).
+An EAGLE head (docs/eagle.md) is replayed exactly as the edge drafts with it, with the features
+passed through the int8 and the fp16 wire format, next to the plain drafter on the same references:
+    python bench/drafter_quality.py --drafter ~/.cache/hybridspec/models/smollm2-135m-instruct-eagle --out docs/eagle
 --runs takes `hybridspec distill` output directories (only their report.json is read: the training
 curves as the distill run measured them, and the shape, which is timed here) for the depth sweep.
 """
@@ -17,6 +20,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,8 +31,9 @@ from transformers import DynamicCache
 from hybridspec.distill.student import build_student
 from hybridspec.common.embedded import default_paths
 from hybridspec.common.models import load_model
-from hybridspec.distill.data import generate_samples
-from hybridspec.distill.evaluate import evaluate
+from hybridspec.common.wire import FeatureFormat
+from hybridspec.distill.data import generate_samples, generate_with_features
+from hybridspec.distill.evaluate import eagle_report, evaluate
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 
 
@@ -49,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", default=str(default_paths()["drafter"]))
     parser.add_argument("--target", default=str(default_paths()["target"]))
+    parser.add_argument("--plain", default=str(default_paths()["plain"]), help="plain drafter an eagle head is compared with")
     parser.add_argument("--runs", nargs="*", default=[], help="distill output directories for the curves")
     parser.add_argument("--heldout", type=int, default=64)
     parser.add_argument("--out", default="docs/drafter")
@@ -58,6 +64,8 @@ def main() -> None:
 
     target = load_model(args.target, device="cpu")
     drafter = load_model(args.drafter, device="cpu")
+    if drafter.is_eagle:
+        return eagle_main(args, target, drafter, out)
     # Seed 7 draws other task/topic combinations than the ones distill monitored (seed 1); topics stay held out.
     samples = generate_samples(target, heldout_prompts(args.heldout, seed=7), 128, 0.0, 8, 1, "held-out references")
     rep = evaluate(drafter.model, drafter.head_ids, samples, drafter.device, gammas=(4, 8))
@@ -88,6 +96,70 @@ def main() -> None:
     (out / "results.md").write_text(markdown(result))
     plot(result, out / "acceptance.png")
     print(markdown(result))
+
+
+def eagle_main(args, target, drafter, out: Path) -> None:
+    """An EAGLE head: the same held-out and free-form sets, replayed exactly as the edge drafts
+    (features through the wire format, the head's own features inside a block), for both formats."""
+    samples, feats = generate_with_features(target, heldout_prompts(args.heldout, seed=7), 128, 0.0, 8, 1,
+                                            "held-out references")
+    free, free_feats = generate_with_features(target, FREEFORM_PROMPTS, 128, 0.0, 8, 1, "free-form references")
+    reps = {fmt.value: (eagle_report(drafter, samples, feats, target.vocab_size, fmt),
+                        eagle_report(drafter, free, free_feats, target.vocab_size, fmt))
+            for fmt in (FeatureFormat.INT8, FeatureFormat.FP16)}
+    plain = load_model(args.plain, device="cpu")
+    plain_reps = [evaluate(plain.model, plain.head_ids, x, plain.device, gammas=(4, 8)) for x in (samples, free)]
+    torch.set_num_threads(1)
+    t_target = decode_latency(target.model)
+    t_head = eagle_latency(drafter.model)
+    hidden = drafter.model.hidden_size
+    result = {"drafter": args.drafter, "kind": "eagle", "heldout_prompts": args.heldout,
+              "heldout_tokens": sum(len(s.ids) - s.start for s in samples), "freeform_prompts": len(FREEFORM_PROMPTS),
+              "freeform_tokens": sum(len(s.ids) - s.start for s in free),
+              "formats": {fmt: {"heldout": asdict(h), "freeform": asdict(f),
+                                "feature_bytes_per_round_g4": f.tokens_per_round[4] * (
+                                    hidden + 2 if fmt == "int8" else 2 * hidden)}
+                          for fmt, (h, f) in reps.items()},
+              "plain": {"drafter": args.plain, "heldout": asdict(plain_reps[0]), "freeform": asdict(plain_reps[1])},
+              "target_ms_per_token": t_target * 1e3, "drafter_ms_per_token": t_head * 1e3, "c": t_head / t_target}
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "results.md").write_text(eagle_markdown(result))
+    print(eagle_markdown(result))
+
+
+@torch.inference_mode()
+def eagle_latency(head, context: int = 96, tokens: int = 48) -> float:
+    """Median seconds per drafted token of an EAGLE head (one position fed with its own feature)."""
+    cache = DynamicCache(config=head.config)
+    f = torch.randn(1, context, head.hidden_size)
+    out = head(f, torch.ones(1, context, dtype=torch.long), torch.arange(1, context + 1)[None], cache=cache)
+    last, times = out[:, -1:], []
+    for i in range(tokens):
+        t0 = time.perf_counter()
+        last = head(last, torch.tensor([[5]]), torch.tensor([[context + 1 + i]]), cache=cache)
+        head.logits(last).argmax()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def eagle_markdown(r: dict) -> str:
+    """The table written to results.md for an EAGLE head."""
+    lines = ["| metric | int8 features | fp16 features | plain drafter (same references) |", "|---|---|---|---|"]
+    i8, f16, plain = r["formats"]["int8"], r["formats"]["fp16"], r["plain"]
+    for name, key in (("held-out (template shapes, unseen topics)", "heldout"), ("free-form (unseen shapes)", "freeform")):
+        lines.append(f"| {name}: α (eagle: first draft of a round; plain: per token) | {i8[key]['agreement']:.3f} | "
+                     f"{f16[key]['agreement']:.3f} | {plain[key]['agreement']:.3f} |")
+        for g in (4, 8):
+            lines.append(f"| {name}: tokens per round / accepted per drafted, γ = {g} | " + " | ".join(
+                f"{x[key]['tokens_per_round'][g]:.2f} / {x[key]['acceptance'][g]:.3f}" for x in (i8, f16, plain)) + " |")
+        pos = [", ".join(f"{p:.2f}" for p in x[key]["per_position"][4]) for x in (i8, f16, plain)]
+        lines.append(f"| {name}: P(position j accepted \\| reached), γ = 4 | {pos[0]} | {pos[1]} | {pos[2]} |")
+    lines.append(f"| feature bytes per round, free-form, γ = 4 | {i8['feature_bytes_per_round_g4']:.0f} | "
+                 f"{f16['feature_bytes_per_round_g4']:.0f} | 0 |")
+    lines.append(f"| per-token latency, target / head (1 thread) | {r['target_ms_per_token']:.1f} ms / "
+                 f"{r['drafter_ms_per_token']:.2f} ms | | |")
+    lines.append(f"| c = head / target | {r['c']:.3f} | | |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(r: dict) -> str:

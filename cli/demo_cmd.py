@@ -66,14 +66,15 @@ def run_demo(args) -> int:
     table = Table(title=f"edge-cloud speculative decoding ({'pinned to separate cores' if pin else 'unpinned'})")
     table.add_column("stat")
     table.add_column("value", justify="right")
-    rows = [("new tokens", s.new_tokens), ("rounds", s.rounds), ("drafted", s.drafted), ("accepted", s.accepted),
+    kind = "eagle head (target features)" if worker.drafter_model.is_eagle else "plain"
+    rows = [("drafter", kind), ("new tokens", s.new_tokens), ("rounds", s.rounds), ("drafted", s.drafted), ("accepted", s.accepted),
             ("acceptance rate", f"{s.acceptance_rate:.3f}"), ("tokens per round", f"{s.mean_tokens_per_round:.2f}"),
             ("fallbacks (BiLD α_FB)", s.fallbacks), ("mean block length γ (adaptive)", f"{s.mean_gamma:.2f}"),
             ("blocks drafted ahead and used (pipelining)", s.pipeline_hits),
             ("tokens decoded by the cloud alone", s.cloud_only_tokens),
             ("switches to cloud-only / back", f"{s.switches_to_cloud} / {s.switches_to_hybrid}"),
             ("uplink bytes", s.uplink_bytes),
-            ("downlink bytes", s.downlink_bytes), ("bytes per token", f"{s.bytes_per_token:.1f}"),
+            ("downlink bytes", s.downlink_bytes), ("of which target features", s.feature_bytes), ("bytes per token", f"{s.bytes_per_token:.1f}"),
             ("wall s", f"{s.wall_s:.2f}"), ("tokens/s (hybrid)", f"{s.tokens_per_s:.1f}"),
             ("tokens/s (cloud-only)", f"{len(baseline) / baseline_s:.1f}"),
             ("same tokens as cloud-only", "yes" if baseline == gen.token_ids else "no")]

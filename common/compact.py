@@ -84,7 +84,7 @@ def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
     config = AutoConfig.from_pretrained(base, local_files_only=True)
     tied = getattr(config, "tie_word_embeddings", False)
     if manifest.kind == EAGLE_KIND:
-        head = _load_eagle(path, base, config, tied, dtype)
+        head = _load_eagle(path, manifest, base, config, tied, dtype)
         return head, tokenizer, head.head_ids
     config.num_hidden_layers = manifest.num_layers
     config.tie_word_embeddings = False
@@ -108,13 +108,13 @@ def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):
     return model, tokenizer, head_ids
 
 
-def _load_eagle(path: Path, base: Path, config, tied: bool, dtype: torch.dtype) -> EagleHead:
+def _load_eagle(path: Path, manifest: Manifest, base: Path, config, tied: bool, dtype: torch.dtype) -> EagleHead:
     with safe_open(path / WEIGHTS, framework="pt") as f:
         own = {k: f.get_tensor(k) for k in f.keys()}
     head_ids = own.pop("head_ids").long()
     embed = _read_base_tensor(base, "model.embed_tokens.weight").to(dtype)
     head = embed if tied else _read_base_tensor(base, "lm_head.weight").to(dtype)
-    model = EagleHead(config, embed, head[head_ids].clone(), head_ids).to(dtype)
+    model = EagleHead(config, embed, head[head_ids].clone(), head_ids, manifest.num_layers).to(dtype)
     missing = model.load_state_dict({k: v.to(dtype) for k, v in dequantize(own).items()}, strict=False).missing_keys
     if missing:
         raise FileNotFoundError(f"eagle head {path} lacks weights: {', '.join(sorted(missing)[:3])}")

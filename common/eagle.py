@@ -6,8 +6,8 @@ feature from the previous feature and the next token's embedding:
 
     f^_i = Decoder(fc([f_{i-1} ; e(t_i)]))        q_i = softmax(W_head[head_ids] f^_i)
 
-with one decoder layer of the target's shape, the target's frozen embeddings e and the frequency
-ranked rows `head_ids` of its output head W_head. Positions whose previous feature is known come
+with decoder layers of the target's shape (EAGLE uses one), the target's frozen embeddings e and the
+frequency ranked rows `head_ids` of its output head W_head. Positions whose previous feature is known come
 from the verifier (true features); inside a draft block the head feeds its own predictions forward.
 This module holds the model and reads its checkpoints; distill/eagle.py trains it, edge/eagle.py
 drafts with it.
@@ -22,26 +22,26 @@ from transformers import AutoConfig, AutoModel, GenerationConfig, PretrainedConf
 EAGLE_KIND = "eagle"  # Manifest.kind of an eagle head checkpoint
 
 
-def body_config(target_config: PretrainedConfig) -> PretrainedConfig:
-    """The head's one decoder layer: the target's shape, no vocabulary (it is fed embeddings)."""
-    config = AutoConfig.for_model(**{**target_config.to_dict(), "num_hidden_layers": 1, "vocab_size": 1,
+def body_config(target_config: PretrainedConfig, num_layers: int = 1) -> PretrainedConfig:
+    """The head's decoder layers: the target's shape, no vocabulary (it is fed embeddings)."""
+    config = AutoConfig.for_model(**{**target_config.to_dict(), "num_hidden_layers": num_layers, "vocab_size": 1,
                                      "pad_token_id": None, "bos_token_id": None, "eos_token_id": None,
                                      "tie_word_embeddings": False})
     if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
+        config.layer_types = config.layer_types[:num_layers]
     return config
 
 
 class EagleHead(nn.Module):
-    """fc + one decoder layer (+ its final norm) over [feature ; embedding]; frozen embeddings and head rows."""
+    """fc + decoder layer(s) (+ final norm) over [feature ; embedding]; frozen embeddings and head rows."""
 
     is_eagle_head = True
 
     def __init__(self, target_config: PretrainedConfig, embed: torch.Tensor, head_rows: torch.Tensor,
-                 head_ids: torch.Tensor) -> None:
+                 head_ids: torch.Tensor, num_layers: int = 1) -> None:
         super().__init__()
         hidden = target_config.hidden_size
-        self.config = body_config(target_config)
+        self.config = body_config(target_config, num_layers)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.body = AutoModel.from_config(self.config)
         self.body.embed_tokens = None  # fed embeddings; the vocabulary lives in `embed`

@@ -1,9 +1,10 @@
 """Training an EAGLE head (common/eagle.py) on the target's own features (`distill --kind eagle`).
 
 For a sample t_0..t_{L-1} with target features f_0..f_{L-2}, the head reads (f_j, t_{j+1}) at
-position j+1 and is trained, as EAGLE is, on two things at once: regressing the next feature
-f_{j+1} (smooth L1) and matching the target's distribution of t_{j+2} over the head's rows (forward
-KL). Input features get a little noise, and with `unroll` 2 the head also learns from its own
+position j+1 and is trained to match the target's distribution of t_{j+2} over the head's rows
+(forward KL) plus, as EAGLE-1 does, `feature_loss` × a smooth-L1 regression of the next feature
+f_{j+1} (EAGLE-3 drops it; so does the warm-started recipe, where it pulled the plain drafter's
+outputs away from what they predict well). Input features get a little noise, and with `unroll` 2 the head also learns from its own
 predicted features as inputs — what it meets from the second draft of a block on.
 """
 from __future__ import annotations
@@ -21,18 +22,30 @@ from ..common.eagle import EagleHead
 from ..common.models import LoadedModel
 from .data import Sample
 
-REG_WEIGHT, KL_WEIGHT = 1.0, 0.5  # feature regression vs. the distribution of the next token
 NOISE = 0.05  # uniform noise on true input features, relative to their per-dimension RMS
 
 
-def build_head(target: LoadedModel, head_ids: torch.Tensor) -> EagleHead:
-    """A head for `target`: its decoder layer starts as the target's last layer, its norm as the
-    target's final norm; fc starts at random."""
+def build_head(target: LoadedModel, head_ids: torch.Tensor, init: LoadedModel | None = None) -> EagleHead:
+    """A head for `target`. From scratch (EAGLE's recipe): one decoder layer started as the target's last
+    layer, its norm as the target's final norm, fc at random. From `init`, a plain compact drafter
+    (a warm start, for when there is too little data or compute to train a head from scratch): its
+    layers, norm and head rows, and fc = [0 | I], so the head starts out predicting exactly what the
+    plain drafter does and learns to use the features through fc's feature half."""
     embed = target.model.get_input_embeddings().weight.detach().to("cpu", torch.float32)
+    if init is not None:
+        head_ids = init.head_ids.cpu()
     rows = target.model.get_output_embeddings().weight.detach().to("cpu", torch.float32)[head_ids]
-    head = EagleHead(target.model.config, embed, rows.clone(), head_ids)
-    head.body.layers[0].load_state_dict(target.model.model.layers[-1].state_dict())
-    head.body.norm.load_state_dict(target.model.model.norm.state_dict())
+    source = init.model.model if init is not None else None
+    layers = source.layers if source is not None else target.model.model.layers[-1:]
+    head = EagleHead(target.model.config, embed, rows.clone(), head_ids, num_layers=len(layers))
+    for mine, theirs in zip(head.body.layers, layers):
+        mine.load_state_dict(theirs.state_dict())
+    head.body.norm.load_state_dict((source or target.model.model).norm.state_dict())
+    if init is not None:
+        hidden = head.hidden_size
+        with torch.no_grad():
+            head.fc.weight.copy_(torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1))
+            head.fc.bias.zero_()
     return head.float()
 
 
@@ -58,18 +71,21 @@ def batch(samples: list[Sample], feats: list[torch.Tensor]):
     return f_in, tokens, f_out, positions, attend, loss
 
 
-def losses(head: EagleHead, f_in, tokens, f_out, positions, attend, mask, unroll: int, noise: torch.Tensor | None):
-    """(total loss, depth-1 agreement) of one batch; with unroll > 1, later passes feed the head its
-    own predictions of the previous feature."""
+def losses(head: EagleHead, f_in, tokens, f_out, positions, attend, mask, unroll: int, noise: torch.Tensor | None,
+           feature_loss: float = 1.0):
+    """(total loss, depth-1 agreement) of one batch: forward KL to the target's next-token distribution
+    plus `feature_loss` × smooth-L1 regression of the next feature; with unroll > 1, later passes feed
+    the head its own predictions of the previous feature."""
     target_logp = torch.log_softmax(head.logits(f_out[mask]), dim=-1)
     total, inputs, agree = 0.0, f_in, 0.0
     for depth in range(unroll):
         x = inputs + (torch.rand_like(inputs) * 2 - 1) * noise if noise is not None and depth == 0 else inputs
         pred = head(x, tokens, positions, attention_mask=attend)
         logq = torch.log_softmax(head.logits(pred[mask]), dim=-1)
-        reg = F.smooth_l1_loss(pred[mask], f_out[mask])
         kl = F.kl_div(logq, target_logp, log_target=True, reduction="batchmean")
-        total = total + (REG_WEIGHT * reg + KL_WEIGHT * kl) / (depth + 1)
+        if feature_loss:
+            kl = kl + feature_loss * F.smooth_l1_loss(pred[mask], f_out[mask])
+        total = total + kl / (depth + 1)
         if depth == 0:
             agree = (logq.argmax(-1) == target_logp.argmax(-1)).float().mean().item()
         inputs = torch.cat([f_in[:, :1], pred[:, :-1]], dim=1)  # the feature before t_{j+1}, as predicted
@@ -78,12 +94,19 @@ def losses(head: EagleHead, f_in, tokens, f_out, positions, attend, mask, unroll
 
 def train_head(head: EagleHead, train: list[Sample], feats: list[torch.Tensor], steps: int, batch_tokens: int,
                lr: float, seed: int, unroll: int, evaluate: Callable[[EagleHead], float], eval_every: int,
-               ) -> tuple[list[dict], list[float], float]:
+               feature_loss: float = 1.0) -> tuple[list[dict], list[float], float]:
     """Train in place; returns the curve of `evaluate` (held-out depth-1 agreement), losses, seconds."""
     rng = random.Random(seed)
     rms = torch.cat([f[:64].float() for f in feats[:256]]).pow(2).mean(0).sqrt()
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    # Features are ~15x larger than embeddings (SmolLM2: RMS 1.9 vs 0.14), and Adam moves every weight by
+    # about lr a step whatever its gradient, so fc's feature half would swamp the embedding signal the
+    # decoder layers were trained on within a few steps. Scaling fc's rate by the ratio keeps a step's
+    # effect on fc's output alike from both halves.
+    ratio = (head.embed.pow(2).mean().sqrt() / rms.pow(2).mean().sqrt()).item()
+    fc = [head.fc.weight, head.fc.bias]
+    groups = [{"params": [p for p in params if all(p is not q for q in fc)]}, {"params": fc, "lr": lr * ratio}]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, s / steps))))
@@ -98,7 +121,7 @@ def train_head(head: EagleHead, train: list[Sample], feats: list[torch.Tensor], 
             chosen.append(rng.randrange(len(train)))
             used += len(train[chosen[-1]].ids)
         f_in, tokens, f_out, positions, attend, mask = batch([train[i] for i in chosen], [feats[i] for i in chosen])
-        loss, agree = losses(head, f_in, tokens, f_out, positions, attend, mask, unroll, NOISE * rms)
+        loss, agree = losses(head, f_in, tokens, f_out, positions, attend, mask, unroll, NOISE * rms, feature_loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

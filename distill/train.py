@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ..common.compact import Manifest
 from ..common.eagle import EAGLE_KIND
+from ..common.embedded import resolve
 from ..common.models import LoadedModel, load_model, tokenizer_fingerprint
 from .data import (
     Sample,
@@ -51,6 +52,8 @@ class DistillConfig:
     temperatures: str = ""  # several, comma-separated (e.g. "0,0.7"): prompts split evenly; overrides temperature
     self_instruct: int = 0  # extra training prompts the target writes itself (then answers like the others)
     unroll: int = 2  # eagle: training passes that feed the head its own predicted features (1 = EAGLE-1)
+    init: str = ""  # eagle: a plain compact drafter to start from (its layers, norm, head rows); "" = from scratch
+    feature_loss: float = 1.0  # eagle: weight of the feature regression next to the KL (0 = KL only)
     heldout: int = 24  # held-out prompts (topics never seen in training) for evaluation
     batch_tokens: int = 2048  # tokens per optimiser step
     lr: float = 1e-3  # peak learning rate (linear warm-up, cosine decay)
@@ -136,16 +139,15 @@ def training_data(cfg: DistillConfig, target: LoadedModel, features: bool) -> tu
                     feats = [f.get_tensor(str(i)) for i in range(len(f.keys()))]
             if len(feats) != len(train):
                 feats = teacher_states(target, train, all_positions=True)
-    prompts = train_prompts(cfg.generate, cfg.seed) if cfg.generate else []
-    if cfg.self_instruct:
-        prompts += self_instruct_requests(target, cfg.self_instruct, cfg.gen_batch_size, cfg.seed)
+    prompts = self_instruct_requests(target, cfg.self_instruct, cfg.gen_batch_size, cfg.seed) if cfg.self_instruct else []
+    prompts += train_prompts(cfg.generate, cfg.seed) if cfg.generate else []
     random.Random(cfg.seed).shuffle(prompts)
     temps = cfg.sampling_temperatures
     for i, temp in enumerate(temps):
         share = prompts[i * len(prompts) // len(temps): (i + 1) * len(prompts) // len(temps)]
         if share:
             samples, states = generate_with_features(target, share, cfg.max_new_tokens, temp, cfg.gen_batch_size,
-                                                     cfg.seed + i, f"target writes training data (T={temp:g})",
+                                                     cfg.seed, f"target writes training data (T={temp:g})",
                                                      features=features)
             train += samples
             feats += states
@@ -202,11 +204,15 @@ def _train_model(cfg: DistillConfig, target: LoadedModel, train: list[Sample], h
 def _train_eagle(cfg: DistillConfig, target: LoadedModel, train: list[Sample], train_feats: list[torch.Tensor],
                  heldout: list[Sample], heldout_feats: list[torch.Tensor], head_ids: torch.Tensor, out: Path) -> dict:
     """An EAGLE head on the target's features; the final numbers replay greedy rounds exactly."""
-    head = build_head(target, head_ids).to(target.device)
+    init = load_model(resolve(cfg.init, "plain"), "cpu", "float32") if cfg.init else None
+    if init is not None and init.head_ids is None:
+        raise ValueError(f"--init {cfg.init} is not a compact drafter of this target")
+    head = build_head(target, head_ids, init).to(target.device)
+    head_ids = head.head_ids
     curve, losses, train_s = train_head(
         head, train, train_feats, cfg.steps, cfg.batch_tokens, cfg.lr, cfg.seed, cfg.unroll,
-        lambda h: depth1_agreement(h, heldout, heldout_feats), cfg.eval_every)
-    manifest = Manifest(base=cfg.base or str(Path(target.name).resolve()), num_layers=1,
+        lambda h: depth1_agreement(h, heldout, heldout_feats), cfg.eval_every, cfg.feature_loss)
+    manifest = Manifest(base=cfg.base or str(Path(target.name).resolve()), num_layers=len(head.body.layers),
                         base_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer), store=cfg.store,
                         kind=EAGLE_KIND)
     state = head.state_dict()

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, Mode, SamplingParams
+from ..common.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
 from .drafter import DRAFTER_KINDS, DraftSettings
 
 GAMMA_POLICIES = ("adaptive", "fixed")
+FEATURE_FORMATS = (FeatureFormat.INT8.value, FeatureFormat.FP16.value)
 
 
 @dataclass(frozen=True)
@@ -14,8 +15,10 @@ class EdgeConfig:
     """Every knob of `hybridspec edge generate`. Empty drafter means the embedded default."""
 
     cloud: str = "127.0.0.1:50051"  # HOST:PORT of the verifier pool's front door
-    drafter: str = ""  # model directory, .gguf file or cached hub id; "" = embedded default
-    drafter_kind: str = "model"  # model = the drafter LM; ngram = prompt lookup (no model runs)
+    drafter: str = ""  # model directory, .gguf file, cached hub id, embedded:plain or embedded:eagle; "" = default
+    drafter_kind: str = "model"  # model = the drafter checkpoint (an LM or an eagle head); ngram = prompt lookup
+    features: str = "int8"  # eagle heads: how the verifier sends the target's features (int8 | fp16)
+    fallback_drafter: str = ""  # eagle heads, without features: "" = the embedded plain drafter, ngram, or a path
     ngram_max: int = 3  # ngram: longest suffix looked up in the context
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -57,6 +60,8 @@ class EdgeConfig:
             raise ValueError("timeout_s and reconnect_s must be > 0")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter_kind must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter_kind!r}")
+        if self.features not in FEATURE_FORMATS:
+            raise ValueError(f"features must be one of {', '.join(FEATURE_FORMATS)}, got {self.features!r}")
         if self.gamma_policy not in GAMMA_POLICIES:
             raise ValueError(f"gamma_policy must be one of {', '.join(GAMMA_POLICIES)}, got {self.gamma_policy!r}")
         if self.mode and self.mode not in {m.value for m in Mode}:

@@ -85,12 +85,20 @@ class Drafter(Protocol):
         ...
 
 
-def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings) -> Drafter:
-    """The drafter of one generation (kind: model or ngram; ngram needs no model)."""
+def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
+                 fallback: LoadedModel | None = None) -> Drafter:
+    """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
+    gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
+    while it has none."""
     if kind == "ngram":
         return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
     if kind != "model" or loaded is None:
         raise ValueError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)} (model needs a model), got {kind!r}")
+    if loaded.is_eagle:
+        from .eagle import EagleDrafter, FeatureLog  # eagle builds on this module
+
+        plain = make_drafter("ngram" if fallback is None else "model", fallback, settings)
+        return EagleDrafter(loaded, settings, FeatureLog(), plain)
     return ModelDrafter(loaded, settings)
 
 

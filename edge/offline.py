@@ -36,6 +36,7 @@ def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
         # 2. Draft one more token alone, while the budget allows.
         if state.room > 0 and not (state.unverified and state.unverified[-1] in state.stop_ids):
             proposal = run.drafter.propose(state.committed + state.unverified, 1, fallback=False)
+            yield from run.drafter_notice()
             if proposal.ids:
                 yield _add_unverified(run, proposal)
                 continue

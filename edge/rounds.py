@@ -4,14 +4,14 @@ tokens drafted offline, and co-located speculative decoding (lab/baselines.py).
     1. send the block          (over gRPC, or a direct call of the verifier core)
     2. work while it is scored (pipelined drafting, optional)
     3. take the verdict
-    4. commit what it kept, count the round, tell the drafter
+    4. commit what it kept, count the round, tell the drafter (and hand an eagle drafter the features)
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
 
-from ..common.wire import DraftBlock, VerifyResult
+from ..common.wire import DraftBlock, FeatureBlock, VerifyResult
 from .drafter import Drafter, Proposal
 from .state import Event, EventKind, GenerationState
 from .stats import Stats
@@ -29,6 +29,13 @@ class InFlight(Protocol):
         ...
 
 
+class FeatureSink(Protocol):
+    """Takes the target's features a reply carries (edge/eagle.py's FeatureLog)."""
+
+    def add(self, block: FeatureBlock) -> None:
+        ...
+
+
 # Sends a block (its session_id is the sender's to fill in) and returns it in flight.
 Send = Callable[[DraftBlock], InFlight]
 
@@ -36,8 +43,11 @@ Send = Callable[[DraftBlock], InFlight]
 class VerifyRound:
     """Runs rounds of one generation against one verifier."""
 
-    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, send: Send, with_q: bool) -> None:
-        """with_q: send each draft token's q (the acceptance rules that read it)."""
+    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, send: Send, with_q: bool,
+                 features: FeatureSink | None = None) -> None:
+        """with_q: send each draft token's q (the acceptance rules that read it); features: where the
+        target's features in replies go (an eagle drafter's log)."""
+        self.features = features
         self.state = state
         self.stats = stats
         self.drafter = drafter
@@ -63,5 +73,7 @@ class VerifyRound:
         else:
             events = [state.commit_verdict(proposal, k, token)]
         self.stats.observe_round(len(proposal.ids), k, gamma, proposal.fell_back, proposal.drafted_ahead)
+        if result.features is not None and self.features is not None:
+            self.features.add(result.features)
         self.drafter.observe(k, token)
         return result, events

@@ -10,6 +10,7 @@ from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ..common.wire import DraftBlock, SessionSpec, VerifyResult
 from .client import PendingRound, ReplicaUnreachable, VerifierClient
 from .estimates import Estimates
+from .rounds import FeatureSink
 from .state import GenerationState
 from .stats import Stats
 
@@ -22,9 +23,11 @@ class CloudSession:
     """Open/re-open/close one generation's session and send its rounds."""
 
     def __init__(self, client: VerifierClient, spec: SessionSpec, state: GenerationState, estimates: Estimates,
-                 stats: Stats, timeout_s: float) -> None:
-        """spec: the session's settings; its ids and round come from `state` at each open."""
+                 stats: Stats, timeout_s: float, features: FeatureSink | None = None) -> None:
+        """spec: the session's settings; its ids and round come from `state` at each open. features:
+        where the prompt's features go when the spec asks for them."""
         self.client = client
+        self.features = features
         self.spec = spec
         self.state = state
         self.estimates = estimates
@@ -39,6 +42,8 @@ class CloudSession:
         opened = self.client.open_session(replace(self.spec, session_id=self.id, committed_ids=tuple(state.committed),
                                                   next_round=state.round))
         self.id = opened.session_id
+        if opened.features is not None and self.features is not None:
+            self.features.add(opened.features)
         spent = time.perf_counter() - t0 - self.estimates.rtt_s.get(0.0)
         self.estimates.prefill_per_token_s.add(max(0.0, spent) / len(state.committed))
 

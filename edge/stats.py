@@ -31,6 +31,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)  # per draft position j: rounds that had it accepted
     uplink_bytes: int = 0
     downlink_bytes: int = 0
+    feature_bytes: int = 0  # of the downlink, the target's features sent for an eagle drafter
     draft_s: float = 0.0  # time spent drafting on the critical path
     cloud_s: float = 0.0  # time waiting for the cloud
     wall_s: float = 0.0

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 from ..common.errors import FailedPrecondition, Unavailable
 from ..common.models import LoadedModel, tokenizer_fingerprint
-from ..common.wire import SessionSpec
+from ..common.wire import FeatureFormat, SessionSpec
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
 from .config import EdgeConfig
 from .controller import Controller, Phase, Policy
 from .drafter import Lookahead, ModelDrafter, Proposal, make_drafter
+from .eagle import EagleDrafter
 from .estimates import Estimates
 from .offline import run_offline
 from .rounds import InFlight, VerifyRound
@@ -44,8 +45,11 @@ class Generation:
 class EdgeWorker:
     """Runs generations against one verifier pool with one drafter; keeps its measurements across them."""
 
-    def __init__(self, drafter_model: LoadedModel, client: VerifierClient, config: EdgeConfig) -> None:
+    def __init__(self, drafter_model: LoadedModel, client: VerifierClient, config: EdgeConfig,
+                 fallback_model: LoadedModel | None = None) -> None:
+        """fallback_model: for an eagle head, the plain drafter used while it has no features (else n-gram)."""
         self.drafter_model = drafter_model
+        self.fallback_model = fallback_model
         self.client = client
         self.config = config
         self.info = client.model_info()
@@ -55,6 +59,10 @@ class EdgeWorker:
                 f"the drafter's tokenizer ({fp}) differs from the verifier's ({self.info.tokenizer_fingerprint}); "
                 "drafter and target must share one tokenizer")
         self.tokenizer_fp = fp
+        if drafter_model.is_eagle and self.info.feature_dim not in (0, drafter_model.model.hidden_size):
+            raise FailedPrecondition(
+                f"the eagle head reads features of size {drafter_model.model.hidden_size}; the verifier's target "
+                f"has {self.info.feature_dim}: the head was trained for another target")
         self.cap = min(config.max_draft, self.info.max_draft)
         # Rates carry over between generations: the link, the drafter and the cloud stay the same.
         self.estimates = Estimates(self.cap + 1)
@@ -89,15 +97,19 @@ class GenerationRun:
                                             probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only),
                                      self.estimates)
         settings = cfg.draft_settings(worker.info.vocab_size, frozenset(worker.info.eos_token_ids))
-        inner = make_drafter(cfg.drafter_kind, worker.drafter_model, settings)
+        inner = make_drafter(cfg.drafter_kind, worker.drafter_model, settings, worker.fallback_model)
         self.drafter = Lookahead(inner)
-        self.can_shadow = cfg.sampling.greedy and isinstance(inner, ModelDrafter)
+        # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only decoding.
+        self.eagle = inner if isinstance(inner, EagleDrafter) else None
+        self.can_shadow = cfg.sampling.greedy and isinstance(inner, ModelDrafter) and self.eagle is None
+        log = self.eagle.log if self.eagle else None
         spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
                            seed=cfg.seed, rollback_threshold=cfg.rollback_threshold, lenience=cfg.lenience,
-                           tokenizer_fingerprint=worker.tokenizer_fp)
-        self.session = CloudSession(self.client, spec, self.state, self.estimates, self.stats, cfg.timeout_s)
+                           tokenizer_fingerprint=worker.tokenizer_fp,
+                           features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE)
+        self.session = CloudSession(self.client, spec, self.state, self.estimates, self.stats, cfg.timeout_s, log)
         self.verify_round = VerifyRound(self.state, self.stats, self.drafter, self.session.send,
-                                        with_q=cfg.resolved_mode.uses_draft_probs)
+                                        with_q=cfg.resolved_mode.uses_draft_probs, features=log)
         self.phase = Phase.HYBRID
         self.lost_reason = ""  # why the cloud was last lost
         self.in_flight: Proposal | None = None  # the block that was being verified when it was
@@ -119,6 +131,7 @@ class GenerationRun:
         s.predrafted = self.drafter.predrafted
         s.uplink_bytes = self.client.uplink_bytes - up0
         s.downlink_bytes = self.client.downlink_bytes - down0
+        s.feature_bytes = self.eagle.log.received_bytes if self.eagle else 0
         s.wall_s = end - start
         text = self.worker.drafter_model.tokenizer.decode(tokens, skip_special_tokens=True)
         self.generation = Generation(tokens, origins, s, text, self.state.eos)
@@ -138,6 +151,12 @@ class GenerationRun:
                   Phase.OFFLINE: lambda: run_offline(self)}
         while not (self.state.done or self.gave_up):
             self.phase = yield from phases[self.phase]()
+
+    def drafter_notice(self) -> Iterator[Event]:
+        """The eagle drafter's word when it hands over to its fallback drafter or takes back over."""
+        if self.eagle is not None and self.eagle.notice:
+            message, self.eagle.notice = self.eagle.notice, ""
+            yield self.notice(message)
 
     def notice(self, message: str) -> Event:
         """A change of phase, in words, for the user and the stats."""
@@ -163,6 +182,7 @@ class GenerationRun:
         # 2. Draft (unless the last wait already did).
         t0 = time.perf_counter()
         proposal = self.drafter.propose(state.committed, gamma)
+        yield from self.drafter_notice()
         if not proposal.drafted_ahead:
             spent = time.perf_counter() - t0
             self.stats.draft_s += spent

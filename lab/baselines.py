@@ -9,9 +9,10 @@ import torch
 
 from ..cloud.verifier import Verifier
 from ..common.models import LoadedModel
-from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from ..common.wire import DraftBlock, FeatureFormat, SessionSpec, VerifyResult
 from ..edge.config import EdgeConfig
 from ..edge.drafter import make_drafter
+from ..edge.eagle import EagleDrafter
 from ..edge.rounds import VerifyRound
 from ..edge.state import GenerationState
 from ..edge.stats import Stats
@@ -31,13 +32,17 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
     round as the edge (blocks of max_draft, the BiLD fallback), each block verified by a direct call."""
     stop = frozenset(verifier.info.eos_token_ids)
     draft = make_drafter("model", drafter, cfg.draft_settings(verifier.info.vocab_size, stop))
+    log = draft.log if isinstance(draft, EagleDrafter) else None
     sid = f"colocated-{uuid.uuid4().hex}"
     state, stats = GenerationState(prompt, cfg.max_new_tokens, stop), Stats()
     verify_round = VerifyRound(state, stats, draft, lambda block: _Direct(verifier, replace(block, session_id=sid)),
-                               with_q=cfg.resolved_mode.uses_draft_probs)
+                               with_q=cfg.resolved_mode.uses_draft_probs, features=log)
     start = time.perf_counter()
-    verifier.open_session(SessionSpec(sid, tuple(prompt), cfg.sampling, cfg.resolved_mode, cfg.seed,
-                                      cfg.rollback_threshold, cfg.lenience))
+    opened = verifier.open_session(SessionSpec(sid, tuple(prompt), cfg.sampling, cfg.resolved_mode, cfg.seed,
+                                               cfg.rollback_threshold, cfg.lenience,
+                                               features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE))
+    if log is not None and opened.features is not None:
+        log.add(opened.features)
     try:
         while not state.done:
             budget = min(cfg.max_draft, cfg.max_new_tokens - state.generated - 1)

@@ -23,7 +23,11 @@ def report(results: Path, out: Path) -> list[Path]:
         raise FileNotFoundError(f"{results} holds no successful rows to report on")
     out.mkdir(parents=True, exist_ok=True)
     temperature = min(r["temperature"] for r in rows)
-    base = [r for r in rows if r["temperature"] == temperature and r.get("edges", 1) == 1]
+    one_edge = [r for r in rows if r["temperature"] == temperature and r.get("edges", 1) == 1]
+    # Each bandwidth gets its own tables; the plots show the unlimited link (0), else the widest.
+    bandwidths = sorted({r.get("bandwidth_mbps") or 0 for r in one_edge}, key=lambda b: (b != 0, -b))
+    by_bandwidth = {b: [r for r in one_edge if (r.get("bandwidth_mbps") or 0) == b] for b in bandwidths}
+    base = by_bandwidth[bandwidths[0]]
     table = _mean_by(base, "tokens_per_s")
     fit = _bound_inputs(base)
     files = [_plot_throughput(table, out / "tokens_per_s_vs_rtt.png"),
@@ -31,7 +35,9 @@ def report(results: Path, out: Path) -> list[Path]:
              _plot_positions(base, out / "acceptance_per_position.png"),
              _plot_costs(base, out / "cloud_calls_and_bytes_per_token.png")]
     summary = out / "summary.md"
-    summary.write_text(_markdown(rows, table, fit, temperature))
+    sections = [_markdown(rows, _mean_by(group, "tokens_per_s"), _bound_inputs(group), temperature, b)
+                for b, group in by_bandwidth.items()]
+    summary.write_text("\n".join(sections))
     return files + [summary]
 
 
@@ -207,11 +213,13 @@ def _plot_costs(rows: list[dict], path: Path) -> Path:
 
 # ---- summary ------------------------------------------------------------------------------------
 
-def _markdown(rows: list[dict], table: dict[str, dict], fit: dict | None, temperature: float) -> str:
+def _markdown(rows: list[dict], table: dict[str, dict], fit: dict | None, temperature: float,
+              bandwidth_mbps: float = 0) -> str:
     kinds = _kinds(rows)
     rtts = sorted({r for c in table.values() for r in c if r is not None})
-    lines = [f"# Experiment `{rows[0]['experiment']}`", "",
-             f"{len(rows)} generations; mean tokens/s over prompts and repeats at temperature {temperature}, "
+    link = "unlimited bandwidth" if not bandwidth_mbps else f"{bandwidth_mbps:g} Mbit/s each way"
+    lines = [f"# Experiment `{rows[0]['experiment']}`: {link}", "",
+             f"{len(rows)} generations in all; mean tokens/s over prompts and repeats at temperature {temperature}, "
              "one edge. Strategies without a network (no RTT) ran once.", "",
              "| strategy | kind | " + " | ".join(f"RTT {r:g} ms" for r in rtts) + " | no network |",
              "|---|---|" + "---|" * (len(rtts) + 1)]

@@ -61,6 +61,7 @@ class Lab:
         self.done = _done_keys(self.rows_file)
         self.references: dict[tuple, list[int]] = _references(self.rows_file)  # greedy cloud-only tokens
         self._local: dict[str, object] = {}  # target, verifier, assistant for the local baselines
+        self._drafters: dict[str, LoadedModel] = {self.drafter_path: self.drafter}  # a strategy may name its own
 
     # ---- the sweep --------------------------------------------------------------------------
 
@@ -185,12 +186,25 @@ class Lab:
                 os.sched_setaffinity(0, self.edge_cores)
         return ran
 
+    def drafter_for(self, cfg: EdgeConfig) -> tuple[LoadedModel, LoadedModel | None]:
+        """The drafter a strategy names ("" = the experiment's), and for an eagle head its fallback."""
+        path = resolve(cfg.drafter, "drafter") if cfg.drafter else self.drafter_path
+        if path not in self._drafters:
+            self._drafters[path] = load_model(path, device="cpu")
+        drafter = self._drafters[path]
+        if not drafter.is_eagle or cfg.fallback_drafter == "ngram":
+            return drafter, None
+        plain = resolve(cfg.fallback_drafter, "plain")
+        if plain not in self._drafters:
+            self._drafters[plain] = load_model(plain, device="cpu")
+        return drafter, self._drafters[plain]
+
     def _local_once(self, strategy: Strategy, prompt: list[int], cfg: EdgeConfig) -> baselines.LocalRun:
         if strategy.kind == "edge_only":
             info = self._verifier().info
-            return baselines.edge_only(self.drafter, info.vocab_size, info.eos_token_ids, prompt, cfg)
+            return baselines.edge_only(self.drafter_for(cfg)[0], info.vocab_size, info.eos_token_ids, prompt, cfg)
         if strategy.kind == "colocated":
-            return baselines.colocated(self._verifier(), self.drafter, prompt, cfg)
+            return baselines.colocated(self._verifier(), self.drafter_for(cfg)[0], prompt, cfg)
         return baselines.hf_assisted(self._target(), self._assistant(), prompt, cfg)
 
     def _target(self) -> LoadedModel:
@@ -210,12 +224,12 @@ class Lab:
         from ..common import compact
 
         if "assistant" not in self._local:
-            path = Path(self.drafter_path)
+            path = Path(self.drafter_path if not self.drafter.is_eagle else resolve("", "plain"))
             if compact.is_compact(path):
                 model, _, _ = compact.load_compact(path, torch.float32, full_head=True)
                 self._local["assistant"] = model.eval()
             else:
-                self._local["assistant"] = self.drafter.model
+                self._local["assistant"] = self.drafter_for(dataclasses.replace(EdgeConfig(), drafter=str(path)))[0].model
         return self._local["assistant"]
 
     # ---- rows -------------------------------------------------------------------------------
@@ -289,7 +303,8 @@ class _Edge:
             return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 1 / max(len(tokens), 1),
                     "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1)}
         if self.worker is None:
-            self.worker = EdgeWorker(self.lab.drafter, self.client, cfg)
+            drafter, fallback = self.lab.drafter_for(cfg)
+            self.worker = EdgeWorker(drafter, self.client, cfg, fallback)
         self.worker.config = cfg
         gen = self.worker.generate(prompt)
         stats = gen.stats.to_dict()

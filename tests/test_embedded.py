@@ -17,15 +17,16 @@ pytestmark = pytest.mark.embedded
 
 
 @pytest.fixture(scope="module")
-def pair():
+def target():
     if not is_pulled():
         pytest.skip(f"embedded models not pulled into {models_home()}: run `hybridspec models pull`")
-    paths = default_paths()
-    return load_model(paths["target"], device="cpu"), load_model(paths["drafter"], device="cpu")
+    return load_model(default_paths()["target"], device="cpu")
 
 
-def test_embedded_pair_is_lossless_over_grpc(pair):
-    target, drafter = pair
+@pytest.mark.parametrize("role", ["plain", "eagle"])
+def test_embedded_pair_is_lossless_over_grpc(target, role):
+    drafter = load_model(default_paths()[role], device="cpu")
+    assert drafter.is_eagle == (role == "eagle")
     assert target.model.config.num_hidden_layers == 30
     server = BackgroundServer(Verifier(target))
     try:
@@ -35,5 +36,7 @@ def test_embedded_pair_is_lossless_over_grpc(pair):
             gen = EdgeWorker(drafter, client, config).generate(prompt)
     finally:
         server.stop()
+    assert (gen.stats.feature_bytes > 0) == (role == "eagle")
+    assert gen.stats.accepted > 0
     assert gen.token_ids == greedy_reference(target, prompt, 16)
     assert "Paris" in gen.text

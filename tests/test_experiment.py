@@ -82,3 +82,22 @@ def test_crossovers():
 def bound_gamma8_r(alpha: float) -> float:
     """r where (1 − α^9)/(1 − α) / (r + 1) = 1."""
     return (1 - alpha ** 9) / (1 - alpha) - 1
+
+
+def test_report_keeps_bandwidths_apart(tmp_path):
+    """Regression: rows at different bandwidths were averaged together into one tokens/s per RTT."""
+    import json
+
+    from hybridspec.lab.report import report
+
+    rows = [{"experiment": "bw", "strategy": s, "kind": k, "rtt_ms": 0, "bandwidth_mbps": bw, "temperature": 0,
+             "edges": 1, "wall_s": 1.0, "tokens_per_s": tps, "cloud_calls_per_token": 0.5, "bytes_per_token": 10}
+            for s, k, bw, tps in [("cloud-only", "cloud_only", 0, 20.0), ("cloud-only", "cloud_only", 1, 10.0),
+                                  ("hybrid", "hybrid", 0, 30.0), ("hybrid", "hybrid", 1, 5.0)]]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report(results, tmp_path / "out")
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "unlimited bandwidth" in summary and "1 Mbit/s each way" in summary
+    assert "| hybrid | 1.50 |" in summary  # 30 / 20 on the unlimited link
+    assert "| hybrid | 0.50 |" in summary  # 5 / 10 at 1 Mbit/s; mixed together it would read 17.5 / 15
