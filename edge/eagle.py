@@ -65,7 +65,7 @@ class EagleDrafter(ModelDrafter):
         self._tokens: list[int] = []  # the token at each head position 1..m (position i's input is (f_{i-1}, t_i))
         self._out: list[torch.Tensor] = []  # the head's output (predicted feature) at each position
         self._true = 0  # leading positions fed with true features (the rest get cut before reuse)
-        self._last: torch.Tensor | None = None  # the output the next drafted token is fed with
+        self._known = 0  # true features usable for the context being drafted after (set by propose)
 
     def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
                 fallback: bool = True) -> Proposal:
