@@ -9,7 +9,6 @@ predicted features as inputs — what it meets from the second draft of a block 
 """
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable
@@ -21,6 +20,8 @@ from tqdm import tqdm
 from ..common.eagle import EagleHead
 from ..common.models import LoadedModel
 from .data import Sample
+from .optim import pick, warmup_cosine
+from .optim import step as step_
 
 NOISE = 0.05  # uniform noise on true input features, relative to their per-dimension RMS
 
@@ -107,26 +108,17 @@ def train_head(head: EagleHead, train: list[Sample], feats: list[torch.Tensor], 
     fc = [head.fc.weight, head.fc.bias]
     groups = [{"params": [p for p in params if all(p is not q for q in fc)]}, {"params": fc, "lr": lr * ratio}]
     opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / steps))))
+    sched = warmup_cosine(opt, steps)
     curve = [{"step": 0, "agreement": evaluate(head)}]
     history = []
     start = time.perf_counter()
     bar = tqdm(range(1, steps + 1), desc="training eagle head", unit="step")
     for step in bar:
         head.train()
-        chosen, used = [], 0
-        while used < batch_tokens:
-            chosen.append(rng.randrange(len(train)))
-            used += len(train[chosen[-1]].ids)
+        chosen = pick(train, batch_tokens, rng)
         f_in, tokens, f_out, positions, attend, mask = batch([train[i] for i in chosen], [feats[i] for i in chosen])
         loss, agree = losses(head, f_in, tokens, f_out, positions, attend, mask, unroll, NOISE * rms, feature_loss)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        step_(opt, sched, params, loss)
         history.append(loss.item())
         if step % eval_every == 0 or step == steps:
             curve.append({"step": step, "loss": loss.item(), "agreement": evaluate(head)})

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from contextlib import nullcontext
@@ -28,6 +27,8 @@ from .data import (
 )
 from .eagle import build_head, depth1_agreement, train_head
 from .evaluate import Report, eagle_report, evaluate
+from .optim import pick, warmup_cosine
+from .optim import step as optim_step
 from .prompts import heldout_prompts, train_prompts
 from .student import STORES, build_student, own_state, round_to_storage, save_compact
 
@@ -164,9 +165,7 @@ def _train_model(cfg: DistillConfig, target: LoadedModel, train: list[Sample], h
     # Forward KL(p_target || q_drafter) over the head's rows.
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    warmup = max(1, cfg.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    sched = warmup_cosine(opt, cfg.steps)
     rng = random.Random(cfg.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
     curve = [{"step": 0, **_summary(evaluate(student.eval(), head_ids, heldout, dev))}]
@@ -175,17 +174,13 @@ def _train_model(cfg: DistillConfig, target: LoadedModel, train: list[Sample], h
     start = time.perf_counter()
     for step in bar:
         student.train()
-        chosen = _pick(train, cfg.batch_tokens, rng)
+        chosen = pick(train, cfg.batch_tokens, rng)
         ids, mask, positions, teacher = _batch([train[i] for i in chosen], [teacher_hidden[i] for i in chosen], dev)
         with autocast:
             logits = student(input_ids=ids, attention_mask=mask).logits[positions].float()
         p = torch.softmax(teacher.float() @ head.float().T, dim=-1)
         loss = F.kl_div(F.log_softmax(logits, -1), p, reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
+        optim_step(opt, sched, params, loss)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}", heldout_agree=f"{curve[-1]['agreement']:.3f}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -266,15 +261,6 @@ def save_samples(samples: list[Sample], path: Path) -> None:
 def _summary(r: Report) -> dict:
     return {"agreement": r.agreement, "acceptance_g4": r.acceptance.get(4, 0.0),
             "tokens_per_round_g4": r.tokens_per_round.get(4, 0.0)}
-
-
-def _pick(samples: list[Sample], budget: int, rng: random.Random) -> list[int]:
-    chosen, used = [], 0
-    while used < budget:
-        i = rng.randrange(len(samples))
-        chosen.append(i)
-        used += len(samples[i].ids)
-    return chosen
 
 
 def _batch(chosen: list[Sample], states: list[torch.Tensor], device: torch.device):

@@ -188,16 +188,16 @@ class Lab:
 
     def drafter_for(self, cfg: EdgeConfig) -> tuple[LoadedModel, LoadedModel | None]:
         """The drafter a strategy names ("" = the experiment's), and for an eagle head its fallback."""
-        path = resolve(cfg.drafter, "drafter") if cfg.drafter else self.drafter_path
-        if path not in self._drafters:
-            self._drafters[path] = load_model(path, device="cpu")
-        drafter = self._drafters[path]
+        drafter = self._load(resolve(cfg.drafter, "drafter") if cfg.drafter else self.drafter_path)
         if not drafter.is_eagle or cfg.fallback_drafter == "ngram":
             return drafter, None
-        plain = resolve(cfg.fallback_drafter, "plain")
-        if plain not in self._drafters:
-            self._drafters[plain] = load_model(plain, device="cpu")
-        return drafter, self._drafters[plain]
+        return drafter, self._load(resolve(cfg.fallback_drafter, "plain"))
+
+    def _load(self, path: str) -> LoadedModel:
+        """A drafter, loaded once per experiment."""
+        if path not in self._drafters:
+            self._drafters[path] = load_model(path, device="cpu")
+        return self._drafters[path]
 
     def _local_once(self, strategy: Strategy, prompt: list[int], cfg: EdgeConfig) -> baselines.LocalRun:
         if strategy.kind == "edge_only":
@@ -229,7 +229,7 @@ class Lab:
                 model, _, _ = compact.load_compact(path, torch.float32, full_head=True)
                 self._local["assistant"] = model.eval()
             else:
-                self._local["assistant"] = self.drafter_for(dataclasses.replace(EdgeConfig(), drafter=str(path)))[0].model
+                self._local["assistant"] = self._load(str(path)).model
         return self._local["assistant"]
 
     # ---- rows -------------------------------------------------------------------------------
