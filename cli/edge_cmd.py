@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -25,6 +26,9 @@ def register(sub) -> None:
                      help="with --stream: also show the block being verified and unverified text, dimmed")
     add_edge_options(gen)
     gen.set_defaults(run=run_generate)
+    from . import serve_cmd
+
+    serve_cmd.register(esub)
 
 
 def add_edge_options(parser) -> None:
@@ -44,9 +48,18 @@ def add_edge_options(parser) -> None:
     parser.add_argument("--temperature", type=float, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, help="nucleus truncation, applied on both sides")
     parser.add_argument("--top-k", type=int, help="top-k truncation, applied on both sides")
-    parser.add_argument("--seed", type=int, help="seeds drafter and verifier randomness")
-    parser.add_argument("--mode", choices=["greedy", "speculative", "bild", "lenient"],
-                        help="acceptance rule (default: greedy at T=0, else speculative)")
+    parser.add_argument("--seed", type=int,
+                        help="the same text for the same seed when sampling (coupled rule); default: a fresh seed")
+    parser.add_argument("--stop", action="append",
+                        help="end the text before this string (repeatable); applied to verified text only")
+    parser.add_argument("--repetition-penalty", type=float,
+                        help="> 1 discourages tokens already in the context (both sides apply it; default 1 = off)")
+    parser.add_argument("--frequency-penalty", type=float,
+                        help="in [-2, 2]: OpenAI's penalty per earlier occurrence in the generated text")
+    parser.add_argument("--presence-penalty", type=float,
+                        help="in [-2, 2]: OpenAI's penalty for tokens already in the generated text")
+    parser.add_argument("--mode", choices=["greedy", "speculative", "coupled", "bild", "lenient"],
+                        help="acceptance rule (default: greedy at T=0; else coupled with --seed, speculative without)")
     parser.add_argument("--max-draft", type=int, help="most tokens drafted per round (default 8)")
     parser.add_argument("--gamma-policy", choices=["adaptive", "fixed"],
                         help="adaptive (default): γ per round from measured acceptance, RTT and costs; fixed: --max-draft")
@@ -75,109 +88,143 @@ def edge_config(args, **defaults):
 
     keys = [f.name for f in dataclasses.fields(EdgeConfig) if hasattr(args, f.name)]
     overrides = {**defaults, **{k: getattr(args, k) for k in keys if getattr(args, k) is not None}}
+    if isinstance(overrides.get("stop"), list):
+        overrides["stop"] = tuple(overrides["stop"])
     return load_config(EdgeConfig, args.config, overrides)
 
 
-def build_worker(config):
-    """Load the drafter, connect, and check the pair matches."""
-    import torch
-
-    from ..common.models import load_model
+def build_worker(config, background: bool = False, require_cloud: bool = True):
+    """Connect, load the drafter (on a background thread if `background`: generations start with the
+    cloud decoding alone meanwhile), and check the pair matches."""
     from ..edge.client import VerifierClient
+    from ..edge.startup import DrafterLoad, fast_codec
     from ..edge.worker import EdgeWorker
-    from ..common.embedded import resolve
 
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    drafter = load_model(resolve(config.drafter, "drafter"), config.device, config.dtype)
-    fallback = None
-    if drafter.is_eagle and config.fallback_drafter != "ngram":
-        fallback = load_model(resolve(config.fallback_drafter, "plain"), config.device, config.dtype)
+    codec = fast_codec(config) if background else None
+    load = DrafterLoad.start(config, background=background and codec is not None)
     client = VerifierClient(config.cloud, config.timeout_s)
     try:
-        return EdgeWorker(drafter, client, config, fallback)
+        return EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
     except BaseException:
         client.close()
         raise
 
 
+def prompt_ids(codec, text: str, chat: bool) -> list[int]:
+    """The prompt's token ids: `text` alone, or as one user message in the chat template."""
+    if chat and not codec.chat_template:
+        raise ValueError("--chat needs a tokenizer with a chat template; this one has none")
+    ids = codec.encode_chat([{"role": "user", "content": text}]) if chat else codec.encode(text)
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization")
+    return ids
+
+
 def run_generate(args) -> int:
-    """Generate and print text, JSON, or a live stream."""
-    from ..edge.prompt import encode_prompt
+    """Generate and print text, JSON, or a live stream. If the cloud is lost mid-way without
+    --allow-unverified, what was committed is still printed, then the error (exit 2)."""
+    from ..common.errors import HybridSpecError
 
     config = edge_config(args)
-    worker = build_worker(config)
+    worker = build_worker(config, background=True)
+    error = None
     try:
-        prompt_ids = encode_prompt(worker.drafter_model.tokenizer, args.prompt, args.chat)
-        run = worker.stream(prompt_ids)
-        if args.stream:
-            stream_to_terminal(run, worker.drafter_model.tokenizer, args.show_draft)
-        else:
-            for _ in run:
-                pass
+        run = worker.stream(prompt_ids(worker.codec, args.prompt, args.chat))
+        try:
+            if args.stream:
+                stream_to_terminal(run, worker.codec, args.show_draft)
+            else:
+                for _ in run:
+                    pass
+        except HybridSpecError as exc:
+            error = exc
         gen = run.generation
     finally:
-        worker.client.close()
+        worker.close()
     if args.json:
-        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids, "stats": gen.stats.to_dict()}))
-        return 0
-    if not args.stream:
+        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
+                          "error": gen.error, "stats": gen.stats.to_dict()}))
+    elif not args.stream:
         print(gen.text)
-    s = gen.stats
+    print(summary(gen.stats), file=sys.stderr)
+    code = 0
+    if error is not None:
+        print(f"hybridspec: error: {error} (the text above is what was verified before it)", file=sys.stderr)
+        code = 2
+    if not worker.load.ready():
+        # The generation ended before the drafter finished loading. Exiting while its thread is inside
+        # torch's import can abort the interpreter, and waiting for it is pointless: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def summary(s) -> str:
+    """The one-line stats after a generation, in words that fit what happened."""
+    parts = [f"{s.new_tokens} tokens"]
     if s.rounds:
-        print(f"[{s.new_tokens} tokens in {s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, "
-              f"{s.mean_tokens_per_round:.2f} tokens/round, {s.tokens_per_s:.1f} tokens/s"
-              f"{f', {s.cloud_only_tokens} decoded by the cloud alone' if s.cloud_only_tokens else ''}"
-              f"{f', {s.unverified} unverified' if s.unverified else ''}]", file=sys.stderr)
-    else:
-        print(f"[{s.new_tokens} tokens decoded by the cloud alone, {s.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
-    return 0
+        parts[0] += f" in {s.rounds} rounds"
+        parts += [f"acceptance {s.acceptance_rate:.2f}", f"{s.mean_tokens_per_round:.2f} tokens/round"]
+    elif s.cloud_only_tokens == s.new_tokens and s.new_tokens:
+        parts[0] += " decoded by the cloud alone (no draft was verified)"
+    parts.append(f"{s.tokens_per_s:.1f} tokens/s")
+    if s.rounds and s.cloud_only_tokens:
+        parts.append(f"{s.cloud_only_tokens} decoded by the cloud alone")
+    if s.unverified:
+        parts.append(f"{s.unverified} unverified")
+    return "[" + ", ".join(parts) + "]"
 
 
-def stream_to_terminal(run, tokenizer, show_draft: bool) -> None:
-    """Print committed text as it is verified; on a terminal, with --show-draft, also the provisional
-    text (the block in flight, or tokens drafted while offline) dimmed, replaced as verdicts come in."""
+def stream_to_terminal(run, codec, show_draft: bool) -> None:
+    """Print text as it becomes final. On a terminal with --show-draft, the block being verified
+    (or text drafted while offline) is shown dimmed after it and replaced as verdicts come in; only
+    the last screenful is redrawn, so a small terminal stays readable. Notices go to stderr."""
     from ..edge.state import EventKind
 
     console = Console(stderr=False)
-    committed: list[int] = []
-    printed = 0  # characters of committed text already written (plain output)
-
-    def view(provisional) -> Text:
-        text = Text(tokenizer.decode(committed, skip_special_tokens=True))
-        if show_draft and provisional:
-            text.append(tokenizer.decode(list(provisional), skip_special_tokens=True), style="dim")
-        return text
-
-    if console.is_terminal:
-        with Live(view(()), console=console, refresh_per_second=20, transient=False) as live:
+    if show_draft and console.is_terminal:
+        text = ""
+        with Live(Text(), console=console, refresh_per_second=20, vertical_overflow="visible",
+                  transient=False) as live:
             for event in run:
-                if event.kind is EventKind.COMMIT:
-                    committed.extend(event.tokens)
-                elif event.kind is EventKind.NOTICE:
-                    live.console.print(f"[italic]({event.message})[/]", highlight=False)
-                live.update(view(event.provisional))
+                text += event.text
+                if event.kind is EventKind.NOTICE:
+                    print(f"({event.message})", file=sys.stderr)
+                view = Text(_tail(text, console.size))
+                if event.provisional:
+                    view.append(codec.decode(list(event.provisional)), style="dim")
+                live.update(view)
         return
-    for event in run:  # not a terminal: append-only text, notices on stderr
-        if event.kind is EventKind.COMMIT:
-            committed.extend(event.tokens)
-            text = tokenizer.decode(committed, skip_special_tokens=True)
-            sys.stdout.write(text[printed:])
+    for event in run:  # append-only: the terminal scrolls as usual
+        if event.text:
+            sys.stdout.write(event.text)
             sys.stdout.flush()
-            printed = len(text)
         elif event.kind is EventKind.NOTICE:
-            print(f"({event.message})", file=sys.stderr)
+            print(f"\n({event.message})" if console.is_terminal else f"({event.message})", file=sys.stderr)
     sys.stdout.write("\n")
+
+
+def _tail(text: str, size) -> str:
+    """The end of `text` that fits a terminal of `size`, wrapped lines counted (a live view taller
+    than the screen cannot be redrawn and garbles the scrollback)."""
+    rows, kept = max(1, size.height - 2), []
+    for line in reversed(text.split("\n")):
+        rows -= max(1, -(-len(line) // max(1, size.width)))
+        if rows < 0 and kept:
+            break
+        kept.append(line)
+    return "\n".join(reversed(kept))
 
 
 STYLE = {"accepted": "green", "corrected": "bold yellow", "bonus": "cyan", "cloud": "magenta", "unverified": "dim"}
 
 
-def render_origins(tokenizer, token_ids, origins) -> Text:
+def render_origins(codec, token_ids, origins) -> Text:
     """The generated text with each token coloured by where it came from."""
     text = Text()
     for token, origin in zip(token_ids, origins):
-        text.append(tokenizer.decode([token], skip_special_tokens=True), style=STYLE[origin.value])
+        text.append(codec.decode([token]), style=STYLE[origin.value])
     return text
 
 

@@ -10,6 +10,9 @@ import traceback
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Quiet without importing transformers here: an edge's first tokens must not wait for that import.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd
 
     parser = argparse.ArgumentParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"hybridspec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     models_cmd.register(sub)
     cloud_cmd.register(sub)
@@ -28,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridspec")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every failure into one line on stderr and a non-zero exit."""
     args = build_parser().parse_args(argv)
@@ -35,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     from ..common.errors import HybridSpecError
 
     try:
-        _quiet_libraries()
         return int(args.run(args) or 0)
     except (HybridSpecError, ConfigError, FileNotFoundError, OSError) as exc:
         print(f"hybridspec: error: {exc}", file=sys.stderr)
@@ -49,13 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hybridspec: internal error: {type(exc).__name__}: {exc} (HYBRIDSPEC_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 1
-
-
-def _quiet_libraries() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 if __name__ == "__main__":

@@ -256,14 +256,17 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> 
 
     Every token is the 'bonus' of an empty block, so cloud-only streams are batched with the
     verification rounds of other sessions, and a lost replica is recovered from the tokens so far.
+    Sampling draws as the coupled rule does, by (seed, absolute position): a seed gives the same
+    tokens however a generation is split between hybrid rounds and streams (docs/design.md §2.2).
     """
     info = backend.model_info()
     spec.validate(info.vocab_size)
     if len(spec.prompt_ids) + spec.max_new_tokens > info.max_context:
         raise ResourceExhausted(f"prompt + max_new_tokens exceeds max_context {info.max_context}")
     session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling,
-                          mode=Mode.default_for(spec.sampling.temperature),
-                          seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint)
+                          mode=Mode.GREEDY if spec.sampling.greedy else Mode.COUPLED,
+                          seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint,
+                          prompt_len=spec.prompt_end)
     committed = list(spec.prompt_ids)
     session_id = (await backend.open_session(session, client)).session_id
     eos = set(info.eos_token_ids)

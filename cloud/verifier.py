@@ -34,7 +34,7 @@ from ..common import verification as rules
 from ..common.errors import FailedPrecondition, HybridSpecError, InvalidArgument, ResourceExhausted, incident
 from ..common.features import encode_features, join_blocks
 from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint
-from ..common.sampling import logits_to_probs, round_generator
+from ..common.sampling import logits_to_probs, penalize, round_generator
 from ..common.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
 from .engine import Engine, Feed
@@ -234,7 +234,7 @@ class Verifier:
         #    fed at the head of the next block). A failure here is the failing session's alone.
         for (i, block, session), round_scores in zip(rounds, scores):
             try:
-                outcome = _apply_rule(session.spec, block, round_scores.logits)
+                outcome = _apply_rule(session.spec, block, round_scores.logits, session.committed)
                 # Features of the tokens now committed context: the last committed one and the accepted.
                 features = _features(session.spec, round_scores.hidden, len(session.committed) - 1,
                                      outcome.num_accepted + 1)
@@ -355,17 +355,23 @@ def _features(spec: SessionSpec, hidden: torch.Tensor | None, position: int,
     return encode_features(hidden[:count], position, spec.features)
 
 
-def _apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor) -> rules.Outcome:
-    """The session's acceptance rule on one block. logits: [γ+1, V] float32 on the model's device.
+def _apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int]) -> rules.Outcome:
+    """The session's acceptance rule on one block. logits: [γ+1, V] float32 on the model's device,
+    scoring the positions after committed + draft[:j].
 
     Greedy needs only argmaxes, taken on the device; the sampling rules get probabilities on the CPU
-    so that a seeded round draws the same numbers on CPU and GPU replicas.
+    so that a seeded round draws the same numbers on CPU and GPU replicas. Penalties come first in
+    every mode (docs/design.md §2.1).
     """
     if spec.mode is Mode.GREEDY:
+        logits = penalize(logits, spec.sampling, committed, spec.prompt_end, block.draft_ids)
         return rules.verify_greedy(torch.tensor(block.draft_ids, dtype=torch.long, device=logits.device), logits)
     draft = torch.tensor(block.draft_ids, dtype=torch.long)
-    logits = logits.cpu()
+    logits = penalize(logits.cpu(), spec.sampling, committed, spec.prompt_end, block.draft_ids)
     target_probs = logits_to_probs(logits, spec.sampling)
+    if spec.mode is Mode.COUPLED:
+        # Row 0 scores the position after the committed tokens: noise by position, never by round.
+        return rules.verify_coupled(draft, target_probs, spec.seed, len(committed))
     generator = round_generator(spec.seed, block.round)
     if spec.mode is Mode.BILD:
         return rules.verify_bild(draft, target_probs, spec.rollback_threshold,

@@ -7,7 +7,7 @@ from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DraftBlock, Fea
                    ModelInfo, SamplingParams, SessionOpened, SessionSpec, VerifyResult)
 
 _MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
-               Mode.BILD: pb.MODE_BILD, Mode.LENIENT: pb.MODE_LENIENT}
+               Mode.BILD: pb.MODE_BILD, Mode.LENIENT: pb.MODE_LENIENT, Mode.COUPLED: pb.MODE_COUPLED}
 _PB_TO_MODE = {v: k for k, v in _MODE_TO_PB.items()}
 _FEATURES_TO_PB = {FeatureFormat.NONE: pb.FEATURES_NONE, FeatureFormat.INT8: pb.FEATURES_INT8,
                    FeatureFormat.FP16: pb.FEATURES_FP16}
@@ -38,12 +38,16 @@ def _optional_features(b: FeatureBlock | None) -> pb.Features | None:
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     """Encode sampling parameters."""
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                             repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
+                             presence_penalty=s.presence_penalty)
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
-    """Decode sampling parameters; top_p 0 means "not set" (proto3 default)."""
-    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p or 1.0)
+    """Decode sampling parameters; top_p and repetition_penalty 0 mean "not set" (proto3 default)."""
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p or 1.0,
+                          repetition_penalty=m.repetition_penalty or 1.0, frequency_penalty=m.frequency_penalty,
+                          presence_penalty=m.presence_penalty)
 
 
 def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
@@ -72,11 +76,12 @@ def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:
         session_id=s.session_id, committed_ids=list(s.committed_ids), sampling=sampling_to_pb(s.sampling),
         mode=_MODE_TO_PB[s.mode], seed=s.seed, rollback_threshold=s.rollback_threshold,
         lenience=s.lenience, tokenizer_fingerprint=s.tokenizer_fingerprint,
-        model_fingerprint=s.model_fingerprint, next_round=s.next_round, features=_FEATURES_TO_PB[s.features])
+        model_fingerprint=s.model_fingerprint, next_round=s.next_round, features=_FEATURES_TO_PB[s.features],
+        prompt_len=s.prompt_len)
 
 
 def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
-    """Decode an open/re-open request; MODE_UNSPECIFIED picks greedy or speculative by temperature."""
+    """Decode an open/re-open request; MODE_UNSPECIFIED picks Mode.default_for the temperature."""
     sampling = sampling_from_pb(m.sampling)
     if m.mode == pb.MODE_UNSPECIFIED:
         mode = Mode.default_for(sampling.temperature)
@@ -90,7 +95,7 @@ def session_from_pb(m: pb.OpenSessionRequest) -> SessionSpec:
         seed=m.seed, rollback_threshold=m.rollback_threshold or DEFAULT_ROLLBACK_THRESHOLD,
         lenience=m.lenience or DEFAULT_LENIENCE,
         tokenizer_fingerprint=m.tokenizer_fingerprint, model_fingerprint=m.model_fingerprint,
-        next_round=m.next_round, features=features)
+        next_round=m.next_round, features=features, prompt_len=m.prompt_len)
 
 
 def opened_to_pb(o: SessionOpened) -> pb.OpenSessionReply:
@@ -142,11 +147,11 @@ def generate_to_pb(g: GenerateSpec) -> pb.GenerateRequest:
     """Encode a cloud-only generation request."""
     return pb.GenerateRequest(prompt_ids=list(g.prompt_ids), sampling=sampling_to_pb(g.sampling),
                               max_new_tokens=g.max_new_tokens, seed=g.seed,
-                              tokenizer_fingerprint=g.tokenizer_fingerprint)
+                              tokenizer_fingerprint=g.tokenizer_fingerprint, prompt_len=g.prompt_len)
 
 
 def generate_from_pb(m: pb.GenerateRequest) -> GenerateSpec:
     """Decode a cloud-only generation request."""
     return GenerateSpec(prompt_ids=tuple(m.prompt_ids), sampling=sampling_from_pb(m.sampling),
                         max_new_tokens=m.max_new_tokens, seed=m.seed,
-                        tokenizer_fingerprint=m.tokenizer_fingerprint)
+                        tokenizer_fingerprint=m.tokenizer_fingerprint, prompt_len=m.prompt_len)

@@ -11,7 +11,6 @@ This module reads them (edge and tools load drafters); writing them is distill/s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,30 +19,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .eagle import EAGLE_KIND, EagleHead
-
-MANIFEST = "hybridspec-drafter.json"
-WEIGHTS = "drafter.safetensors"
-EMBEDDED_TARGET = "embedded:target"  # base reference resolved to the pulled default target
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a compact drafter directory declares about itself."""
-
-    base: str  # the target: absolute path, path relative to this directory, or "embedded:target"
-    num_layers: int  # decoder layers the drafter owns
-    base_tokenizer_fingerprint: str  # the drafter only makes sense with this tokenizer
-    format: int = 1
-    store: str = "float16"  # how matrices are stored: float16, or int8 with one fp16 scale per row
-    kind: str = "model"  # model: a small causal LM; eagle: an EAGLE feature head (common/eagle.py)
-
+from .manifest import MANIFEST, WEIGHTS, Manifest, resolve_base
 
 SCALE_SUFFIX = ".int8_scale"
-
-
-def is_compact(path: Path) -> bool:
-    """True when `path` is a compact drafter directory."""
-    return (path / MANIFEST).is_file()
 
 
 def dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -55,16 +33,6 @@ def dequantize(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         scale = stored.get(name + SCALE_SUFFIX)
         out[name] = value if scale is None else value.float() * scale.float()[:, None]
     return out
-
-
-def resolve_base(path: Path, manifest: Manifest) -> Path:
-    """The target directory a compact drafter refers to."""
-    if manifest.base == EMBEDDED_TARGET:
-        from .embedded import default_paths
-
-        return default_paths()["target"]
-    base = Path(manifest.base).expanduser()
-    return base if base.is_absolute() else (path / base).resolve()
 
 
 def load_compact(path: Path, dtype: torch.dtype, full_head: bool = False):

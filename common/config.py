@@ -53,14 +53,19 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
 
 
 def _typed(owner: str, key: str, value: Any, expected: type) -> Any:
-    """`value` as the field's type (an int where a float is wanted is fine); ConfigError otherwise."""
+    """`value` as the field's type (an int where a float is wanted is fine, a list where a tuple of
+    strings is); ConfigError otherwise."""
+    if typing.get_origin(expected) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(f"invalid {owner}: {key} must be a list of strings, got {value!r}")
     ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
-        raise ConfigError(f"invalid {owner}: {key} must be {_NAMES.get(expected, expected.__name__)}, "
-                          f"got {value!r}")
+        raise ConfigError(f"invalid {owner}: {key} must be {_NAMES.get(expected, expected)}, got {value!r}")
     return value
 
 
-_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+          int | None: "an integer or null"}

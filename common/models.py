@@ -6,7 +6,6 @@ Face offline switches before transformers is imported.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -15,6 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import compact
+from .fingerprints import fingerprint
+from .manifest import is_compact
 
 
 @dataclass
@@ -82,7 +83,7 @@ def classify_model(spec: str | Path) -> SourceKind:
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {spec} does not exist")
         return SourceKind.GGUF
-    if compact.is_compact(path):
+    if is_compact(path):
         return SourceKind.COMPACT
     if path.exists():
         if not (path / "config.json").is_file():
@@ -128,9 +129,7 @@ def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> L
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """sha256 over the vocabulary and the special tokens: equal iff both sides tokenize alike."""
-    payload = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
-               "special": sorted(tokenizer.all_special_tokens)}
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:32]
+    return fingerprint(tokenizer.get_vocab(), tokenizer.all_special_tokens)
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .bild import first_rollback_index
-from .sampling import sample
+from .sampling import gumbel_max, sample
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,29 @@ def verify_speculative(draft_ids: torch.Tensor, draft_probs: torch.Tensor, targe
         # Only reachable through rounding when p ≈ l·q everywhere; p itself is then the residual.
         residual = target_probs[k]
     return Outcome(k, sample(residual, generator))
+
+
+def verify_coupled(draft_ids: torch.Tensor, target_probs: torch.Tensor, seed: int, position: int) -> Outcome:
+    """Gumbel-max coupling (Daliri, Musco & Suresh, arXiv 2408.07978): drafter-invariant sampling.
+
+    Row i of target_probs scores absolute position `position` + i. The target's token there is
+    y_i = argmax_v(log p_i(v) + G(seed, position + i, v)) (sampling.gumbel_max); accept x_i while
+    x_i = y_i and emit y at the first mismatch (or y_{γ+1} after a full block). The drafter drew
+    x_i = argmax_v(log q_i(v) + G(...)) with the same noise, so it agrees often; but whatever it
+    drafted, every committed token is the target's y: for a seed the output is that of the target
+    alone, and over seeds it is distributed exactly as p. Rows past the first mismatch are not drawn.
+    """
+    gamma = _check_shapes(draft_ids, target_probs)
+
+    def target_token(i: int) -> int:
+        support = torch.nonzero(target_probs[i] > 0, as_tuple=True)[0]
+        return gumbel_max(support, target_probs[i, support], seed, position + i)
+
+    for i, x in enumerate(draft_ids.tolist()):
+        y = target_token(i)
+        if y != x:
+            return Outcome(i, y)
+    return Outcome(gamma, target_token(gamma))
 
 
 def verify_bild(draft_ids: torch.Tensor, target_probs: torch.Tensor, rollback_threshold: float,

@@ -18,6 +18,8 @@ PROB_SUM_TOLERANCE = 1e-3  # float32 renormalisation error stays far below this
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 1e3
 MAX_SESSION_ID_CHARS = 64  # server-issued ids are far shorter; longer ones are refused unread
+MAX_REPETITION_PENALTY = 10.0  # beyond this every repeated token is ruled out anyway
+MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as in the OpenAI API
 
 
 class Mode(str, Enum):
@@ -27,6 +29,7 @@ class Mode(str, Enum):
     SPECULATIVE = "speculative"  # rejection sampling; lossless in distribution
     BILD = "bild"  # BiLD rollback threshold; lossy
     LENIENT = "lenient"  # lenient rejection sampling; lossy unless lenience = 1
+    COUPLED = "coupled"  # Gumbel-max coupling keyed by (seed, position); lossless, drafter-invariant
 
     @property
     def uses_draft_probs(self) -> bool:
@@ -42,7 +45,7 @@ class Mode(str, Enum):
         """InvalidArgument when this rule cannot run at `temperature`."""
         if self is Mode.GREEDY and temperature != 0:
             raise InvalidArgument("mode greedy needs sampling.temperature 0")
-        if self in (Mode.SPECULATIVE, Mode.LENIENT) and temperature == 0:
+        if self in (Mode.SPECULATIVE, Mode.LENIENT, Mode.COUPLED) and temperature == 0:
             raise InvalidArgument(f"mode {self.value} needs sampling.temperature > 0")
 
 
@@ -57,6 +60,10 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy: tokens are argmax, confidence tests use temperature 1
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 keeps all
+    # Penalties act on the logits before everything above (common/sampling.py `penalize`).
+    repetition_penalty: float = 1.0  # HF/vLLM: every token of the context, prompt included; 1 = off
+    frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens; 0 = off
+    presence_penalty: float = 0.0  # OpenAI: minus this once if the token was generated at all; 0 = off
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
@@ -66,11 +73,23 @@ class SamplingParams:
             raise InvalidArgument(f"sampling.top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument(f"sampling.top_p must be in (0, 1], got {self.top_p:g}")
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidArgument(f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                  f"got {self.repetition_penalty:g}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not (-MAX_OPENAI_PENALTY <= getattr(self, name) <= MAX_OPENAI_PENALTY):
+                raise InvalidArgument(f"sampling.{name} must be in [-{MAX_OPENAI_PENALTY:g}, "
+                                      f"{MAX_OPENAI_PENALTY:g}], got {getattr(self, name):g}")
 
     @property
     def greedy(self) -> bool:
         """True when tokens are chosen by argmax."""
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when some penalty changes the logits (all neutral: the logits are used as they are)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 class FeatureFormat(str, Enum):
@@ -161,6 +180,15 @@ class SessionSpec:
     model_fingerprint: str = ""  # empty: not checked
     next_round: int = 0
     features: FeatureFormat = FeatureFormat.NONE  # send the target's hidden states for an eagle drafter
+    # committed_ids[:prompt_len] is the prompt: frequency and presence penalties count only the tokens
+    # after it. 0 (unset) = all of committed_ids is prompt, which is right for a new generation; the
+    # edge sends it on every open so a re-open keeps the boundary.
+    prompt_len: int = 0
+
+    @property
+    def prompt_end(self) -> int:
+        """Where the prompt ends in committed_ids (prompt_len, with 0 resolved)."""
+        return self.prompt_len or len(self.committed_ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -168,6 +196,7 @@ class SessionSpec:
         if not self.committed_ids:
             raise InvalidArgument("committed_ids must hold at least one token")
         _check_ids("committed_ids", self.committed_ids, vocab_size)
+        _check_prompt_len(self.prompt_len, self.committed_ids, "committed_ids")
         self.mode.check_temperature(self.sampling.temperature)
         if not (0.0 < self.lenience <= 1.0):
             raise InvalidArgument(f"lenience must be in (0, 1], got {self.lenience:g}")
@@ -264,12 +293,21 @@ class GenerateSpec:
     max_new_tokens: int = 128
     seed: int = 0
     tokenizer_fingerprint: str = ""
+    # prompt_ids[:prompt_len] is the user's prompt, the rest what was generated before this stream
+    # (an edge handing over to the cloud); 0 (unset) = all of prompt_ids is prompt.
+    prompt_len: int = 0
+
+    @property
+    def prompt_end(self) -> int:
+        """Where the prompt ends in prompt_ids (prompt_len, with 0 resolved)."""
+        return self.prompt_len or len(self.prompt_ids)
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
         if not self.prompt_ids:
             raise InvalidArgument("prompt_ids must hold at least one token")
         _check_ids("prompt_ids", self.prompt_ids, vocab_size)
+        _check_prompt_len(self.prompt_len, self.prompt_ids, "prompt_ids")
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens must be >= 1")
 
@@ -278,3 +316,9 @@ def _check_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
             raise InvalidArgument(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_prompt_len(prompt_len: int, ids: tuple[int, ...], name: str) -> None:
+    """InvalidArgument unless 0 <= prompt_len <= len(ids) (0: all of `ids` is prompt)."""
+    if not 0 <= prompt_len <= len(ids):
+        raise InvalidArgument(f"prompt_len must be in [0, len({name})] = [0, {len(ids)}], got {prompt_len}")

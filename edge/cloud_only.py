@@ -17,19 +17,20 @@ from .state import Event, Origin
 if TYPE_CHECKING:
     from .worker import GenerationRun
 
-SEED_STRIDE = 1_000_003  # a stream's seed: (generation seed, context length), so a resumed stream differs
-
 
 def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
     """Stream cloud tokens until done, or until hybrid looks faster; returns the next phase."""
     cfg, state, stats, ctl = run.cfg, run.state, run.stats, run.controller
     # 1. One stream for the rest of the budget.
+    # The plain seed: the cloud draws each token by (seed, absolute position), as the coupled rule
+    # does, so a resumed stream goes on with fresh noise and a seed gives one output (docs/design.md §2.2).
     spec = GenerateSpec(prompt_ids=tuple(state.committed), sampling=cfg.sampling,
-                        max_new_tokens=cfg.max_new_tokens - state.generated,
-                        seed=cfg.seed * SEED_STRIDE + len(state.committed), tokenizer_fingerprint=run.tokenizer_fp)
+                        max_new_tokens=cfg.max_new_tokens - state.generated, seed=cfg.seed,
+                        tokenizer_fingerprint=run.tokenizer_fp, prompt_len=len(state.prompt))
     stats.cloud_streams += 1
+    loading = not run.drafter_ready()  # the drafter still loads: no guesses, no decisions until it is there
     can_shadow = run.can_shadow
-    shadow = ctl.shadow_worthwhile(can_shadow)
+    shadow = ctl.shadow_worthwhile(can_shadow) and not loading
     streak = 0  # consecutive shadow agreements: the position a block would have reached
     last = None
     next_check, since_check = ctl.first_check_after(can_shadow), 0
@@ -49,9 +50,17 @@ def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
                 streak = streak + 1 if agreed and streak < ctl.policy.cap else 0
             stats.cloud_only_tokens += 1
             yield state.commit([token], [Origin.CLOUD])
+            if state.done:
+                break  # a stop string ends the generation before the stream does
+            if loading:
+                if not run.drafter_ready():
+                    continue
+                # The drafter is there: the warm-up starts now.
+                loading, can_shadow = False, run.can_shadow
+                shadow, next_check, since_check = ctl.shadow_worthwhile(can_shadow), ctl.first_check_after(can_shadow), 0
             # 3. Decide, every so often.
             since_check += 1
-            if state.done or not ctl.reconsiders or since_check < next_check:
+            if not ctl.reconsiders or since_check < next_check:
                 continue
             since_check, next_check = 0, cfg.probe_tokens
             ping.join()
@@ -70,7 +79,7 @@ def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
     # 4. Back to hybrid: a session from everything committed so far.
     was_warming = ctl.end_warmup()
     try:
-        run.session.open()
+        run.open_hybrid()
     except Unavailable as exc:
         return run.lost(exc, None)
     ctl.entered_hybrid()

@@ -1,12 +1,19 @@
 """The edge worker's configuration: defaults, then a YAML file, then CLI flags."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..common.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
-from .drafter import DRAFTER_KINDS, DraftSettings
+from .proposal import DRAFTER_KINDS
+
+if TYPE_CHECKING:
+    from .drafter import DraftSettings
 
 GAMMA_POLICIES = ("adaptive", "fixed")
+MAX_STOP_STRINGS = 16  # stop strings per generation (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # characters per stop string
 FEATURE_FORMATS = (FeatureFormat.INT8.value, FeatureFormat.FP16.value)
 
 
@@ -27,8 +34,14 @@ class EdgeConfig:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    seed: int = 0  # seeds the drafter's sampling and the verifier's
-    mode: str = ""  # greedy | speculative | bild | lenient; "" = greedy at T=0, else speculative
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the context (prompt included); 1 = off
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per earlier occurrence in the generated text
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once if the token occurs in the generated text
+    stop: tuple[str, ...] = ()  # generation ends before the first of these strings; it is not returned
+    # A seed asks for reproducible text: sampling then uses the coupled rule, whose output depends only on
+    # (prompt, seed). None: a fresh seed per generation and standard rejection sampling (docs/design.md §2.2).
+    seed: int | None = None
+    mode: str = ""  # greedy | speculative | bild | lenient | coupled; "" = greedy at T=0, else speculative
     max_draft: int = 8  # γ cap: most tokens drafted per round (also capped by the server's limit)
     gamma_policy: str = "adaptive"  # adaptive = pick γ each round for the most tokens/s; fixed = max_draft
     fallback_threshold: float = 0.6  # BiLD α_FB: end the block when the drafter's max q falls below this
@@ -54,6 +67,9 @@ class EdgeConfig:
         for name in ("wire_top_k", "probe_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.stop) > MAX_STOP_STRINGS or not all(0 < len(x) <= MAX_STOP_CHARS for x in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
         if self.ngram_max < 1:
             raise ValueError(f"ngram_max must be >= 1, got {self.ngram_max}")
         if not (self.timeout_s > 0 and self.reconnect_s > 0):
@@ -66,23 +82,39 @@ class EdgeConfig:
             raise ValueError(f"gamma_policy must be one of {', '.join(GAMMA_POLICIES)}, got {self.gamma_policy!r}")
         if self.mode and self.mode not in {m.value for m in Mode}:
             raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
-        self.sampling  # validates temperature, top_k, top_p
+        self.sampling  # validates temperature, top_k, top_p and the penalties
         self.resolved_mode.check_temperature(self.temperature)
 
     @property
     def sampling(self) -> SamplingParams:
         """The sampling transform shared with the verifier."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty)
 
-    def draft_settings(self, vocab_size: int, stop_ids: frozenset[int]) -> DraftSettings:
-        """How this config drafts against a target with this vocabulary and these stop ids."""
+    def draft_settings(self, vocab_size: int, stop_ids: frozenset[int], prompt_len: int = 0) -> DraftSettings:
+        """How this config drafts against a target with this vocabulary and these stop ids, after a
+        prompt of `prompt_len` tokens (0: all of the first context drafted after)."""
+        from .drafter import DraftSettings  # torch: only once there is a drafter to set up
+
         return DraftSettings(sampling=self.sampling, vocab_size=vocab_size, stop_ids=stop_ids,
                              fallback_threshold=self.fallback_threshold, keep_low_confidence=self.keep_low_confidence,
-                             wire_top_k=self.wire_top_k, seed=self.seed, ngram_max=self.ngram_max)
+                             wire_top_k=self.wire_top_k, seed=self.resolved().seed, ngram_max=self.ngram_max,
+                             prompt_len=prompt_len, coupled=self.resolved_mode is Mode.COUPLED)
 
     @property
     def resolved_mode(self) -> Mode:
-        """The acceptance rule: the explicit mode, else greedy at T=0 and speculative otherwise."""
+        """The acceptance rule: the explicit mode, else greedy at T=0; when sampling, coupled if a seed
+        was given (the same text for the same seed), else speculative (more tokens accepted)."""
         if self.mode:
             return Mode(self.mode)
+        if self.temperature > 0 and self.seed is not None:
+            return Mode.COUPLED
         return Mode.default_for(self.temperature)
+
+    def resolved(self) -> EdgeConfig:
+        """This config with its rule named and a seed drawn if none was given: one generation's settings."""
+        if self.seed is not None and self.mode:
+            return self
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        return replace(self, seed=seed, mode=self.resolved_mode.value)

@@ -10,49 +10,17 @@ where q is one-hot.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from ..common.bild import should_fall_back
 from ..common.models import LoadedModel, truncate_cache
-from ..common.sampling import logits_to_probs, round_generator
+from ..common.sampling import gumbel_max, logits_to_probs, penalize, round_generator
 from ..common.sparse import SparseDist, truncate
-from ..common.wire import DraftBlock, SamplingParams
-
-DRAFTER_KINDS = ("model", "ngram")  # "model" drafts with whatever the drafter checkpoint is (LM or eagle head)
-Interrupt = Callable[[], bool]
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A draft block."""
-
-    ids: list[int]
-    dists: list[SparseDist] | None  # the q each token was sampled from; None at temperature 0
-    fell_back: bool  # the block ended because the drafter's confidence dropped below α_FB
-    drafted_ahead: bool = False  # drafted during the previous round's wait (pipelining)
-
-    def block(self, session_id: str, round_index: int, committed_len: int, with_probs: bool) -> DraftBlock:
-        """This proposal as a verify request; with_probs: send q (the modes that read it)."""
-        dists = self.dists if with_probs else None
-        return DraftBlock(session_id=session_id, round=round_index, committed_len=committed_len,
-                          draft_ids=tuple(self.ids),
-                          support_ids=tuple(tuple(d.ids.tolist()) for d in dists or ()),
-                          probs=tuple(tuple(d.probs.tolist()) for d in dists or ()))
-
-    def head(self, n: int) -> Proposal:
-        """The first `n` tokens (the fallback flag holds only if the cut keeps the block's end)."""
-        return Proposal(self.ids[:n], None if self.dists is None else self.dists[:n],
-                        self.fell_back and len(self.ids) <= n, self.drafted_ahead)
-
-    def tail(self, start: int) -> Proposal:
-        """The proposal without its first `start` tokens."""
-        return Proposal(self.ids[start:], None if self.dists is None else self.dists[start:], self.fell_back,
-                        self.drafted_ahead)
+from ..common.wire import SamplingParams
+from .proposal import DRAFTER_KINDS, Drafter, Interrupt, Proposal
 
 
 @dataclass(frozen=True)
@@ -69,20 +37,12 @@ class DraftSettings:
     wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
     seed: int = 0  # seeds the drafter's sampling
     ngram_max: int = 3  # prompt lookup: longest suffix looked up
-
-
-class Drafter(Protocol):
-    """Anything that can propose the next tokens after a committed context and learn the verdict."""
-
-    def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
-                fallback: bool = True) -> Proposal:
-        """Draft up to `max_tokens` tokens after `context`; stop early when `interrupt()` turns true.
-        fallback=False drafts without the BiLD confidence test (drafting alone, shadow guesses)."""
-        ...
-
-    def observe(self, num_accepted: int, token: int) -> None:
-        """The verifier kept `num_accepted` tokens of the last proposal and added `token`."""
-        ...
+    # Tokens of the prompt at the head of every context (penalties count only what follows as
+    # generated); 0 = all of the first context drafted after is prompt, as SessionSpec.prompt_len 0 is.
+    prompt_len: int = 0
+    # Draw each token by Gumbel-max with the noise of its position (mode coupled: docs/design.md §2.2)
+    # instead of from a generator.
+    coupled: bool = False
 
 
 def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
@@ -109,7 +69,8 @@ class ModelDrafter:
         self.loaded = loaded
         self.settings = settings
         self.sampling = settings.sampling
-        self.generator = None if self.sampling.greedy else round_generator(settings.seed, -1)
+        self.generator = None if self.sampling.greedy or settings.coupled else round_generator(settings.seed, -1)
+        self._prompt_len = settings.prompt_len  # 0 until the first proposal says where the prompt ends
         self._cache = DynamicCache(config=loaded.model.config)
         self._cached: list[int] = []  # the tokens whose KV is in the cache
         self._head_ids = None if loaded.head_ids is None else loaded.head_ids.cpu()
@@ -118,6 +79,7 @@ class ModelDrafter:
                 fallback: bool = True) -> Proposal:
         """Draft up to `max_tokens`, ending at low confidence (max q < α_FB), a stop id or an interrupt."""
         s = self.settings
+        self._prompt_len = self._prompt_len or len(context)
         threshold = s.fallback_threshold if fallback else 0.0
         ids: list[int] = []
         dists: list[SparseDist] = []
@@ -126,7 +88,8 @@ class ModelDrafter:
         while len(ids) < max_tokens and not (interrupt is not None and interrupt()):
             # The cache is brought to the context once; each drafted token is then fed alone.
             logits = self._advance(context) if logits is None else self._feed([ids[-1]])
-            probs = logits_to_probs(logits, self.sampling)
+            penalized = penalize(logits[None], self.sampling, context + ids, self._prompt_len)[0]
+            probs = logits_to_probs(penalized, self.sampling)
             if should_fall_back(probs, threshold):
                 fell_back = True
                 if not s.keep_low_confidence:
@@ -135,7 +98,9 @@ class ModelDrafter:
                 token = int(probs.argmax().item())
             else:
                 dist = truncate(probs, s.wire_top_k)
-                token = dist.sample(self.generator)
+                # Coupled: the noise of this token's absolute position, as the verifier draws its own.
+                token = (gumbel_max(dist.ids, dist.probs, s.seed, len(context) + len(ids)) if s.coupled
+                         else dist.sample(self.generator))
                 dists.append(dist)
             ids.append(token)
             if fell_back or token in s.stop_ids:

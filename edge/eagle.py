@@ -16,7 +16,8 @@ import torch
 from ..common.features import decode_features
 from ..common.models import LoadedModel, truncate_cache
 from ..common.wire import FeatureBlock
-from .drafter import Drafter, DraftSettings, Interrupt, ModelDrafter, Proposal
+from .drafter import DraftSettings, ModelDrafter
+from .proposal import Drafter, Interrupt, Proposal
 
 MAX_BRIDGED = 32  # tokens past the last true feature the head bridges with its own predictions
 

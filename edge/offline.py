@@ -1,5 +1,6 @@
 """The offline phase (`allow_unverified`): the cloud stopped answering, so the drafter goes on alone and
-its tokens are marked unverified. Every `reconnect_s` the edge tries the cloud; once it answers, the
+its tokens are marked unverified. The edge tries the cloud again after `reconnect_s`, then at doubling
+intervals (at most RECONNECT_MAX_S apart); once it answers, the
 unverified tail is verified block by block with the ordinary verify round — the longest accepted
 prefix is kept and the rest rolled back, so the final text is still the target's."""
 from __future__ import annotations
@@ -15,6 +16,9 @@ from .state import Event
 if TYPE_CHECKING:
     from .worker import GenerationRun
 
+RECONNECT_MAX_S = 10.0  # the longest wait between two attempts to reach the cloud
+STOP_WINDOW = 64  # unverified tokens searched for a stop string
+
 
 def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
     """Draft alone until the cloud answers, then verify what was drafted; returns the next phase."""
@@ -23,18 +27,20 @@ def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
     if run.in_flight is not None and run.in_flight.ids:
         yield _add_unverified(run, run.in_flight)
     run.in_flight = None
-    next_try = time.perf_counter() + cfg.reconnect_s
+    delay = cfg.reconnect_s
+    next_try = time.perf_counter() + delay
     give_up = None  # set once there is nothing left to draft
     while True:
         # 1. Time to try the cloud again?
         now = time.perf_counter()
         if now >= next_try:
-            next_try = now + cfg.reconnect_s
+            delay = min(2 * delay, max(RECONNECT_MAX_S, cfg.reconnect_s))
+            next_try = now + delay
             if _reachable(run):
                 yield run.notice(f"cloud reachable again; verifying {len(state.unverified)} unverified tokens")
                 return (yield from _verify_unverified(run))
         # 2. Draft one more token alone, while the budget allows.
-        if state.room > 0 and not (state.unverified and state.unverified[-1] in state.stop_ids):
+        if state.room > 0 and not _ended(run):
             proposal = run.drafter.propose(state.committed + state.unverified, 1, fallback=False)
             yield from run.drafter_notice()
             if proposal.ids:
@@ -50,11 +56,23 @@ def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
         time.sleep(max(0.0, min(next_try, give_up) - now))
 
 
+def _ended(run: GenerationRun) -> bool:
+    """The unverified tail ends with an end-of-sequence token or holds a stop string: draft no further."""
+    tail = run.state.unverified
+    if tail and tail[-1] in run.state.stop_ids:
+        return True
+    text = run.worker.codec.decode(tail[-STOP_WINDOW:]) if run.cfg.stop and tail else ""
+    return any(stop in text for stop in run.cfg.stop)
+
+
 def _reachable(run: GenerationRun) -> bool:
-    """Ping the cloud and re-open the session; False while it does not answer."""
+    """Ping the cloud (checking the pair if it never answered before) and re-open the session; False
+    while it does not answer."""
     try:
         run.client.ping(timeout_s=min(run.cfg.reconnect_s, run.cfg.timeout_s))
-        run.session.open()
+        if not run.worker.connected:
+            run.worker.connect(run.client)
+        run.open_hybrid()
         return True
     except Unavailable:
         return False

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..common.wire import DraftBlock, FeatureBlock, VerifyResult
-from .drafter import Drafter, Proposal
+from .proposal import Drafter, Proposal
 from .state import Event, EventKind, GenerationState
 from .stats import Stats
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from ..common.sparse import SparseDist
-from .drafter import Proposal
+from .proposal import Proposal
+
+if TYPE_CHECKING:
+    from ..common.sparse import SparseDist
+    from .stops import TextTracker
 
 
 class Origin(str, Enum):
@@ -40,6 +44,7 @@ class Event:
     origins: tuple[Origin, ...] = ()
     provisional: tuple[int, ...] = ()  # tokens shown but not final after this event (drafts, unverified)
     message: str = ""
+    text: str = ""  # COMMIT: text that became final (joined, they give the generated text)
 
 
 def verdict_origins(num_accepted: int, drafted: int) -> list[Origin]:
@@ -50,8 +55,11 @@ def verdict_origins(num_accepted: int, drafted: int) -> list[Origin]:
 class GenerationState:
     """Committed tokens never change; the unverified tail is either verified or rolled back."""
 
-    def __init__(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> None:
+    def __init__(self, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int],
+                 text: TextTracker | None = None) -> None:
+        """text: turns committed tokens into final text and ends the generation at a stop string."""
         self.prompt = list(prompt)
+        self.text = text
         self.max_new_tokens = max_new_tokens
         self.stop_ids = stop_ids
         self.committed = list(prompt)
@@ -73,21 +81,25 @@ class GenerationState:
 
     @property
     def done(self) -> bool:
-        """An end-of-sequence token was committed or the budget is spent."""
-        return self.eos or self.generated >= self.max_new_tokens
+        """An end-of-sequence token or a stop string was committed, or the budget is spent."""
+        return self.eos or self.generated >= self.max_new_tokens or (self.text is not None and self.text.stopped)
 
     def commit(self, tokens: list[int], origins: list[Origin]) -> Event:
-        """Append final tokens, stopping after an end-of-sequence token."""
+        """Append final tokens, stopping after an end-of-sequence token or a stop string."""
         for i, token in enumerate(tokens):
             if token in self.stop_ids:
                 tokens, origins = tokens[: i + 1], origins[: i + 1]
                 self.eos = True
                 break
+        text = ""
+        if self.text is not None:
+            keep, text = self.text.add(list(tokens))
+            tokens, origins = tokens[:keep], origins[:keep]
         self.committed += tokens
         self.origins += origins
-        if self.eos:
+        if self.done:
             self.unverified, self.unverified_q = [], []
-        return Event(EventKind.COMMIT, tuple(tokens), tuple(origins), tuple(self.unverified))
+        return Event(EventKind.COMMIT, tuple(tokens), tuple(origins), tuple(self.unverified), text=text)
 
     def commit_verdict(self, proposal: Proposal, num_accepted: int, token: int) -> Event:
         """Commit what a verify round kept of `proposal`, then the verifier's token; next round."""

@@ -10,143 +10,294 @@ Committed tokens never change (edge/state.py). Events report progress to a calle
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..common.errors import FailedPrecondition, Unavailable
-from ..common.models import LoadedModel, tokenizer_fingerprint
-from ..common.wire import FeatureFormat, SessionSpec
+from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
+from ..common.wire import FeatureFormat, ModelInfo, SessionSpec
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
 from .config import EdgeConfig
 from .controller import Controller, Phase, Policy
-from .drafter import Lookahead, ModelDrafter, Proposal, make_drafter
-from .eagle import EagleDrafter
 from .estimates import Estimates
 from .offline import run_offline
+from .proposal import Proposal
 from .rounds import InFlight, VerifyRound
 from .session import CloudSession
+from .startup import DrafterLoad
 from .state import Event, EventKind, GenerationState, Origin
 from .stats import Stats
+from .stops import TextTracker
+from .textcodec import HFCodec, TextCodec
+
+if TYPE_CHECKING:
+    from ..common.models import LoadedModel
+    from .drafter import Lookahead
 
 
 @dataclass
 class Generation:
-    """What a finished generation returns."""
+    """What a finished generation returns (also after a failure: what was committed before it)."""
 
     token_ids: list[int]  # generated tokens only, EOS included when reached
     origins: list[Origin]  # one per token
     stats: Stats
-    text: str = ""
+    text: str = ""  # the generated text, cut before a stop string
     finished_by_eos: bool = False
+    finish_reason: str = "length"  # "stop": an end-of-sequence token or a stop string; "length": the budget
+    error: str = ""  # why the generation ended early ("" when it did not)
 
 
 class EdgeWorker:
-    """Runs generations against one verifier pool with one drafter; keeps its measurements across them."""
+    """Runs generations against one verifier pool with one drafter; keeps its measurements across them.
 
-    def __init__(self, drafter_model: LoadedModel, client: VerifierClient, config: EdgeConfig,
-                 fallback_model: LoadedModel | None = None) -> None:
-        """fallback_model: for an eagle head, the plain drafter used while it has no features (else n-gram)."""
-        self.drafter_model = drafter_model
-        self.fallback_model = fallback_model
+    Generations may run concurrently from several threads: each leases a connection of its own (a
+    session's rounds share one gRPC stream) and builds its own drafter state; the drafter's weights
+    and the measured rates are shared.
+    """
+
+    def __init__(self, drafter: LoadedModel | DrafterLoad, client: VerifierClient, config: EdgeConfig,
+                 fallback_model: LoadedModel | None = None, codec: TextCodec | HFCodec | None = None,
+                 require_cloud: bool = True) -> None:
+        """drafter: a loaded model, or one still loading (generations start cloud-only meanwhile);
+        fallback_model: for an eagle head, the plain drafter used while it has no features (else n-gram);
+        codec: the tokenizer without torch (default: the drafter's own, once loaded);
+        require_cloud: fail now if the cloud is unreachable, unless `config.allow_unverified`."""
+        self.load = drafter if isinstance(drafter, DrafterLoad) else DrafterLoad.loaded(drafter, fallback_model)
+        self.codec = codec or HFCodec(self.load.get()[0].tokenizer)
+        self.tokenizer_fp = self.codec.fingerprint()
         self.client = client
         self.config = config
-        self.info = client.model_info()
-        fp = tokenizer_fingerprint(drafter_model.tokenizer)
-        if fp != self.info.tokenizer_fingerprint:
-            raise FailedPrecondition(
-                f"the drafter's tokenizer ({fp}) differs from the verifier's ({self.info.tokenizer_fingerprint}); "
-                "drafter and target must share one tokenizer")
-        self.tokenizer_fp = fp
-        if drafter_model.is_eagle and self.info.feature_dim not in (0, drafter_model.model.hidden_size):
-            raise FailedPrecondition(
-                f"the eagle head reads features of size {drafter_model.model.hidden_size}; the verifier's target "
-                f"has {self.info.feature_dim}: the head was trained for another target")
-        self.cap = min(config.max_draft, self.info.max_draft)
+        self._lock = threading.Lock()
+        self._clients = [client]  # every connection opened, closed by close()
+        self._idle = [client]  # connections no generation holds right now
+        self.info: ModelInfo | None = None  # the verifier's, once it answered
+        self.cap = config.max_draft
         # Rates carry over between generations: the link, the drafter and the cloud stay the same.
         self.estimates = Estimates(self.cap + 1)
-        self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
+        try:
+            self.connect()
+        except Unavailable:
+            if require_cloud and not config.allow_unverified:
+                raise
 
-    def generate(self, prompt_ids: list[int]) -> Generation:
+    @property
+    def drafter_model(self) -> LoadedModel:
+        """The drafter (waits for it while it loads)."""
+        return self.load.get()[0]
+
+    @property
+    def fallback_model(self) -> LoadedModel | None:
+        """An eagle head's plain fallback drafter, if one was loaded."""
+        return self.load.get()[1]
+
+    @property
+    def connected(self) -> bool:
+        """The verifier answered at least once."""
+        return self.info is not None
+
+    def connect(self, client: VerifierClient | None = None) -> ModelInfo:
+        """Ask the verifier what it serves and check the drafter matches it; Unavailable if it does not answer."""
+        client = client or self.client
+        info = client.model_info()
+        if self.tokenizer_fp != info.tokenizer_fingerprint:
+            raise FailedPrecondition(
+                f"the drafter's tokenizer ({self.tokenizer_fp}) differs from the verifier's "
+                f"({info.tokenizer_fingerprint}); drafter and target must share one tokenizer")
+        if self.load.ready():
+            model = self.drafter_model
+            if model.is_eagle and info.feature_dim not in (0, model.model.hidden_size):
+                raise FailedPrecondition(
+                    f"the eagle head reads features of size {model.model.hidden_size}; the verifier's target "
+                    f"has {info.feature_dim}: the head was trained for another target")
+        self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
+        self.info, self.cap = info, min(self.config.max_draft, info.max_draft)
+        return info
+
+    def local_info(self) -> ModelInfo:
+        """What the edge assumes about the target while the cloud has never answered: the drafter's
+        vocabulary and end-of-sequence tokens (they share the tokenizer)."""
+        model = self.drafter_model
+        return ModelInfo(model_name="", vocab_size=max(model.vocab_size, len(model.tokenizer)),
+                         tokenizer_fingerprint=self.tokenizer_fp, model_fingerprint="", max_context=0,
+                         max_draft=self.config.max_draft, max_sessions=0, idle_timeout_s=0,
+                         eos_token_ids=model.eos_token_ids)
+
+    def generate(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> Generation:
         """Generate up to config.max_new_tokens tokens after `prompt_ids`."""
-        run = self.stream(prompt_ids)
+        run = self.stream(prompt_ids, config)
         for _ in run:
             pass
         return run.generation
 
-    def stream(self, prompt_ids: list[int]) -> GenerationRun:
-        """The same generation as an iterator of Events; `.generation` is set once it is exhausted."""
-        return GenerationRun(self, list(prompt_ids))
+    def stream(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> GenerationRun:
+        """The same generation as an iterator of Events; `.generation` is set once it ends.
+        config: this generation's settings (default: the worker's)."""
+        return GenerationRun(self, list(prompt_ids), config or self.config)
 
+    def lease(self) -> VerifierClient:
+        """A connection for one generation (give it back with `release`)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            client = VerifierClient(self.client.address, self.client.timeout_s)
+            self._clients.append(client)
+            return client
+
+    def release(self, client: VerifierClient) -> None:
+        """A generation is done with its connection."""
+        with self._lock:
+            self._idle.append(client)
+
+    def close(self) -> None:
+        """Close every connection."""
+        with self._lock:
+            for client in self._clients:
+                client.close()
 
 
 class GenerationRun:
     """One generation, driven by iterating it."""
 
-    def __init__(self, worker: EdgeWorker, prompt: list[int]) -> None:
-        cfg = self.cfg = worker.config
+    def __init__(self, worker: EdgeWorker, prompt: list[int], cfg: EdgeConfig) -> None:
+        cfg = self.cfg = cfg.resolved()  # the rule named, a seed drawn if none was given
         self.worker = worker
-        self.client = worker.client
+        self.client = worker.lease()
         self.tokenizer_fp = worker.tokenizer_fp
         self.estimates = worker.estimates
-        self.state = GenerationState(prompt, cfg.max_new_tokens, frozenset(worker.info.eos_token_ids))
+        self.prompt = prompt
+        try:
+            self.info = worker.info if worker.connected else worker.connect(self.client)
+        except Unavailable:
+            if not cfg.allow_unverified:
+                worker.release(self.client)
+                raise
+            self.info = worker.local_info()  # offline from the start: the drafter's own view
+        except BaseException:
+            worker.release(self.client)
+            raise
+        cap = min(cfg.max_draft, worker.cap)
+        self.text = TextTracker(worker.codec, cfg.stop)
+        self.state = GenerationState(prompt, cfg.max_new_tokens, frozenset(self.info.eos_token_ids), self.text)
         self.stats = Stats()
-        self.controller = Controller(Policy(cap=worker.cap, adaptive=cfg.gamma_policy == "adaptive",
+        self.controller = Controller(Policy(cap=cap, adaptive=cfg.gamma_policy == "adaptive",
                                             pipeline=cfg.pipeline, cloud_only_switch=cfg.cloud_only_switch,
                                             probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only),
                                      self.estimates)
-        settings = cfg.draft_settings(worker.info.vocab_size, frozenset(worker.info.eos_token_ids))
-        inner = make_drafter(cfg.drafter_kind, worker.drafter_model, settings, worker.fallback_model)
-        self.drafter = Lookahead(inner)
-        # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only decoding.
-        self.eagle = inner if isinstance(inner, EagleDrafter) else None
-        self.can_shadow = cfg.sampling.greedy and isinstance(inner, ModelDrafter) and self.eagle is None
-        log = self.eagle.log if self.eagle else None
-        spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
-                           seed=cfg.seed, rollback_threshold=cfg.rollback_threshold, lenience=cfg.lenience,
-                           tokenizer_fingerprint=worker.tokenizer_fp,
-                           features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE)
-        self.session = CloudSession(self.client, spec, self.state, self.estimates, self.stats, cfg.timeout_s, log)
-        self.verify_round = VerifyRound(self.state, self.stats, self.drafter, self.session.send,
-                                        with_q=cfg.resolved_mode.uses_draft_probs, features=log)
+        self._drafter: Lookahead | None = None  # built once the drafter model is there
+        self.eagle = None  # the EagleDrafter, when the drafter is an eagle head
+        self.session: CloudSession | None = None
+        self.verify_round: VerifyRound | None = None
         self.phase = Phase.HYBRID
         self.lost_reason = ""  # why the cloud was last lost
         self.in_flight: Proposal | None = None  # the block that was being verified when it was
         self.gave_up = False  # the cloud stayed unreachable: the unverified tail is the end
+        self.error = ""
         self.generation: Generation | None = None
+        self._build_session()
+
+    def drafter_ready(self) -> bool:
+        """The drafter model has loaded (a worker started in the background may still be loading it)."""
+        return self.worker.load.ready()
+
+    @property
+    def drafter(self) -> Lookahead:
+        """This generation's drafter (waits for the model while it loads)."""
+        if self._drafter is None:
+            self._build_drafter()
+        return self._drafter
+
+    @property
+    def can_shadow(self) -> bool:
+        """Whether the drafter can guess along with cloud-only decoding (greedy, a plain model drafter)."""
+        if not (self.cfg.sampling.greedy and self.drafter_ready()):
+            return False  # and no torch import here while another thread may be importing it
+        from .drafter import ModelDrafter
+
+        return isinstance(self.drafter.inner, ModelDrafter) and self.eagle is None
+
+    def _build_drafter(self) -> None:
+        model, fallback = self.worker.load.get()  # first: it may still be importing torch on its thread
+        from .drafter import Lookahead, make_drafter
+        from .eagle import EagleDrafter
+
+        cfg = self.cfg
+        settings = cfg.draft_settings(self.info.vocab_size, frozenset(self.info.eos_token_ids), len(self.prompt))
+        inner = make_drafter(cfg.drafter_kind, model, settings, fallback)
+        self._drafter = Lookahead(inner)
+        # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only decoding.
+        self.eagle = inner if isinstance(inner, EagleDrafter) else None
+        self._build_session()  # no session is open yet: hybrid decoding needs the drafter first
+        self.verify_round = VerifyRound(self.state, self.stats, self._drafter, self.session.send,
+                                        with_q=cfg.resolved_mode.uses_draft_probs,
+                                        features=self.eagle.log if self.eagle else None)
+
+    def open_hybrid(self) -> None:
+        """Get ready for verify rounds: the drafter (waiting for it if it still loads), then the session."""
+        if self._drafter is None:
+            self._build_drafter()  # and the session an eagle drafter needs
+        self.session.open()
+
+    def _build_session(self) -> None:
+        """The cloud session; an eagle drafter's asks for the target's features."""
+        cfg, prompt = self.cfg, self.prompt
+        log = self.eagle.log if self.eagle else None
+        spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
+                           seed=cfg.seed, rollback_threshold=cfg.rollback_threshold, lenience=cfg.lenience,
+                           tokenizer_fingerprint=self.tokenizer_fp, prompt_len=len(prompt),
+                           features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE)
+        self.session = CloudSession(self.client, spec, self.state, self.estimates, self.stats, cfg.timeout_s, log)
 
     def __iter__(self) -> Iterator[Event]:
         start = time.perf_counter()
         up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
         try:
             yield from self._run()
+            yield Event(EventKind.COMMIT, text=self.text.finish())  # text held back for a stop string
+        except HybridSpecError as exc:
+            self.error = str(exc)
+            raise
         finally:
             end = time.perf_counter()  # the last token is out: closing the session is not waited for
             if not self.gave_up:
                 self.session.close()  # nothing to do unless a session is open
+            self._finish(end - start, up0, down0)
+            self.worker.release(self.client)
+
+    def _finish(self, wall_s: float, up0: int, down0: int) -> None:
         tokens, origins = self.state.result()
         s = self.stats
         s.new_tokens, s.unverified = len(tokens), len(self.state.unverified)
-        s.predrafted = self.drafter.predrafted
+        s.predrafted = self._drafter.predrafted if self._drafter else 0
         s.uplink_bytes = self.client.uplink_bytes - up0
         s.downlink_bytes = self.client.downlink_bytes - down0
         s.feature_bytes = self.eagle.log.received_bytes if self.eagle else 0
-        s.wall_s = end - start
-        text = self.worker.drafter_model.tokenizer.decode(tokens, skip_special_tokens=True)
-        self.generation = Generation(tokens, origins, s, text, self.state.eos)
+        s.wall_s = wall_s
+        text = self.text.text + self.text.continuation(self.state.unverified)
+        reason = "stop" if self.state.eos or self.text.stopped else "length"
+        self.generation = Generation(tokens, origins, s, text, self.state.eos, reason, self.error)
 
     def _run(self) -> Iterator[Event]:
-        # 1. Start where the measurements point: cloud-only while warming up or when it is faster.
+        # 1. Start where the measurements point: cloud-only while warming up, while the drafter still
+        #    loads, or when it is faster; offline if the cloud has never answered.
         self.phase = self.controller.initial_phase()
-        if self.phase is Phase.CLOUD_ONLY and not (self.controller.warming_up or self.cfg.cloud_only):
+        if self.phase is Phase.HYBRID and self.cfg.cloud_only_switch and not self.drafter_ready():
+            self.phase = Phase.CLOUD_ONLY
+        if self.phase is Phase.CLOUD_ONLY and not (self.controller.warming_up or self.cfg.cloud_only
+                                                   or not self.drafter_ready()):
             yield self.notice("starting with cloud-only decoding: the edge's measurements favour it")
-        if self.phase is Phase.HYBRID:
+        if not self.worker.connected:
+            self.phase = self.lost(Unavailable(f"the verifier at {self.client.address} did not answer"), None)
+        elif self.phase is Phase.HYBRID:
             try:
-                self.session.open()
+                self.open_hybrid()
             except Unavailable as exc:
                 self.phase = self.lost(exc, None)
-        # 2. Run phases until the budget is spent, an end-of-sequence token came, or the cloud is gone.
+        # 2. Run phases until the budget is spent, an end-of-sequence token or a stop string came, or
+        #    the cloud is gone.
         phases = {Phase.HYBRID: self._hybrid_round, Phase.CLOUD_ONLY: lambda: run_cloud_only(self),
                   Phase.OFFLINE: lambda: run_offline(self)}
         while not (self.state.done or self.gave_up):
@@ -168,7 +319,8 @@ class GenerationRun:
         if not self.cfg.allow_unverified:
             raise exc
         self.lost_reason, self.in_flight = str(exc), in_flight
-        self.drafter.drop()
+        if self._drafter is not None:
+            self._drafter.drop()
         return Phase.OFFLINE
 
     def _hybrid_round(self) -> Generator[Event, None, Phase]:

@@ -222,10 +222,11 @@ class Lab:
     def _assistant(self):
         """The drafter as a full-vocabulary model, as transformers' assisted generation needs."""
         from ..common import compact
+        from ..common.manifest import is_compact
 
         if "assistant" not in self._local:
             path = Path(self.drafter_path if not self.drafter.is_eagle else resolve("", "plain"))
-            if compact.is_compact(path):
+            if is_compact(path):
                 model, _, _ = compact.load_compact(path, torch.float32, full_head=True)
                 self._local["assistant"] = model.eval()
             else:

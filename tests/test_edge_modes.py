@@ -108,8 +108,37 @@ def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
         worker = EdgeWorker(target, client, config)
         _cut_during_round(client, link, at_round=2, outage_s=2.0)
         # A reset stream says "unreachable"; on a loaded machine the reply timeout may fire first.
+        run = worker.stream(PROMPT)
         with pytest.raises(Unavailable, match="unreachable|did not answer within"):
-            worker.generate(PROMPT)
+            list(run)
+    # Nothing verified is lost: the generation holds what was committed before the outage.
+    gen = run.generation
+    assert gen.error and 0 < len(gen.token_ids) < NEW
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)[:len(gen.token_ids)]
+    assert gen.text == target.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+
+
+def test_allow_unverified_works_when_the_cloud_is_down_at_start(link, target):
+    """The edge starts while the cloud is away, drafts alone, and has everything verified once the
+    cloud comes back: the output is then the target's, none of it unverified."""
+    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
+                        gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
+                        reconnect_s=0.2)
+    link.set_down(True)
+    threading.Timer(1.0, link.set_down, args=(False,)).start()
+    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        assert not worker.connected
+        gen = worker.generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.offline_tokens > 0 and gen.stats.unverified == 0 and worker.connected
+
+
+def test_without_allow_unverified_a_cloud_down_at_start_is_an_error(link, target):
+    link.set_down(True)
+    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, timeout_s=2)
+    with VerifierClient(link.address, timeout_s=config.timeout_s) as client, pytest.raises(Unavailable):
+        EdgeWorker(target, client, config)
 
 
 def test_cloud_only_baseline_decodes_everything_in_the_cloud(server, target, random_drafter):

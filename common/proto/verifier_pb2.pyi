@@ -15,6 +15,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_SPECULATIVE: _ClassVar[Mode]
     MODE_BILD: _ClassVar[Mode]
     MODE_LENIENT: _ClassVar[Mode]
+    MODE_COUPLED: _ClassVar[Mode]
 
 class FeatureFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ MODE_GREEDY: Mode
 MODE_SPECULATIVE: Mode
 MODE_BILD: Mode
 MODE_LENIENT: Mode
+MODE_COUPLED: Mode
 FEATURES_NONE: FeatureFormat
 FEATURES_INT8: FeatureFormat
 FEATURES_FP16: FeatureFormat
@@ -63,14 +65,20 @@ class ModelInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_dim: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p")
+    __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start", "count", "dim", "format", "data", "scales")
@@ -89,7 +97,7 @@ class Features(_message.Message):
     def __init__(self, start: _Optional[int] = ..., count: _Optional[int] = ..., dim: _Optional[int] = ..., format: _Optional[_Union[FeatureFormat, str]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "committed_ids", "sampling", "mode", "seed", "rollback_threshold", "lenience", "tokenizer_fingerprint", "next_round", "model_fingerprint", "features")
+    __slots__ = ("session_id", "committed_ids", "sampling", "mode", "seed", "rollback_threshold", "lenience", "tokenizer_fingerprint", "next_round", "model_fingerprint", "features", "prompt_len")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +109,7 @@ class OpenSessionRequest(_message.Message):
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -112,7 +121,8 @@ class OpenSessionRequest(_message.Message):
     next_round: int
     model_fingerprint: str
     features: FeatureFormat
-    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., seed: _Optional[int] = ..., rollback_threshold: _Optional[float] = ..., lenience: _Optional[float] = ..., tokenizer_fingerprint: _Optional[str] = ..., next_round: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., features: _Optional[_Union[FeatureFormat, str]] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, session_id: _Optional[str] = ..., committed_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., seed: _Optional[int] = ..., rollback_threshold: _Optional[float] = ..., lenience: _Optional[float] = ..., tokenizer_fingerprint: _Optional[str] = ..., next_round: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., features: _Optional[_Union[FeatureFormat, str]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("committed_len", "session_id", "verify_address", "features")
@@ -181,18 +191,20 @@ class CloseSessionReply(_message.Message):
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "seed", "tokenizer_fingerprint")
+    __slots__ = ("prompt_ids", "sampling", "max_new_tokens", "seed", "tokenizer_fingerprint", "prompt_len")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
     seed: int
     tokenizer_fingerprint: str
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token_id",)

@@ -1,0 +1,81 @@
+"""Starting an edge fast: the drafter loads on a background thread while the cloud already decodes.
+
+Importing torch and transformers and loading a drafter costs seconds on a small CPU, and the first
+tokens do not need the drafter: a generation starts cloud-only (edge/worker.py) with the prompt
+encoded by the torch-free `TextCodec`, and turns hybrid once `DrafterLoad` is ready.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from ..common.embedded import resolve
+from .config import EdgeConfig
+from .textcodec import TextCodec, tokenizer_dir
+
+if TYPE_CHECKING:
+    from ..common.models import LoadedModel
+
+
+class DrafterLoad:
+    """The drafter model, and an eagle head's plain fallback drafter, once loaded."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._models: tuple[LoadedModel, LoadedModel | None] | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def start(cls, config: EdgeConfig, background: bool = True) -> DrafterLoad:
+        """Load what `config` names, on a daemon thread if `background`."""
+        load = cls()
+        if background:
+            threading.Thread(target=load._run, args=(config,), daemon=True, name="drafter-load").start()
+        else:
+            load._run(config)
+        return load
+
+    @classmethod
+    def loaded(cls, model: LoadedModel, fallback: LoadedModel | None = None) -> DrafterLoad:
+        """Models loaded elsewhere."""
+        load = cls()
+        load._models = (model, fallback)
+        load._done.set()
+        return load
+
+    def ready(self) -> bool:
+        """True once loading finished (or failed: `get` then raises)."""
+        return self._done.is_set()
+
+    def get(self) -> tuple[LoadedModel, LoadedModel | None]:
+        """(drafter, fallback), waiting for them; re-raises what loading raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._models is not None
+        return self._models
+
+    def _run(self, config: EdgeConfig) -> None:
+        try:
+            import torch
+
+            from ..common.models import load_model
+
+            if config.torch_threads:
+                torch.set_num_threads(config.torch_threads)
+            drafter = load_model(resolve(config.drafter, "drafter"), config.device, config.dtype)
+            fallback = None
+            if drafter.is_eagle and config.fallback_drafter != "ngram":
+                fallback = load_model(resolve(config.fallback_drafter, "plain"), config.device, config.dtype)
+            self._models = (drafter, fallback)
+        except BaseException as exc:  # noqa: BLE001 — handed to whoever waits for the drafter
+            self._error = exc
+        finally:
+            self._done.set()
+
+
+def fast_codec(config: EdgeConfig) -> TextCodec | None:
+    """The drafter's tokenizer without torch, when it lies in a local directory (else None: the
+    Hugging Face tokenizer comes with the loaded drafter)."""
+    directory = tokenizer_dir(resolve(config.drafter, "drafter"))
+    return TextCodec(directory) if directory is not None else None

@@ -1,0 +1,139 @@
+"""Text to token ids and back without torch or transformers, so an edge can start decoding at once.
+
+Importing torch and transformers and loading a drafter takes seconds on a small CPU; encoding a prompt
+and decoding tokens needs only the `tokenizers` library and, for chat prompts, the jinja chat template
+stored next to it. `TextCodec` does what the Hugging Face fast tokenizer of the same directory does
+(tests/test_textcodec.py holds the two to the same output), so the edge can open a cloud stream while
+the drafter still loads (edge/startup.py).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ..common.fingerprints import fingerprint
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# The clean-up Hugging Face applies after decoding when a tokenizer asks for it (clean_up_tokenization_spaces).
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+class TextCodec:
+    """A tokenizer directory's encode, decode and chat template."""
+
+    def __init__(self, directory: str | Path) -> None:
+        """FileNotFoundError when `directory` holds no tokenizer.json."""
+        d = Path(directory)
+        if not (d / TOKENIZER_FILE).is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {d}")
+        self.directory = d
+        self._tok = Tokenizer.from_file(str(d / TOKENIZER_FILE))
+        config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
+        template = config.get("chat_template")
+        if (d / TEMPLATE_FILE).is_file():
+            template = (d / TEMPLATE_FILE).read_text()
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
+        self._special = {k: _content(v) for k, v in config.items() if k.endswith("_token") and _content(v)}
+        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        named = [self._special[k] for k in SPECIAL_NAMES if k in self._special]
+        self.special_tokens = tuple(dict.fromkeys(named + [_content(t) for t in extra if _content(t)]))
+        self._compiled = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template applied to `messages` (role/content dicts), then encoded."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for `messages`, rendered the way Hugging Face renders it."""
+        if self._compiled is None:
+            self._compiled = _compile(self.chat_template or "")
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens skipped."""
+        text = self._tok.decode(list(ids), skip_special_tokens=True)
+        if self._cleanup:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def fingerprint(self) -> str:
+        """The same fingerprint as common.models.tokenizer_fingerprint of the Hugging Face tokenizer."""
+        return fingerprint(self._tok.get_vocab(with_added_tokens=True), self.special_tokens)
+
+
+class HFCodec:
+    """A loaded Hugging Face tokenizer behind the same interface (drafters without a tokenizer.json)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat template applied to `messages`, then encoded."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return [int(t) for t in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens skipped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def fingerprint(self) -> str:
+        """common.models.tokenizer_fingerprint of the tokenizer."""
+        return fingerprint(self.tokenizer.get_vocab(), self.tokenizer.all_special_tokens)
+
+
+def _content(value) -> str:
+    """A special token's text, whether the config holds it as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _compile(template: str):
+    """A sandboxed jinja template with the environment Hugging Face gives chat templates."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+    return env.from_string(template)
+
+
+def tokenizer_dir(spec: str | Path) -> Path | None:
+    """The directory whose tokenizer a drafter spec uses (a compact drafter's is its target's), or
+    None when it is not a local directory with a tokenizer.json (a .gguf file, a hub id)."""
+    from ..common.manifest import MANIFEST, Manifest, resolve_base
+
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / MANIFEST).is_file():
+        path = resolve_base(path, Manifest(**json.loads((path / MANIFEST).read_text())))
+    return path if (path / TOKENIZER_FILE).is_file() else None
