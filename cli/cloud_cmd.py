@@ -52,8 +52,12 @@ def serve_config(args):
 
 def run_serve(args) -> int:
     """Start the backend, then serve; prints one 'serving on HOST:PORT' line once SERVING."""
+    _check_ports(_early_ports(args))  # before serve_config, whose imports (torch, ray) take seconds
     config = serve_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Again with the real values, before the models or a Ray cluster start; the real binds are checked too.
+    _check_ports({"host": config.host, "port": config.port, "metrics_host": config.metrics_host,
+                  "metrics_port": config.metrics_port})
     backend, what = _backend(config)
 
     def ready(running) -> None:
@@ -67,6 +71,38 @@ def run_serve(args) -> int:
                               ready))
     print("hybridspec verifier stopped", file=sys.stderr)
     return 0
+
+
+# ServeConfig's defaults for the keys _early_ports needs (the full check after loading the config
+# uses ServeConfig itself, so a default changed there is still checked, only later).
+_PORT_DEFAULTS = {"host": "127.0.0.1", "port": 50051, "metrics_host": "127.0.0.1", "metrics_port": 9464}
+
+
+def _early_ports(args) -> dict:
+    """host, port, metrics_host and metrics_port from flags, --config and defaults, read without
+    ServeConfig; {} if the config file cannot be read (loading it properly reports why)."""
+    from ..common.config import read_mapping
+
+    try:
+        values = {**_PORT_DEFAULTS, **(read_mapping(args.config) if args.config else {})}
+    except Exception:  # noqa: BLE001 - serve_config says what is wrong with the file
+        return {}
+    flags = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    return {k: values[k] for k in _PORT_DEFAULTS}
+
+
+def _check_ports(ports: dict) -> None:
+    """PortUnavailable, naming the port, if the gRPC or (when on) the metrics port cannot be bound."""
+    from ..cloud.process import check_port
+
+    if not ports or not all(isinstance(ports[k], str) for k in ("host", "metrics_host")) \
+            or not all(isinstance(ports[k], int) for k in ("port", "metrics_port")):
+        return  # malformed values: serve_config reports them
+    if ports["port"] > 0:
+        check_port(ports["host"], ports["port"], "gRPC front door")
+    if ports["metrics_port"] > 0:
+        check_port(ports["metrics_host"], ports["metrics_port"], "metrics HTTP server")
 
 
 def _backend(config):

@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Quiet without importing transformers here: an edge's first tokens must not wait for that import.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# Read by grpcio when it is imported. No hybridspec process uses gRPC in a forked child (Ray's
+# processes are exec'd afresh), so gRPC's fork handlers are off: with them on, every fork Ray makes
+# while gRPC threads run logs "fork_posix.cc ... skipping fork() handlers".
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 def build_parser() -> argparse.ArgumentParser:

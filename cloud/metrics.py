@@ -8,10 +8,14 @@ keeps them in an `EndpointTally` and the front door adds them to its metrics at 
 from __future__ import annotations
 
 import collections
+import socket
+import threading
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
 
 from ..common.wire import SessionOpened, VerifyResult
 
@@ -21,6 +25,10 @@ if TYPE_CHECKING:  # backend.py imports this module for Tally
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TALLY_KEEP = 100_000  # rounds a replica keeps for the front door; older ones are dropped if it never asks
+
+# Counters and histograms export no `<name>_created` series: it doubles every series for a timestamp no
+# dashboard uses. Process-wide in prometheus_client, so it is set once, when this module loads.
+disable_created_metrics()
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,55 @@ class Metrics:
         counter.inc(total - seen if total >= seen else total)
         self._seen[(what, replica)] = total
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Expose /metrics on host:port (0 picks a free port); returns the bound port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+    def serve_http(self, host: str, port: int) -> MetricsHTTPServer:
+        """Serve /metrics and /health on host:port (0 picks a free port) from a daemon thread.
+        OSError (EADDRINUSE...) if the port cannot be bound."""
+        return MetricsHTTPServer(self.registry, host, port)
+
+
+class MetricsHTTPServer:
+    """/metrics (the registry, in Prometheus text format), /health (200 while the process answers:
+    liveness; readiness is the gRPC health service), 404 for every other path."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        metrics_app = make_wsgi_app(registry)
+
+        def app(environ, start_response):
+            path = environ.get("PATH_INFO", "")
+            if path == "/metrics":
+                return metrics_app(environ, start_response)
+            if path == "/health":
+                return _plain(start_response, "200 OK", b"ok\n")
+            return _plain(start_response, "404 Not Found", b"not found: try /metrics or /health\n")
+
+        server_class = type("MetricsWSGIServer", (_ThreadingWSGIServer,), {"address_family": _family(host, port)})
+        self._server = make_server(host, port, app, server_class, _QuietHandler)
+        self.port: int = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="metrics-http")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop answering and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """IPv4 or IPv6, whichever `host` is (as prometheus_client's own server chooses)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return infos[0][0]
+
+
+def _plain(start_response, status: str, body: bytes) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds up shutdown
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # no access log on stderr
+        pass

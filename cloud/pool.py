@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import ray
 from ray._private import ray_constants
+from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
+from ray._private.authentication.authentication_token_setup import _enable_token_auth as enable_token_auth
 from ray.exceptions import RayActorError
 
 from ..common.errors import HybridSpecError, Unavailable, incident
@@ -69,6 +71,13 @@ def init_ray(attempts: int = 2, local_only: bool = True, **kwargs) -> None:
     listens on 127.0.0.1 only. Ray's single-machine mode does this; on Linux it is off by default and
     read from the environment, by the Ray processes themselves and (once, at import) by this one.
     """
+    if "address" not in kwargs and AUTH_MODE_ENV_VAR not in os.environ:
+        # A cluster this process starts uses token authentication, Ray's default for a new local cluster.
+        # With RAY_AUTH_MODE unset, ray.init enables it by this very call and then warns "Token
+        # authentication is enabled..." on every start; enabling it first (env var and Ray's cached
+        # config) keeps auth on and the start quiet. An operator's own RAY_AUTH_MODE is left alone, and
+        # a joined cluster's mode applies.
+        enable_token_auth()
     if local_only and "address" not in kwargs:
         os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
         ray_constants.ENABLE_RAY_CLUSTER = False

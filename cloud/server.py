@@ -3,6 +3,8 @@ the small direct endpoint each Ray replica serves its own sessions' rounds on.
 
 The port is bound before the models load, so health checks answer NOT_SERVING while replicas
 start; the server reports SERVING once the backend is ready and NOT_SERVING again when draining.
+A port that is taken (gRPC or metrics) fails the start before the backend starts, with one line
+naming it: the gRPC port is bound without SO_REUSEPORT, so a second server can never share it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from grpc_reflection.v1alpha import reflection
 
 from ..common.channel import SHARED_OPTIONS
 from .backend import Backend, InProcessBackend, ReplicaEndpointBackend
-from .metrics import EndpointTally, Metrics
+from .metrics import EndpointTally, Metrics, MetricsHTTPServer
+from .process import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
 from .verifier import Verifier
 
@@ -33,8 +36,22 @@ SERVER_OPTIONS = [
     *SHARED_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port would then bind it
+    # too and silently share its connections. Off, the second bind fails (PortUnavailable).
+    ("grpc.so_reuseport", 0),
 ]
 STATUS_REFRESH_S = 2.0  # how often replica gauges (sessions, evictions, liveness) are refreshed
+
+
+def _bind_grpc(server: grpc.aio.Server, host: str, port: int, what: str) -> int:
+    """add_insecure_port, whose failure (0, or RuntimeError in recent grpcio) becomes PortUnavailable."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise port_unavailable(host, port, what, probe_port(host, port) if port else None)
+    return bound
 
 
 @dataclass
@@ -46,8 +63,13 @@ class RunningServer:
     health: health.aio.HealthServicer
     backend: Backend
     metrics: Metrics
-    metrics_port: int | None
+    metrics_http: MetricsHTTPServer | None
     refresher: asyncio.Task
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound /metrics port, or None when there is no metrics endpoint."""
+        return self.metrics_http.port if self.metrics_http is not None else None
 
     async def drain(self, grace_s: float) -> None:
         """Report NOT_SERVING, let in-flight calls finish for up to grace_s, then stop the backend."""
@@ -55,6 +77,8 @@ class RunningServer:
         await self.server.stop(grace_s)
         self.refresher.cancel()
         await self.backend.stop()
+        if self.metrics_http is not None:
+            self.metrics_http.close()
 
     async def refresh_metrics(self) -> None:
         """Pull replica state into the gauges now (also done every STATUS_REFRESH_S)."""
@@ -63,7 +87,8 @@ class RunningServer:
 
 async def start_server(backend: Backend, host: str, port: int, metrics_port: int | None = None,
                        metrics_host: str = "127.0.0.1") -> RunningServer:
-    """Bind, start the backend, then report SERVING. metrics_port None: no /metrics endpoint."""
+    """Bind both ports, start the backend, then report SERVING. metrics_port None: no /metrics endpoint.
+    PortUnavailable, before the backend starts, if either port cannot be bound."""
     server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     metrics = Metrics()
     VerifierService(backend, metrics).register(server)
@@ -71,18 +96,24 @@ async def start_server(backend: Backend, host: str, port: int, metrics_port: int
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port} (in use or not a local address)")
+    bound = _bind_grpc(server, host, port, "gRPC front door")
+    metrics_http = None
+    if metrics_port is not None:
+        try:
+            metrics_http = metrics.serve_http(metrics_host, metrics_port)
+        except OSError as exc:
+            await server.stop(0)
+            raise port_unavailable(metrics_host, metrics_port, "metrics HTTP server", exc) from None
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     try:
         await backend.start()
     except BaseException:
         await server.stop(0)
+        if metrics_http is not None:
+            metrics_http.close()
         raise
-    bound_metrics = metrics.serve_http(metrics_host, metrics_port) if metrics_port is not None else None
-    running = RunningServer(server, bound, health_servicer, backend, metrics, bound_metrics,
+    running = RunningServer(server, bound, health_servicer, backend, metrics, metrics_http,
                             asyncio.get_running_loop().create_task(_refresh_forever(backend, metrics)))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return running
@@ -106,9 +137,7 @@ async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, adve
     VerifierService(backend, tally).register(server, only=("VerifyStream",))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{host}:0")
-    if port == 0:
-        raise OSError(f"cannot bind a port on {host} for the replica's verify endpoint")
+    port = _bind_grpc(server, host, 0, "a replica's verify endpoint")
     await server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return VerifyEndpoint(server, f"{advertised_host}:{port}", tally)
