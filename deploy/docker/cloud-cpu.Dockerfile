@@ -1,0 +1,39 @@
+# The cloud verifier pool on CPU: `hybridspec cloud serve` (gRPC front door 50051, /metrics 9464).
+# Build from the repository root:
+#   docker build -f deploy/docker/cloud-cpu.Dockerfile -t hybridspec-cloud:cpu .
+# The embedded models are pulled at build time (the only step that needs the network); nothing is
+# downloaded at run time. Mount a volume at /home/hybridspec/.cache/hybridspec to share or replace them.
+FROM python:3.11.14-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HYBRIDSPEC_HOME=/home/hybridspec/.cache/hybridspec
+
+RUN pip install "pip==25.2" \
+ && pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY common common
+COPY edge edge
+COPY cloud cloud
+COPY cli cli
+COPY distill distill
+COPY netem netem
+COPY lab lab
+COPY fetch fetch
+# torch is already installed and satisfies pyproject's range, so pip keeps the CPU build.
+RUN pip install /src
+COPY deploy/docker/cloud.yaml /etc/hybridspec/cloud.yaml
+
+RUN useradd --create-home --uid 10001 hybridspec
+USER hybridspec
+WORKDIR /home/hybridspec
+RUN hybridspec models pull
+
+EXPOSE 50051 9464
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=3); sys.exit(s.status != h.HealthCheckResponse.SERVING)"]
+ENTRYPOINT ["hybridspec", "cloud", "serve", "--config", "/etc/hybridspec/cloud.yaml", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", "--device", "cpu", "--no-direct-verify"]

@@ -1,0 +1,47 @@
+# The cloud verifier pool on an NVIDIA GPU: `hybridspec cloud serve` (gRPC 50051, /metrics 9464).
+# Build from the repository root and run with the NVIDIA container toolkit:
+#   docker build -f deploy/docker/cloud.Dockerfile -t hybridspec-cloud:cuda .
+#   docker run --gpus all --shm-size 2g -p 50051:50051 -p 9464:9464 hybridspec-cloud:cuda --replicas 1
+# torch's cu128 wheels bring their own CUDA libraries; the base image supplies the user-space driver
+# hooks. The embedded models are pulled at build time; nothing is downloaded at run time.
+FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HYBRIDSPEC_HOME=/home/hybridspec/.cache/hybridspec \
+    PATH=/opt/venv/bin:$PATH
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3.11 -m venv /opt/venv
+
+RUN pip install "pip==25.2" \
+ && pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cu128
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY common common
+COPY edge edge
+COPY cloud cloud
+COPY cli cli
+COPY distill distill
+COPY netem netem
+COPY lab lab
+COPY fetch fetch
+# torch is already installed and satisfies pyproject's range, so pip keeps the CUDA build.
+RUN pip install /src
+COPY deploy/docker/cloud.yaml /etc/hybridspec/cloud.yaml
+
+RUN useradd --create-home --uid 10001 hybridspec
+USER hybridspec
+WORKDIR /home/hybridspec
+RUN hybridspec models pull
+
+EXPOSE 50051 9464
+HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
+  CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=3); sys.exit(s.status != h.HealthCheckResponse.SERVING)"]
+ENTRYPOINT ["hybridspec", "cloud", "serve", "--config", "/etc/hybridspec/cloud.yaml", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", "--device", "cuda", "--no-direct-verify"]

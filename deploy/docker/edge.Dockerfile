@@ -1,0 +1,38 @@
+# An OpenAI-compatible edge: `hybridspec edge serve` on port 8000 (HTTP API, /health, /metrics).
+# Build from the repository root:
+#   docker build -f deploy/docker/edge.Dockerfile -t hybridspec-edge .
+#   docker run -p 8000:8000 hybridspec-edge --cloud CLOUD_HOST:50051
+# The cloud address is the one argument the image cannot know: pass --cloud HOST:PORT (compose.yaml
+# gives netem:50052). The embedded drafter is pulled at build time (it shares the target's files).
+FROM python:3.11.14-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HYBRIDSPEC_HOME=/home/hybridspec/.cache/hybridspec
+
+RUN pip install "pip==25.2" \
+ && pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY common common
+COPY edge edge
+COPY cloud cloud
+COPY cli cli
+COPY distill distill
+COPY netem netem
+COPY lab lab
+COPY fetch fetch
+RUN pip install /src
+
+RUN useradd --create-home --uid 10001 hybridspec
+USER hybridspec
+WORKDIR /home/hybridspec
+RUN hybridspec models pull
+
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready', timeout=3)"]
+ENTRYPOINT ["hybridspec", "edge", "serve", "--host", "0.0.0.0", "--port", "8000"]
