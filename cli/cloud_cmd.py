@@ -73,23 +73,21 @@ def run_serve(args) -> int:
     return 0
 
 
-# ServeConfig's defaults for the keys _early_ports needs (the full check after loading the config
-# uses ServeConfig itself, so a default changed there is still checked, only later).
-_PORT_DEFAULTS = {"host": "127.0.0.1", "port": 50051, "metrics_host": "127.0.0.1", "metrics_port": 9464}
-
-
 def _early_ports(args) -> dict:
     """host, port, metrics_host and metrics_port from flags, --config and defaults, read without
     ServeConfig; {} if the config file cannot be read (loading it properly reports why)."""
+    from ..cloud.process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
     from ..common.config import read_mapping
 
+    defaults = {"host": DEFAULT_HOST, "port": DEFAULT_PORT, "metrics_host": DEFAULT_HOST,
+                "metrics_port": DEFAULT_METRICS_PORT}
     try:
-        values = {**_PORT_DEFAULTS, **(read_mapping(args.config) if args.config else {})}
+        values = {**defaults, **(read_mapping(args.config) if args.config else {})}
     except Exception:  # noqa: BLE001 - serve_config says what is wrong with the file
         return {}
     flags = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port}
     values.update({k: v for k, v in flags.items() if v is not None})
-    return {k: values[k] for k in _PORT_DEFAULTS}
+    return {k: values[k] for k in defaults}
 
 
 def _check_ports(ports: dict) -> None:

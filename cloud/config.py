@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .pool import PoolSpec
+from .process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from .replica import ReplicaSpec
 from .verifier import VerifierLimits
 
@@ -16,8 +17,8 @@ class ServeConfig:
     """Everything `hybridspec cloud serve` needs. Empty target means the embedded default."""
 
     target: str = ""  # model directory, .gguf file or cached hub id; "" = embedded default
-    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 to serve other hosts
-    port: int = 50051  # 0 picks a free port
+    host: str = DEFAULT_HOST  # interface to bind; 0.0.0.0 to serve other hosts
+    port: int = DEFAULT_PORT  # 0 picks a free port
     backend: str = "ray"  # ray = a pool of replica actors; inprocess = one verifier in the front door
     replicas: int = 1  # Ray replicas, each owning one copy of the target
     replica_num_cpus: float = 1.0  # Ray CPUs reserved per replica (fractions allowed)
@@ -39,8 +40,8 @@ class ServeConfig:
     prefill_chunk: int = 128  # prompt tokens per forward pass at most; rounds never wait behind more
     replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
     idle_timeout_s: int = 600  # idle sessions are dropped after this
-    metrics_port: int = 9464  # Prometheus /metrics port; -1 = off, 0 = any free port
-    metrics_host: str = "127.0.0.1"  # interface for /metrics
+    metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics port; -1 = off, 0 = any free port
+    metrics_host: str = DEFAULT_HOST  # interface for /metrics
     grace_s: float = 5.0  # on SIGTERM/SIGINT, in-flight calls get this long to finish
 
     def __post_init__(self) -> None:

@@ -51,11 +51,11 @@ class TextCodec:
         """Token ids of `text`, no special tokens added."""
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template applied to `messages` (role/content dicts), then encoded."""
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to `messages` (role/content dicts) with the assistant's prompt, then encoded."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template's text for `messages`, rendered the way Hugging Face renders it."""
@@ -87,12 +87,12 @@ class HFCodec:
         """Token ids of `text`, no special tokens added."""
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat template applied to `messages`, then encoded."""
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return [int(t) for t in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)]
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to `messages` (with the assistant's prompt), then encoded, as the
+        server encodes them."""
+        from .prompt import encode_messages  # transformers: already loaded with this tokenizer
+
+        return encode_messages(self.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens skipped."""
