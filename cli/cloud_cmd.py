@@ -33,9 +33,18 @@ def register(sub) -> None:
     serve.add_argument("--max-batch-size", type=int, help="most rounds per forward pass (1 = no batching)")
     serve.add_argument("--max-wait-ms", type=float, help="how long a round waits for others to batch with")
     serve.add_argument("--max-sessions", type=int, help="sessions per replica")
-    serve.add_argument("--max-sessions-per-client", type=int, help="sessions one client (peer address) may hold")
+    serve.add_argument("--max-sessions-per-client", type=int,
+                       help="sessions one identity (peer address without --credentials) may hold")
     serve.add_argument("--max-context", type=int, help="committed + draft tokens per session")
     serve.add_argument("--max-draft", type=int, help="longest draft block accepted")
+    serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", help="mutual TLS: edges must present a certificate this CA signed")
+    serve.add_argument("--credentials", help="file of edge tokens (hybridspec token add): every call needs one")
+    serve.add_argument("--client-tokens-per-s", type=float,
+                       help="target tokens per second per identity without a rate of its own (0 = no limit)")
+    serve.add_argument("--insecure", action="store_true", default=None,
+                       help="allow plaintext on a non-loopback --host (logged as a warning)")
     serve.set_defaults(run=run_serve)
 
 
@@ -46,7 +55,8 @@ def serve_config(args):
 
     keys = ["target", "host", "port", "backend", "replicas", "ray_address", "direct_verify", "metrics_port", "device",
             "dtype", "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client",
-            "max_context", "max_draft"]
+            "max_context", "max_draft", "tls_cert", "tls_key", "tls_client_ca", "credentials", "client_tokens_per_s",
+            "insecure"]
     return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
 
 
@@ -58,6 +68,7 @@ def run_serve(args) -> int:
     # Again with the real values, before the models or a Ray cluster start; the real binds are checked too.
     _check_ports({"host": config.host, "port": config.port, "metrics_host": config.metrics_host,
                   "metrics_port": config.metrics_port})
+    _check_access(config)
     backend, what = _backend(config)
 
     def ready(running) -> None:
@@ -68,7 +79,7 @@ def run_serve(args) -> int:
 
     metrics_port = None if config.metrics_port < 0 else config.metrics_port
     asyncio.run(serve_forever(backend, config.host, config.port, config.grace_s, metrics_port, config.metrics_host,
-                              ready))
+                              ready, config.access))
     print("hybridspec verifier stopped", file=sys.stderr)
     return 0
 
@@ -101,6 +112,23 @@ def _check_ports(ports: dict) -> None:
         check_port(ports["host"], ports["port"], "gRPC front door")
     if ports["metrics_port"] > 0:
         check_port(ports["metrics_host"], ports["metrics_port"], "metrics HTTP server")
+
+
+def _check_access(config) -> None:
+    """ConfigError now, before anything slow starts, for a TLS or credentials file that cannot be used;
+    warnings for a server reachable from the network without TLS or without tokens."""
+    from ..cloud.access import Access
+    from ..common.tls import check_plaintext, is_loopback
+
+    config.access.tls.check_files()
+    Access(config.access)
+    log = logging.getLogger("hybridspec.cloud")
+    warning = check_plaintext(config.host, config.access.tls.enabled, config.insecure, "the gRPC front door")
+    if warning:
+        log.warning(warning)
+    if not config.credentials and not is_loopback(config.host):
+        log.warning("no --credentials: every client that reaches %s:%s may open sessions (limits apply per "
+                    "address); see docs/security.md", config.host, config.port)
 
 
 def _backend(config):

@@ -79,6 +79,15 @@ def add_edge_options(parser) -> None:
     parser.add_argument("--allow-unverified", action=argparse.BooleanOptionalAction,
                         help="if the cloud is unreachable, keep generating with the drafter, marked unverified")
     parser.add_argument("--timeout-s", type=float, help="no reply within this long = cloud unreachable (default 30)")
+    parser.add_argument("--tls", action="store_true", default=None,
+                        help="speak TLS to the cloud, trusting the system's CAs (implied by --tls-ca, --tls-cert)")
+    parser.add_argument("--tls-ca", help="PEM CA bundle the cloud's certificate must chain to")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for a cloud that requires mutual TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="the name the cloud's certificate carries, if not the host dialled")
+    parser.add_argument("--token-file", help="file holding this edge's token (default: $HYBRIDSPEC_TOKEN)")
+    parser.add_argument("--insecure", action="store_true", default=None,
+                        help="allow sending the token in plaintext to a cloud that is not on loopback")
 
 
 def edge_config(args, **defaults):
@@ -102,7 +111,7 @@ def build_worker(config, background: bool = False, require_cloud: bool = True):
 
     codec = fast_codec(config) if background else None
     load = DrafterLoad.start(config, background=background and codec is not None)
-    client = VerifierClient(config.cloud, config.timeout_s)
+    client = VerifierClient(config.cloud, config.timeout_s, config.cloud_access())
     try:
         return EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
     except BaseException:

@@ -17,11 +17,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # processes are exec'd afresh), so gRPC's fork handlers are off: with them on, every fork Ray makes
 # while gRPC threads run logs "fork_posix.cc ... skipping fork() handlers".
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# gRPC's C core logs a refused TLS handshake at INFO on stderr, beside the CLI's own one-line error
+# that already names the cause. Errors (a server's view of a bad client handshake) still print.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full command tree."""
-    from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd
+    from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd, token_cmd
 
     parser = argparse.ArgumentParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
     parser.add_argument("--version", action="version", version=f"hybridspec {_version()}")
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     distill_cmd.register(sub)
     netem_cmd.register(sub)
     experiment_cmd.register(sub)
+    token_cmd.register(sub)
     return parser
 
 

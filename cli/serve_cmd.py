@@ -25,7 +25,10 @@ def register(esub) -> None:
     serve.add_argument("--served-model-name", help="the model id clients use (default: the target's name)")
     serve.add_argument("--warmup-tokens", type=int, help="tokens of the start-up generation (0 = none; default 32)")
     serve.add_argument("--access-log", action="store_true", default=None, help="log every request")
-    add_edge_options(serve)
+    serve.add_argument("--http-tls-cert", help="PEM certificate chain: serve HTTPS (with --http-tls-key)")
+    serve.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
+    serve.add_argument("--api-keys", help="credentials file (hybridspec token add): /v1/ requests need one of its keys")
+    add_edge_options(serve)  # its --insecure also allows plain HTTP on a non-loopback --host
     serve.set_defaults(run=run_serve)
 
 
@@ -46,18 +49,22 @@ def run_serve(args) -> int:
     keys = [f.name for f in dataclasses.fields(ServeOptions)]
     options = load_config(ServeOptions, None, {k: getattr(args, k) for k in keys})
     config = edge_config(args)
+    keys_store = _check_access(options)
     sock = _listen(options.host, options.port)  # first: a taken port fails before seconds of loading
     try:
         worker = build_worker(config)
         try:
             if options.warmup_tokens:
                 print(f"warmed up in {warm_up(worker, options.warmup_tokens):.1f} s", file=sys.stderr)
-            app = create_app(worker, options)
+            app = create_app(worker, options, keys_store)
             host, port = sock.getsockname()[:2]
-            print(f"{READY_PREFIX}http://{_url_host(host)}:{port} (model {app.state.service.model}, "
+            scheme = "https" if options.tls else "http"
+            print(f"{READY_PREFIX}{scheme}://{_url_host(host)}:{port} (model {app.state.service.model}, "
                   f"cloud {config.cloud})", flush=True)
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=options.access_log,
-                                                   lifespan="off", timeout_graceful_shutdown=GRACE_S))
+                                                   lifespan="off", timeout_graceful_shutdown=GRACE_S,
+                                                   ssl_certfile=options.http_tls_cert or None,
+                                                   ssl_keyfile=options.http_tls_key or None))
             # uvicorn drains on the signal, then raises it again: with these no-op handlers, exit 0.
             previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
@@ -70,6 +77,24 @@ def run_serve(args) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _check_access(options):
+    """The API-key store (None without --api-keys), the TLS files checked now; a warning for plain HTTP
+    on the network or an open /v1/ there. ConfigError for a file that cannot be used."""
+    from ..common.credentials import CredentialStore
+    from ..common.tls import check_plaintext, is_loopback, read_pem
+
+    if options.tls:
+        read_pem(options.http_tls_cert, "http_tls_cert")
+        read_pem(options.http_tls_key, "http_tls_key")
+    warning = check_plaintext(options.host, options.tls, options.insecure, "the HTTP server")
+    if warning:
+        print(f"hybridspec: warning: {warning}", file=sys.stderr)
+    if not options.api_keys and not is_loopback(options.host):
+        print(f"hybridspec: warning: no --api-keys: anyone who reaches {options.host}:{options.port} may "
+              "generate", file=sys.stderr)
+    return CredentialStore(options.api_keys) if options.api_keys else None
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -19,12 +19,14 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from ..common.credentials import Identity
 from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
 from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
 from .metrics import Tally
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .routing import SessionTable
+from .telemetry import ReplicaTelemetry
 from .runner import VerifierRunner
 from .verifier import Verifier, VerifierStats
 
@@ -43,6 +45,7 @@ class ReplicaStatus:
     failures: int = 0  # times the pool saw this replica die
     routed_total: int = 0  # sessions ever routed to this replica
     direct: Tally = Tally()  # rounds and errors its own endpoint answered since the last status
+    telemetry: ReplicaTelemetry | None = None  # its own histograms and KV fill (None while it is down)
 
 
 class ReplicaLost(FailedPrecondition):
@@ -73,15 +76,16 @@ class Backend(ABC):
             raise Unavailable("the verifier is still loading its model; retry shortly")
         return self.info
 
-    async def open_session(self, spec: SessionSpec, client: str) -> SessionOpened:
-        """Open a session for `client`, or re-open the live session spec.session_id names.
+    async def open_session(self, spec: SessionSpec, caller: Identity) -> SessionOpened:
+        """Open a session for `caller`, or re-open the live session spec.session_id names (its owner only).
 
-        The session counts towards the client's limit from the start. Everything is checked before
-        a replica is asked; an open that fails, times out or is abandoned leaves nothing behind.
+        The session counts towards the caller's limit from the start and records the caller as its
+        owner. Everything is checked before a replica is asked; an open that fails, times out or is
+        abandoned leaves nothing behind.
         """
         info = self.model_info()
-        session_id, route = self.table.claim(spec.session_id, client)
-        spec = replace(spec, session_id=session_id)
+        session_id, route = self.table.claim(spec.session_id, caller)
+        spec = replace(spec, session_id=session_id, owner=caller.owner)
         try:
             spec.check_against(info)
             for _ in range(len(self._replica_names()) + 1):  # a replica may die under us: try another
@@ -111,12 +115,16 @@ class Backend(ABC):
         if self.table.lookup(session_id) is not route:
             raise FailedPrecondition("the session was closed while it was being opened")
 
-    async def verify(self, block: DraftBlock) -> VerifyResult:
-        """Verify one round on the replica that holds the session."""
-        return await self._verify_on(self.table.get(block.session_id).replica, block)
+    async def verify(self, block: DraftBlock, caller: Identity) -> VerifyResult:
+        """Verify one round, sent by `caller`, on the replica that holds the session."""
+        route = self.table.get(block.session_id, caller)
+        return await self._verify_on(route.replica, replace(block, owner=caller.owner))
 
-    async def close_session(self, session_id: str) -> bool:
-        """Free a session; True if it existed."""
+    async def close_session(self, session_id: str, caller: Identity) -> bool:
+        """Free a session (its owner only); True if it existed."""
+        if self.table.lookup(session_id) is None:
+            return False
+        self.table.get(session_id, caller)  # PermissionDenied for another identity's session
         route = self.table.remove(session_id)
         if route is None:
             return False
@@ -138,7 +146,7 @@ class Backend(ABC):
             for orphan in self.table.unrouted(name, held):  # held there, routed nowhere: free it
                 self._close_quietly(name, orphan)
             return ReplicaStatus(name, True, stats.sessions, stats.cached_tokens, stats.evictions, failures,
-                                 self.routed_total.get(name, 0), await self._tally_of(name))
+                                 self.routed_total.get(name, 0), await self._tally_of(name), stats.telemetry)
 
         return list(await asyncio.gather(*(one(name) for name in self._replica_names())))
 
@@ -246,12 +254,13 @@ class ReplicaEndpointBackend(InProcessBackend):
         super().__init__(runner.verifier)
         self._runner = runner
 
-    async def verify(self, block: DraftBlock) -> VerifyResult:
-        """Verify one round of a session this replica holds."""
-        return await self._live().verify(block)
+    async def verify(self, block: DraftBlock, caller: Identity) -> VerifyResult:
+        """Verify one round, sent by `caller`, of a session this replica holds (the verifier checks
+        that the session is the caller's)."""
+        return await self._live().verify(replace(block, owner=caller.owner))
 
 
-async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> AsyncIterator[int]:
+async def generate_tokens(backend: Backend, spec: GenerateSpec, caller: Identity) -> AsyncIterator[int]:
     """Cloud-only decoding: the target alone, one token per round of an empty draft.
 
     Every token is the 'bonus' of an empty block, so cloud-only streams are batched with the
@@ -268,20 +277,20 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, client: str) -> 
                           seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint,
                           prompt_len=spec.prompt_end)
     committed = list(spec.prompt_ids)
-    session_id = (await backend.open_session(session, client)).session_id
+    session_id = (await backend.open_session(session, caller)).session_id
     eos = set(info.eos_token_ids)
     try:
         for round_index in range(spec.max_new_tokens):
             try:
-                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()))
+                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()), caller)
             except FailedPrecondition:
                 reopen = replace(session, session_id=session_id, committed_ids=tuple(committed),
                                  next_round=round_index)
-                session_id = (await backend.open_session(reopen, client)).session_id
-                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()))
+                session_id = (await backend.open_session(reopen, caller)).session_id
+                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()), caller)
             committed.append(result.next_token)
             yield result.next_token
             if result.next_token in eos:
                 return
     finally:
-        await backend.close_session(session_id)
+        await backend.close_session(session_id, caller)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..common.tls import ServerTLS, check_plaintext
+from .access import AccessSpec
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .pool import PoolSpec
 from .process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
@@ -36,13 +38,19 @@ class ServeConfig:
     max_draft: int = 32  # longest draft block accepted
     max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED
     kv_cache_tokens: int = VerifierLimits.kv_cache_tokens  # per replica KV pool, allocated once; when full, LRU sessions are evicted
-    max_sessions_per_client: int = 32  # per client (peer address) over the whole pool; more get RESOURCE_EXHAUSTED
+    max_sessions_per_client: int = 32  # per identity (peer address without credentials) over the whole pool; more get RESOURCE_EXHAUSTED
     prefill_chunk: int = 128  # prompt tokens per forward pass at most; rounds never wait behind more
     replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
     idle_timeout_s: int = 600  # idle sessions are dropped after this
     metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics port; -1 = off, 0 = any free port
     metrics_host: str = DEFAULT_HOST  # interface for /metrics
     grace_s: float = 5.0  # on SIGTERM/SIGINT, in-flight calls get this long to finish
+    tls_cert: str = ""  # PEM certificate chain of the front door and the replica endpoints; with tls_key: TLS
+    tls_key: str = ""  # PEM private key of tls_cert (both files are re-read when they change)
+    tls_client_ca: str = ""  # mutual TLS: every edge must present a certificate this CA signed
+    credentials: str = ""  # file of edge tokens and identities (hybridspec token add); "" = no tokens
+    client_tokens_per_s: float = 0.0  # target tokens/s per identity without its own rate; 0 = no limit
+    insecure: bool = False  # allow plaintext on a non-loopback host (logged as a warning)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -56,11 +64,18 @@ class ServeConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "ray_num_cpus",
-                     "replica_wait_s"):
+                     "replica_wait_s", "client_tokens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        check_plaintext(self.host, self.access.tls.enabled, self.insecure, "the gRPC front door")
+
+    @property
+    def access(self) -> AccessSpec:
+        """TLS and credentials of every endpoint edges reach (the front door and replica endpoints)."""
+        return AccessSpec(tls=ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca),
+                          credentials=self.credentials, client_tokens_per_s=self.client_tokens_per_s)
 
     @property
     def limits(self) -> VerifierLimits:
@@ -73,7 +88,7 @@ class ServeConfig:
         """What each replica loads (`target` already resolved to a path or hub id)."""
         return ReplicaSpec(target=target, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
                            limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms,
-                           verify_host=self.host if self.direct_verify else "")
+                           verify_host=self.host if self.direct_verify else "", access=self.access)
 
     def pool_spec(self, target: str) -> PoolSpec:
         """The Ray pool this config describes."""

@@ -1,9 +1,19 @@
 """Prometheus metrics of the front door (one registry per server, so tests can run several).
 
-Names follow Prometheus conventions; acceptance per draft position is two counters whose ratio,
-`accepted_at_position / drafted_at_position`, is the per-position acceptance rate (as vLLM exports).
+Speculative-decoding counters carry vLLM's names and meanings under the `hybridspec_` prefix, so
+dashboards built for vLLM read them: `spec_decode_num_drafts` (rounds with at least one draft token),
+`spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens`, and
+`spec_decode_num_accepted_tokens_per_pos{position}` counted from 0. Blocks here vary in length, so
+`spec_decode_num_draft_tokens_per_pos` (ours) says how many drafts reached each position: their ratio
+is the acceptance rate at a position. `time_to_first_token_seconds`, `inter_token_latency_seconds`,
+`request_queue_time_seconds` (a request being one round), `iteration_tokens_total` (tokens per
+forward pass), `kv_cache_usage_perc`, `prompt_tokens_total` and `generation_tokens_total` mean what
+vLLM's do (docs/architecture.md lists every metric).
+
 Rounds a replica answers on its own endpoint (direct verify) never pass the front door: the replica
 keeps them in an `EndpointTally` and the front door adds them to its metrics at each status refresh.
+What a replica measures about its own steps (time to first token, inter-token latency, iteration
+tokens, KV fill) arrives in its status as snapshots and is exported per replica as it was last seen.
 """
 from __future__ import annotations
 
@@ -16,8 +26,11 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from ..common.wire import SessionOpened, VerifyResult
+from .telemetry import HistogramSnapshot, ReplicaTelemetry
 
 if TYPE_CHECKING:  # backend.py imports this module for Tally
     from .backend import ReplicaStatus
@@ -85,28 +98,41 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.serving = threading.Event()  # set while the gRPC health service reports SERVING
         self.sessions_open = Gauge("hybridspec_sessions_open", "Sessions held per replica", ["replica"], registry=r)
         self.cached_tokens = Gauge("hybridspec_cached_tokens", "Committed tokens held per replica", ["replica"],
                                    registry=r)
+        self.kv_usage = Gauge("hybridspec_kv_cache_usage_perc", "Fraction of the replica's KV pool in use (0..1)",
+                              ["replica"], registry=r)
         self.replicas_alive = Gauge("hybridspec_replicas_alive", "Replicas answering", registry=r)
         self.sessions_opened = Counter("hybridspec_sessions_opened", "OpenSession calls for new sessions", registry=r)
         self.reopens = Counter("hybridspec_session_reopens", "OpenSession calls re-opening a lost session", registry=r)
-        self.rounds = Counter("hybridspec_rounds", "Verification rounds answered", registry=r)
-        self.draft_tokens = Counter("hybridspec_draft_tokens", "Draft tokens received", registry=r)
-        self.accepted_tokens = Counter("hybridspec_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.drafted_at = Counter("hybridspec_drafted_at_position", "Rounds whose draft reached position",
-                                  ["position"], registry=r)
-        self.accepted_at = Counter("hybridspec_accepted_at_position", "Rounds whose draft token at position was "
-                                   "accepted", ["position"], registry=r)
+        self.drafts = Counter("hybridspec_spec_decode_num_drafts", "Rounds that carried at least one draft token",
+                              registry=r)
+        self.draft_tokens = Counter("hybridspec_spec_decode_num_draft_tokens", "Draft tokens received", registry=r)
+        self.accepted_tokens = Counter("hybridspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       registry=r)
+        self.accepted_per_pos = Counter("hybridspec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each position of a block, counted from 0",
+                                        ["position"], registry=r)
+        self.drafted_per_pos = Counter("hybridspec_spec_decode_num_draft_tokens_per_pos",
+                                       "Draft tokens received at each position of a block, counted from 0 (the "
+                                       "acceptance rate at a position is accepted_per_pos / this)", ["position"],
+                                       registry=r)
+        self.prompt_tokens = Counter("hybridspec_prompt_tokens", "Prompt tokens prefilled (OpenSession, re-opens "
+                                     "included, and Generate)", registry=r)
+        self.generation_tokens = Counter("hybridspec_generation_tokens", "Tokens committed: accepted drafts plus "
+                                         "each round's correction or bonus token, and Generate's tokens", registry=r)
         self.generated_tokens = Counter("hybridspec_generate_tokens", "Tokens streamed by cloud-only Generate",
                                         registry=r)
-        self.batch_size = Histogram("hybridspec_batch_size", "Rounds scored per forward pass", buckets=BATCH_BUCKETS,
-                                    registry=r)
+        self.batch_size = Histogram("hybridspec_batch_size", "Rounds scored in the forward pass that scored each "
+                                    "round (one observation per round)", buckets=BATCH_BUCKETS, registry=r)
         self.verify_seconds = Histogram("hybridspec_verify_seconds", "Time per round at the endpoint that served it "
-                                        "(the front door: routing, queue, forward; a replica: queue, forward)", buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("hybridspec_queue_seconds", "Time a round waited on its replica before its "
-                                       "forward pass (batching, other batches, prefill chunks): the overload signal",
-                                       buckets=LATENCY_BUCKETS, registry=r)
+                                        "(the front door: routing, queue, forward; a replica: queue, forward)",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("hybridspec_request_queue_time_seconds", "Time a round waited on its replica "
+                                       "before its forward pass (batching, other batches, prefill chunks): the "
+                                       "overload signal", buckets=LATENCY_BUCKETS, registry=r)
         self.evictions = Counter("hybridspec_evictions", "Sessions evicted by replicas (idle or LRU)", registry=r)
         self.sessions_routed = Counter("hybridspec_sessions_routed", "Sessions routed to each replica", ["replica"],
                                        registry=r)
@@ -114,16 +140,25 @@ class Metrics:
         self.errors = Counter("hybridspec_errors", "Calls answered with an error status", ["code"], registry=r)
         self.feature_bytes = Counter("hybridspec_feature_bytes", "Bytes of target features sent to edges that "
                                      "asked for them (OpenSession and Verify replies)", registry=r)
+        self.replica_histograms = ReplicaHistograms()
+        r.register(self.replica_histograms)
         self._seen: dict[tuple[str, str], int] = {}  # (counter, replica) -> the replica's last total
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Count one answered round with γ draft tokens."""
         self._count(_sample(gamma, result, seconds))
 
-    def observe_opened(self, opened: SessionOpened) -> None:
-        """Count what an OpenSession reply carries besides the session (its features)."""
-        if opened.features is not None:
+    def observe_opened(self, prompt_tokens: int, opened: SessionOpened | None = None) -> None:
+        """Count a prefill of `prompt_tokens` (an open, or a Generate's prompt) and what an OpenSession
+        reply carries besides the session (its features)."""
+        self.prompt_tokens.inc(prompt_tokens)
+        if opened is not None and opened.features is not None:
             self.feature_bytes.inc(opened.features.nbytes)
+
+    def observe_generated(self) -> None:
+        """Count one token a cloud-only Generate stream sent."""
+        self.generated_tokens.inc()
+        self.generation_tokens.inc()
 
     def observe_error(self, code: str) -> None:
         """Count one call answered with an error status."""
@@ -137,20 +172,23 @@ class Metrics:
             self.errors.labels(code).inc(calls)
 
     def _count(self, s: RoundSample) -> None:
-        self.rounds.inc()
+        if s.gamma:
+            self.drafts.inc()
         self.draft_tokens.inc(s.gamma)
         self.accepted_tokens.inc(s.num_accepted)
-        for position in range(1, s.gamma + 1):
-            self.drafted_at.labels(str(position)).inc()
-            if position <= s.num_accepted:
-                self.accepted_at.labels(str(position)).inc()
+        self.generation_tokens.inc(s.num_accepted + 1)
+        for position in range(s.gamma):
+            self.drafted_per_pos.labels(str(position)).inc()
+            if position < s.num_accepted:
+                self.accepted_per_pos.labels(str(position)).inc()
         self.batch_size.observe(s.batch_size)
         self.verify_seconds.observe(s.seconds)
         self.queue_seconds.observe(s.queue_ms / 1e3)
         self.feature_bytes.inc(s.feature_bytes)
 
     def observe_replicas(self, replicas: list[ReplicaStatus]) -> None:
-        """Refresh the per-replica gauges and add new evictions (a restarted replica counts from 0 again)."""
+        """Refresh the per-replica gauges and histograms and add new evictions (a restarted replica
+        counts from 0 again)."""
         self.replicas_alive.set(sum(r.alive for r in replicas))
         for r in replicas:
             self.add_tally(r.direct)
@@ -160,6 +198,9 @@ class Metrics:
             self.cached_tokens.labels(r.name).set(r.cached_tokens)
             if r.alive:  # a dead replica reports zeros, not a reset
                 self._add_new("evictions", r.name, r.evictions, self.evictions)
+                if r.telemetry is not None:
+                    self.kv_usage.labels(r.name).set(r.telemetry.kv_usage)
+                    self.replica_histograms.update(r.name, r.telemetry)
 
     def _add_new(self, what: str, replica: str, total: int, counter) -> None:
         """Add what a replica's running total gained since last time; a smaller total means the
@@ -169,16 +210,58 @@ class Metrics:
         self._seen[(what, replica)] = total
 
     def serve_http(self, host: str, port: int) -> MetricsHTTPServer:
-        """Serve /metrics and /health on host:port (0 picks a free port) from a daemon thread.
-        OSError (EADDRINUSE...) if the port cannot be bound."""
-        return MetricsHTTPServer(self.registry, host, port)
+        """Serve /metrics, /health and /health/ready on host:port (0 picks a free port) from a daemon
+        thread. OSError (EADDRINUSE...) if the port cannot be bound."""
+        return MetricsHTTPServer(self.registry, host, port, self.serving.is_set)
+
+
+class ReplicaHistograms(Collector):
+    """The replicas' own histograms, exported with a `replica` label as each replica last reported them
+    (a restarted replica starts from 0 again, which Prometheus reads as a counter reset)."""
+
+    METRICS = (("ttft", "hybridspec_time_to_first_token_seconds",
+                "Time from a replica taking a new generation's open to its first answered round"),
+               ("itl", "hybridspec_inter_token_latency_seconds",
+                "Time between a session's answers per token committed (one observation per token)"),
+               ("iteration_tokens", "hybridspec_iteration_tokens_total",
+                "Tokens carried by each forward pass (rounds' blocks and prefill chunks)"))
+
+    def __init__(self) -> None:
+        self._latest: dict[str, ReplicaTelemetry] = {}
+        self._lock = threading.Lock()
+
+    def update(self, replica: str, telemetry: ReplicaTelemetry) -> None:
+        """Keep a replica's newest snapshot."""
+        with self._lock:
+            self._latest[replica] = telemetry
+
+    def collect(self):
+        """One histogram family per metric, a labelled series per replica."""
+        with self._lock:
+            latest = dict(self._latest)
+        for attribute, name, documentation in self.METRICS:
+            family = HistogramMetricFamily(name, documentation, labels=["replica"])
+            for replica, telemetry in sorted(latest.items()):
+                snapshot: HistogramSnapshot = getattr(telemetry, attribute)
+                family.add_metric([replica], _cumulative(snapshot), snapshot.total)
+            yield family
+
+
+def _cumulative(snapshot: HistogramSnapshot) -> list[tuple[str, int]]:
+    """Prometheus buckets: (upper bound, observations at or below it), ending with +Inf."""
+    running, buckets = 0, []
+    for bound, count in zip((*snapshot.bounds, float("inf")), snapshot.counts):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", running))
+    return buckets
 
 
 class MetricsHTTPServer:
     """/metrics (the registry, in Prometheus text format), /health (200 while the process answers:
-    liveness; readiness is the gRPC health service), 404 for every other path."""
+    liveness), /health/ready (200 while the front door is SERVING, else 503: readiness, for probes that
+    cannot speak gRPC over TLS), 404 for every other path."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, ready=lambda: True) -> None:
         metrics_app = make_wsgi_app(registry)
 
         def app(environ, start_response):
@@ -187,7 +270,10 @@ class MetricsHTTPServer:
                 return metrics_app(environ, start_response)
             if path == "/health":
                 return _plain(start_response, "200 OK", b"ok\n")
-            return _plain(start_response, "404 Not Found", b"not found: try /metrics or /health\n")
+            if path == "/health/ready":
+                return (_plain(start_response, "200 OK", b"serving\n") if ready()
+                        else _plain(start_response, "503 Service Unavailable", b"not serving\n"))
+            return _plain(start_response, "404 Not Found", b"not found: try /metrics, /health or /health/ready\n")
 
         server_class = type("MetricsWSGIServer", (_ThreadingWSGIServer,), {"address_family": _family(host, port)})
         self._server = make_server(host, port, app, server_class, _QuietHandler)

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from ..common.errors import HybridSpecError
 from ..common.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from .access import AccessSpec
 from .backend import ReplicaEndpointBackend
 from .metrics import Tally
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
@@ -41,6 +42,7 @@ class ReplicaSpec:
     max_batch: int = DEFAULT_MAX_BATCH
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
+    access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class VerifierReplica:
         verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
         self.runner = VerifierRunner(verifier, spec.max_batch, spec.max_wait_ms)
         self._verify_host = spec.verify_host
+        self._access = spec.access
         self._endpoint: VerifyEndpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
 
@@ -73,7 +76,7 @@ class VerifierReplica:
         async with self._starting:
             if self._verify_host and self._endpoint is None:
                 self._endpoint = await start_verify_endpoint(ReplicaEndpointBackend(self.runner), self._verify_host,
-                                                             _advertised(self._verify_host))
+                                                             _advertised(self._verify_host), self._access)
         return ReplicaReady(self.runner.verifier.info, self._endpoint.address if self._endpoint else "")
 
     async def take_tally(self) -> Tally:

@@ -5,9 +5,11 @@ proof of holding the session, and only its holder can verify, re-open or close i
 naming a live id re-opens that session in place; any other id (unknown, expired, or made up) starts
 a new session under a fresh id, so no client can choose, squat or take over another's id.
 
-Every client (the peer address until per-edge credentials exist) may hold at most
-`max_per_client` sessions, so one client cannot take every slot. The table is reconciled with what
-the replicas report they hold, so sessions a replica expired do not linger here.
+Every client may hold at most `max_per_client` sessions (or its identity's own `max_sessions`), so
+one client cannot take every slot. A client is an identity from the credentials file, or, on a server
+without one, a peer address. With credentials a session also belongs to the identity that opened it:
+any other identity presenting its id gets PERMISSION_DENIED. The table is reconciled with what the
+replicas report they hold, so sessions a replica expired do not linger here.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from ..common.errors import FailedPrecondition, ResourceExhausted
+from ..common.credentials import Identity
+from ..common.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 
 
 def new_session_id() -> str:
@@ -28,7 +31,7 @@ class Route:
     """Where one session lives and who opened it."""
 
     replica: str  # the replica holding its KV cache; "" while a new session is being placed
-    client: str  # who opened it (counts towards that client's limit)
+    client: str  # the name of the identity that opened it (counts towards that identity's limit)
     opening: bool = True  # an OpenSession is in flight: the replica may not list it yet
     routed_at: float = field(default_factory=time.monotonic)
 
@@ -46,32 +49,38 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._routes)
 
-    def get(self, session_id: str) -> Route:
-        """The route of a live session; FailedPrecondition (without echoing the id) otherwise."""
+    def get(self, session_id: str, caller: Identity | None = None) -> Route:
+        """The route of a live session; FailedPrecondition (without echoing the id) otherwise, and
+        PermissionDenied if an authenticated `caller` is not the identity that opened it."""
         route = self._routes.get(session_id)
         if route is None:
             raise FailedPrecondition("the session is unknown or was evicted; re-open it")
+        if caller is not None:
+            _check_owner(route, caller)
         return route
 
     def lookup(self, session_id: str) -> Route | None:
         """The route of a session, or None."""
         return self._routes.get(session_id)
 
-    def claim(self, requested_id: str, client: str) -> tuple[str, Route]:
-        """The id and route an OpenSession will use: the requested id's if it is live (a re-open),
-        else a fresh id for `client`, counted from now on and not yet on any replica (route.replica
-        is "" until the caller places it). ResourceExhausted when the client has no room left."""
+    def claim(self, requested_id: str, caller: Identity) -> tuple[str, Route]:
+        """The id and route an OpenSession will use: the requested id's if it is live (a re-open, by
+        its owner only), else a fresh id for `caller`, counted from now on and not yet on any replica
+        (route.replica is "" until the caller places it). ResourceExhausted when the caller has no
+        room left; PermissionDenied when the live id is another identity's."""
         route = self._routes.get(requested_id) if requested_id else None
         if route is not None:
+            _check_owner(route, caller)
             return requested_id, route
-        held = self._per_client.get(client, 0)
-        if held >= self.max_per_client:
+        limit = caller.max_sessions if caller.max_sessions is not None else self.max_per_client
+        held = self._per_client.get(caller.name, 0)
+        if held >= limit:
             raise ResourceExhausted(f"this client already holds {held} sessions (the limit is "
-                                    f"{self.max_per_client}); close some or retry later")
+                                    f"{limit}); close some or retry later")
         session_id = new_session_id()
-        route = Route("", client)
+        route = Route("", caller.name)
         self._routes[session_id] = route
-        self._per_client[client] = held + 1
+        self._per_client[caller.name] = held + 1
         return session_id, route
 
     def remove(self, session_id: str) -> Route | None:
@@ -108,3 +117,10 @@ class SessionTable:
         for sid in stale:
             self.remove(sid)
         return len(stale)
+
+
+def _check_owner(route: Route, caller: Identity) -> None:
+    """PermissionDenied unless an authenticated caller opened the session (anonymous callers are not
+    checked: without credentials the unguessable id is the only proof of holding a session)."""
+    if caller.authenticated and route.client != caller.name:
+        raise PermissionDenied("this session belongs to another identity")

@@ -5,6 +5,8 @@ The port is bound before the models load, so health checks answer NOT_SERVING wh
 start; the server reports SERVING once the backend is ready and NOT_SERVING again when draining.
 A port that is taken (gRPC or metrics) fails the start before the backend starts, with one line
 naming it: the gRPC port is bound without SO_REUSEPORT, so a second server can never share it.
+Both kinds of endpoint speak TLS when the AccessSpec has a certificate, and take Verifier calls only
+from the identities in its credentials file when it names one (cloud/access.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..common.channel import SHARED_OPTIONS
+from ..common.tls import ServerTLS
+from .access import Access, AccessSpec
 from .backend import Backend, InProcessBackend, ReplicaEndpointBackend
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .process import port_unavailable, probe_port
@@ -43,10 +47,13 @@ SERVER_OPTIONS = [
 STATUS_REFRESH_S = 2.0  # how often replica gauges (sessions, evictions, liveness) are refreshed
 
 
-def _bind_grpc(server: grpc.aio.Server, host: str, port: int, what: str) -> int:
-    """add_insecure_port, whose failure (0, or RuntimeError in recent grpcio) becomes PortUnavailable."""
+def _bind_grpc(server: grpc.aio.Server, host: str, port: int, what: str, tls: ServerTLS) -> int:
+    """add_secure_port (TLS) or add_insecure_port; a failed bind (0, or RuntimeError in recent grpcio)
+    becomes PortUnavailable."""
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(address, tls.grpc_credentials()) if tls.enabled
+                 else server.add_insecure_port(address))
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -73,6 +80,7 @@ class RunningServer:
 
     async def drain(self, grace_s: float) -> None:
         """Report NOT_SERVING, let in-flight calls finish for up to grace_s, then stop the backend."""
+        self.metrics.serving.clear()
         await _set_health(self.health, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
         self.refresher.cancel()
@@ -86,17 +94,20 @@ class RunningServer:
 
 
 async def start_server(backend: Backend, host: str, port: int, metrics_port: int | None = None,
-                       metrics_host: str = "127.0.0.1") -> RunningServer:
+                       metrics_host: str = "127.0.0.1", access: AccessSpec = AccessSpec()) -> RunningServer:
     """Bind both ports, start the backend, then report SERVING. metrics_port None: no /metrics endpoint.
-    PortUnavailable, before the backend starts, if either port cannot be bound."""
+    PortUnavailable, before the backend starts, if either port cannot be bound; ConfigError if a TLS
+    or credentials file cannot be used."""
+    gate = Access(access)
+    access.tls.check_files()
     server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     metrics = Metrics()
-    VerifierService(backend, metrics).register(server)
+    VerifierService(backend, metrics, gate).register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = _bind_grpc(server, host, port, "gRPC front door")
+    bound = _bind_grpc(server, host, port, "gRPC front door", access.tls)
     metrics_http = None
     if metrics_port is not None:
         try:
@@ -116,6 +127,7 @@ async def start_server(backend: Backend, host: str, port: int, metrics_port: int
     running = RunningServer(server, bound, health_servicer, backend, metrics, metrics_http,
                             asyncio.get_running_loop().create_task(_refresh_forever(backend, metrics)))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    metrics.serving.set()
     return running
 
 
@@ -128,25 +140,28 @@ class VerifyEndpoint:
     tally: EndpointTally  # its rounds and errors, until the front door collects them
 
 
-async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, advertised_host: str) -> VerifyEndpoint:
+async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, advertised_host: str,
+                                access: AccessSpec = AccessSpec()) -> VerifyEndpoint:
     """Serve `backend`'s VerifyStream on a free port of `host` (the front door's interface), with the
-    front door's limits, validation and error handling (the same VerifierService); no other Verifier
-    RPC: sessions are opened, closed and counted against their client only at the front door."""
+    front door's TLS, credentials, rates, limits, validation and error handling (the same
+    VerifierService); no other Verifier RPC: sessions are opened, closed and counted against their
+    client only at the front door."""
     server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     tally = EndpointTally()
-    VerifierService(backend, tally).register(server, only=("VerifyStream",))
+    VerifierService(backend, tally, Access(access)).register(server, only=("VerifyStream",))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = _bind_grpc(server, host, 0, "a replica's verify endpoint")
+    port = _bind_grpc(server, host, 0, "a replica's verify endpoint", access.tls)
     await server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return VerifyEndpoint(server, f"{advertised_host}:{port}", tally)
 
 
 async def serve_forever(backend: Backend, host: str, port: int, grace_s: float, metrics_port: int | None = None,
-                        metrics_host: str = "127.0.0.1", on_ready: Callable[[RunningServer], None] | None = None) -> None:
+                        metrics_host: str = "127.0.0.1", on_ready: Callable[[RunningServer], None] | None = None,
+                        access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
-    running = await start_server(backend, host, port, metrics_port, metrics_host)
+    running = await start_server(backend, host, port, metrics_port, metrics_host, access)
     # Installed after the backend started, so they replace any handler Ray installed meanwhile.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -175,14 +190,20 @@ class BackgroundServer:
     """A real gRPC front door on its own event-loop thread, for tests and in-process experiments."""
 
     def __init__(self, backend: Backend | Verifier, host: str = "127.0.0.1", port: int = 0,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, access: AccessSpec = AccessSpec()) -> None:
         """A bare Verifier is served in-process with default batching."""
         if isinstance(backend, Verifier):
             backend = InProcessBackend(backend)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="grpc-server")
         self._thread.start()
-        self.running = self.call(start_server(backend, host, port, metrics_port))
+        try:
+            self.running = self.call(start_server(backend, host, port, metrics_port, access=access))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            raise
         self.backend = backend
         self.address = f"{host}:{self.running.port}"
 

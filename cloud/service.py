@@ -1,9 +1,12 @@
 """gRPC servicer: decode -> call the backend -> encode. No tensors, no verification logic, no Ray.
 
-Every request is untrusted. Bodies are parsed by deserializers that never raise, so an undecodable
-one is INVALID_ARGUMENT (and counted) rather than gRPC's UNKNOWN; session ids are length-checked
-before anything looks them up; domain errors become their status; anything else is logged under an
-incident id and answered INTERNAL with only that id — never a traceback.
+Every request is untrusted. Each call is first identified (cloud/access.py: its bearer token, or its
+address on a server without credentials; UNAUTHENTICATED before anything else is read), then paced
+by its identity's rate. Bodies are parsed by deserializers that never raise, so an undecodable one
+is INVALID_ARGUMENT (and counted) rather than gRPC's UNKNOWN; session ids are length-checked before
+anything looks them up; domain errors become their status; anything else is logged under an
+incident id and answered INTERNAL with only that id — never a traceback. Health checking and
+reflection are separate services and need no token.
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ import grpc
 from google.protobuf.message import Message
 
 from ..common import codec
+from ..common.credentials import Identity
 from ..common.errors import HybridSpecError, InvalidArgument, incident
 from ..common.proto import verifier_pb2 as pb
 from ..common.wire import check_session_id
+from .access import Access, AccessSpec
 from .backend import Backend, generate_tokens
 from .metrics import EndpointTally, Metrics
 
@@ -46,20 +51,30 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     return parse
 
 
-def client_of(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling: the peer's address without its port (until per-edge credentials exist)."""
+def peer_of(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port (how callers are told apart on a server without credentials)."""
     peer = context.peer() or "unknown"
     return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
+def authorization_of(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's `authorization` metadata value, if it sent one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else None
+    return None
 
 
 class VerifierService:
     """Serves one backend: the front door's (an in-process verifier or the Ray pool), or a replica's
     own runner behind its direct Verify endpoint (which registers VerifyStream only)."""
 
-    def __init__(self, backend: Backend, metrics: Metrics | EndpointTally) -> None:
-        """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds and errors."""
+    def __init__(self, backend: Backend, metrics: Metrics | EndpointTally, access: Access | None = None) -> None:
+        """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds and errors.
+        access: who may call (default: anyone, named by address, unpaced)."""
         self.backend = backend
         self.metrics = metrics
+        self.access = access if access is not None else Access(AccessSpec())
 
     def register(self, server: grpc.aio.Server, only: Collection[str] | None = None) -> None:
         """Add the Verifier RPCs (or those named in `only`) to `server`, with lenient deserializers;
@@ -84,6 +99,7 @@ class VerifierService:
 
     async def GetModelInfo(self, request, context):
         async def work() -> pb.ModelInfo:
+            self._caller(context)
             await self._decoded(request)
             return codec.model_info_to_pb(self.backend.model_info())
 
@@ -91,57 +107,78 @@ class VerifierService:
 
     async def OpenSession(self, request, context):
         async def work() -> pb.OpenSessionReply:
+            caller = self._caller(context)
             message = await self._decoded(request)
             check_session_id(message.session_id, allow_empty=True)
             spec = codec.session_from_pb(message)
-            opened = await self.backend.open_session(spec, client_of(context))
+            await self._pace(caller, len(spec.committed_ids))
+            opened = await self.backend.open_session(spec, caller)
             # A generation that already has rounds behind it is being resumed, whatever id it gets.
             (self.metrics.reopens if spec.next_round > 0 else self.metrics.sessions_opened).inc()
-            self.metrics.observe_opened(opened)
+            self.metrics.observe_opened(len(spec.committed_ids), opened)
             return codec.opened_to_pb(opened)
 
         return await self._guard(context, "OpenSession", work())
 
     async def Verify(self, request, context):
-        return await self._guard(context, "Verify", self._verify(request))
+        return await self._guard(context, "Verify", self._verify(request, context))
 
     async def VerifyStream(self, request_iterator, context) -> AsyncIterator[pb.VerifyReply]:
         async for request in request_iterator:
-            yield await self._guard(context, "VerifyStream", self._verify(request))
+            yield await self._guard(context, "VerifyStream", self._verify(request, context))
 
     async def CloseSession(self, request, context):
         async def work() -> pb.CloseSessionReply:
+            caller = self._caller(context)
             message = await self._decoded(request)
             check_session_id(message.session_id)
-            return pb.CloseSessionReply(existed=await self.backend.close_session(message.session_id))
+            return pb.CloseSessionReply(existed=await self.backend.close_session(message.session_id, caller))
 
         return await self._guard(context, "CloseSession", work())
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateReply]:
-        async def decode():
-            return codec.generate_from_pb(await self._decoded(request))
+        async def start() -> tuple[Identity, object]:
+            caller = self._caller(context)
+            spec = codec.generate_from_pb(await self._decoded(request))
+            await self._pace(caller, len(spec.prompt_ids))
+            self.metrics.observe_opened(len(spec.prompt_ids))
+            return caller, spec
 
-        spec = await self._guard(context, "Generate", decode())
-        tokens = generate_tokens(self.backend, spec, client_of(context))
+        caller, spec = await self._guard(context, "Generate", start())
+        tokens = generate_tokens(self.backend, spec, caller)
         try:
             while True:
-                token = await self._guard(context, "Generate", anext(tokens, None))
+                token = await self._guard(context, "Generate", self._next_token(caller, tokens))
                 if token is None:
                     return
-                self.metrics.generated_tokens.inc()
+                self.metrics.observe_generated()
                 yield pb.GenerateReply(token_id=token)
         finally:
             await tokens.aclose()  # closes the session when the client leaves early
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    async def _verify(self, request) -> pb.VerifyReply:
+    async def _verify(self, request, context: grpc.aio.ServicerContext) -> pb.VerifyReply:
+        caller = self._caller(context)
         block = codec.block_from_pb(await self._decoded(request))
         check_session_id(block.session_id)
         start = time.perf_counter()
-        result = await self.backend.verify(block)
+        await self._pace(caller, len(block.draft_ids) + 1)
+        result = await self.backend.verify(block, caller)
         self.metrics.observe_round(len(block.draft_ids), result, time.perf_counter() - start)
         return codec.result_to_pb(result)
+
+    async def _next_token(self, caller: Identity, tokens: AsyncIterator[int]) -> int | None:
+        await self._pace(caller, 1)
+        return await anext(tokens, None)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Identity:
+        return self.access.identify(authorization_of(context), peer_of(context))
+
+    async def _pace(self, caller: Identity, tokens: int) -> None:
+        delay = self.access.pace(caller, tokens)
+        if delay > 0:
+            await asyncio.sleep(delay)
 
     @staticmethod
     async def _decoded(request: Message | Undecodable) -> Message:

@@ -27,6 +27,8 @@ class Session:
     last_block: DraftBlock | None = None  # the last answered block: only this exact block is a replay
     last_result: VerifyResult | None = None  # replayed verbatim when last_block comes again
     last_used: float = field(default_factory=time.monotonic)
+    opened_at: float = field(default_factory=time.monotonic)  # when the replica took its (re-)open
+    answered_at: float = 0.0  # when its last round was answered; 0 = none since it was (re-)opened
 
 
 class SessionStore:

@@ -13,6 +13,7 @@ Integrity rules, enforced here for every caller:
   holds more than the committed tokens plus the block being scored, and one session's failure is
   never another's.
 - A replayed round is answered from memory only when it is the very block that was answered.
+- On a server with credentials, a session's rounds are taken only from the identity that opened it.
 - An opening session becomes visible only once its whole prompt is cached.
 
 Features (the target's final hidden states, for an edge's EAGLE drafter) go only to sessions that
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..common import verification as rules
-from ..common.errors import FailedPrecondition, HybridSpecError, InvalidArgument, ResourceExhausted, incident
+from ..common.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, PermissionDenied, ResourceExhausted,
+                             incident)
 from ..common.features import encode_features, join_blocks
 from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint
 from ..common.sampling import logits_to_probs, penalize, round_generator
@@ -40,6 +42,7 @@ from ..common.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelI
 from .engine import Engine, Feed
 from .kvpool import PageTable
 from .sessions import Session, SessionStore
+from .telemetry import ReplicaTelemetry, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class VerifierStats:
     evictions: int
     session_ids: tuple[str, ...] = ()  # the sessions held right now, for the front door's routing table
     kv_capacity_tokens: int = 0  # what the KV pool holds in all
+    telemetry: ReplicaTelemetry | None = None  # time to first token, inter-token latency, step sizes, KV fill
 
 
 class OpenPhase(enum.Enum):
@@ -85,6 +89,7 @@ class Opening:
         self.phase = OpenPhase.FEEDING
         self.error: HybridSpecError | None = None
         self.features: list[FeatureBlock] = []  # asked-for features of the chunks cached so far
+        self.started = time.monotonic()
 
     def opened(self) -> SessionOpened:
         """The answer to the open, once it is OPEN: its length and the features of its context."""
@@ -118,6 +123,7 @@ class Verifier:
             device=str(target.device), dtype=str(target.model.dtype).removeprefix("torch."),
             feature_dim=target.model.config.hidden_size)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s)
+        self.telemetry = Telemetry()
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
 
     # ---- bookkeeping ---------------------------------------------------------------------------
@@ -126,8 +132,10 @@ class Verifier:
         """Sessions held, their cached tokens, evictions so far, and the KV pool's size."""
         with self._lock:
             self._sessions.expire_idle()
+            pool = self.engine.pool
             return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
-                                 self._sessions.ids(), self.engine.pool.capacity_tokens)
+                                 self._sessions.ids(), pool.capacity_tokens,
+                                 self.telemetry.snapshot(1.0 - pool.free_pages / pool.pages))
 
     def close_session(self, session_id: str) -> bool:
         """Free a session's pages; True if it existed."""
@@ -203,6 +211,8 @@ class Verifier:
         for i, block in items:
             try:
                 session = self._sessions.get(block.session_id)
+                if block.owner != session.spec.owner:
+                    raise PermissionDenied("this session belongs to another identity")
                 block.validate(self.info.vocab_size, self.limits.max_draft,
                                needs_probs=session.spec.mode.uses_draft_probs)
                 if session.last_block is not None and block.round == session.next_round - 1:
@@ -230,6 +240,8 @@ class Verifier:
                     opening.fail(error)
             return
         forward_ms = (time.perf_counter() - start) * 1e3
+        self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
+        answered = time.monotonic()
         # 4. Apply each session's rule; keep the KV of committed + accepted draft (the new token is
         #    fed at the head of the next block). A failure here is the failing session's alone.
         for (i, block, session), round_scores in zip(rounds, scores):
@@ -243,6 +255,7 @@ class Verifier:
                 self._roll_back(session)
                 results[i] = incident(log, exc, "a verification rule")
                 continue
+            self._observe_latency(session, outcome.num_accepted + 1, answered)
             session.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
             session.next_round = block.round + 1
             session.last_block = block
@@ -298,6 +311,16 @@ class Verifier:
             budget -= len(chunk)
         return feeds, rounds, chunks
 
+    def _observe_latency(self, session: Session, tokens: int, now: float) -> None:
+        """A new generation's first answer is its time to first token; every later answer spreads the
+        time since the previous one over the tokens it commits. The first answer after a re-open is
+        neither (its wait was the edge's recovery)."""
+        if session.answered_at:
+            self.telemetry.itl.observe((now - session.answered_at) / tokens, tokens)
+        elif len(session.spec.committed_ids) == session.spec.prompt_end:
+            self.telemetry.ttft.observe(now - session.opened_at)
+        session.answered_at = now
+
     def _grow(self, table: PageTable, tokens: int, keep: set[str]) -> None:
         """Room in the pool for `tokens` more tokens, evicting idle LRU sessions if it is full."""
         needed = table.pages_needed(tokens)
@@ -314,7 +337,7 @@ class Verifier:
             return
         spec = opening.spec
         self._sessions.put(Session(spec=spec, committed=list(spec.committed_ids), table=opening.table,
-                                   next_round=spec.next_round))
+                                   next_round=spec.next_round, opened_at=opening.started))
         opening.phase = OpenPhase.OPEN
 
     @staticmethod

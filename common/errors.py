@@ -38,6 +38,18 @@ class Unavailable(HybridSpecError):
     code = "UNAVAILABLE"
 
 
+class Unauthenticated(HybridSpecError):
+    """No credentials, or credentials the server does not accept."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(HybridSpecError):
+    """Valid credentials, but for an identity that may not touch this (another identity's session)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Internal(HybridSpecError):
     """A bug or a failed device, never the client's fault. The message carries an incident id that the
     server logged with the traceback; nothing else about the server leaks to the client."""
@@ -46,7 +58,7 @@ class Internal(HybridSpecError):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unavailable,
-                                      Internal)}
+                                      Unauthenticated, PermissionDenied, Internal)}
 
 
 def incident(log: logging.Logger, exc: BaseException, during: str) -> Internal:

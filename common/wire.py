@@ -184,6 +184,9 @@ class SessionSpec:
     # after it. 0 (unset) = all of committed_ids is prompt, which is right for a new generation; the
     # edge sends it on every open so a re-open keeps the boundary.
     prompt_len: int = 0
+    # Never on the wire: the authenticated identity the front door opened the session for ("" on a
+    # server without credentials). Every round must come from the same identity.
+    owner: str = ""
 
     @property
     def prompt_end(self) -> int:
@@ -239,6 +242,9 @@ class DraftBlock:
     draft_ids: tuple[int, ...]
     support_ids: tuple[tuple[int, ...], ...] = ()  # per draft position, the support of q
     probs: tuple[tuple[float, ...], ...] = ()  # per draft position, q over that support
+    # Never on the wire: the authenticated identity that sent the block, set by the server that took it
+    # ("" on a server without credentials); the session's owner must match.
+    owner: str = ""
 
     def validate(self, vocab_size: int, max_draft: int, needs_probs: bool) -> None:
         """Raise InvalidArgument naming the first bad field."""

@@ -5,6 +5,10 @@ returns at once with a handle whose reply a reader thread fills in, so the edge 
 while the round is verified (pipelining); `verify` waits for it. A failed stream is replaced on the
 next round. Uplink/downlink counters hold serialized message bytes (no HTTP/2 framing).
 
+Every call carries the edge's bearer token when it has one, and every channel speaks TLS when the
+config asks for it; a replica's endpoint presents the front door's certificate, so its name is checked
+against the front door's (or `tls_server_name`), not against the replica's address.
+
 Everything but the rounds goes to the front door. The rounds go where the last OpenSession said:
 straight to the replica that holds the session when the reply names its endpoint (a second channel),
 else to the front door. When that endpoint stops answering, the round fails with ReplicaUnreachable
@@ -30,6 +34,7 @@ from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable, er
 from ..common.proto import verifier_pb2 as pb
 from ..common.proto import verifier_pb2_grpc as pb_grpc
 from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from .config import CloudAccess
 
 CHANNEL_OPTIONS = [
     *SHARED_OPTIONS,
@@ -49,9 +54,15 @@ class ReplicaUnreachable(FailedPrecondition):
 class _Endpoint:
     """A channel and its stub."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, access: CloudAccess, server_name: str) -> None:
+        """server_name: the name the endpoint's certificate must carry ("" = the host in `address`)."""
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        tls = access.tls
+        if tls.enabled:
+            options = [*CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", server_name)] if server_name else [])]
+            self.channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.VerifierStub(self.channel)
 
 
@@ -78,7 +89,7 @@ class _Stream:
         self.requests: queue.Queue = queue.Queue()
         self.pending: collections.deque[PendingRound] = collections.deque()
         self.dead = False
-        self.call = endpoint.stub.VerifyStream(iter(self.requests.get, _END))
+        self.call = endpoint.stub.VerifyStream(iter(self.requests.get, _END), metadata=client.metadata)
         threading.Thread(target=self._read, args=(client,), daemon=True, name="verify-stream").start()
 
     def _read(self, client: VerifierClient) -> None:
@@ -106,13 +117,18 @@ class _Stream:
 class VerifierClient:
     """A connection to a verifier pool's front door, and to the replica holding the current session."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 30.0, access: CloudAccess = CloudAccess()) -> None:
+        """access: TLS and token (EdgeConfig.cloud_access); the default is plaintext without a token."""
         self.address = address
         self.timeout_s = timeout_s
+        self.access = access
+        self.metadata = (("authorization", f"Bearer {access.token}"),) if access.token else ()
         self.uplink_bytes = 0
         self.downlink_bytes = 0
         self._lock = threading.Lock()
-        self._front = _Endpoint(address)
+        # Replica endpoints serve the front door's certificate: check them against the front door's name.
+        self._server_name = access.tls.server_name or address.rsplit(":", 1)[0].strip("[]")
+        self._front = _Endpoint(address, access, access.tls.server_name)
         self._direct: _Endpoint | None = None  # where rounds go instead of the front door
         self._avoid: dict[str, float] = {}  # replica endpoint -> when it may be dialled again
         self._stream: _Stream | None = None
@@ -211,7 +227,7 @@ class VerifierClient:
         request = codec.generate_to_pb(spec)
         self._count(up=request.ByteSize())
         # The whole stream's deadline: the usual timeout plus a generous second per token.
-        call = self._front.stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens)
+        call = self._front.stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens, metadata=self.metadata)
         try:
             for reply in call:
                 self._count(down=reply.ByteSize())
@@ -224,7 +240,7 @@ class VerifierClient:
     def _unary(self, method, request, timeout_s: float | None = None):
         self._count(up=request.ByteSize())
         try:
-            reply = method(request, timeout=self.timeout_s if timeout_s is None else timeout_s)
+            reply = method(request, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise _domain_error(exc, self.address) from None
         self._count(down=reply.ByteSize())
@@ -245,7 +261,7 @@ class VerifierClient:
             self._direct.channel.close()
             self._direct = None
         if verify_address and self._direct is None:
-            self._direct = _Endpoint(verify_address)
+            self._direct = _Endpoint(verify_address, self.access, self._server_name)
 
     def _end_stream(self, cancel: bool = False) -> None:
         if self._stream is not None:
@@ -255,10 +271,25 @@ class VerifierClient:
             self._stream = None
 
 
+# What gRPC's connection errors say about TLS, and what the edge's user should hear instead.
+TLS_HINTS = (
+    ("CERTIFICATE_VERIFY_FAILED", "the cloud's TLS certificate is not signed by a trusted CA (check --tls-ca)"),
+    ("Hostname Verification", "the cloud's TLS certificate does not name that host (check --tls-server-name)"),
+    ("WRONG_VERSION_NUMBER", "TLS handshake failed: the cloud may not speak TLS (drop --tls)"),
+    ("PEER_DID_NOT_RETURN_A_CERTIFICATE", "the cloud requires a client certificate (--tls-cert, --tls-key)"),
+)
+
+
 def _domain_error(exc: grpc.RpcError, address: str) -> HybridSpecError:
     code = exc.code()
     detail = exc.details() or ""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        detail = f"cloud verifier at {address} is unreachable or not responding ({code.name}: {detail})"
+        hint = next((text for marker, text in TLS_HINTS if marker in detail), None)
+        if hint is not None:
+            detail = f"cannot connect to the cloud verifier at {address}: {hint}"
+        else:
+            detail = f"cloud verifier at {address} is unreachable or not responding ({code.name}: {detail})"
         code = grpc.StatusCode.UNAVAILABLE
+    elif code is grpc.StatusCode.UNAUTHENTICATED:
+        detail = f"the cloud verifier at {address} refused this edge's credentials: {detail}"
     return error_for_code(code.name, detail)

@@ -1,10 +1,15 @@
 """The edge worker's configuration: defaults, then a YAML file, then CLI flags."""
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.config import ConfigError
+from ..common.credentials import MAX_TOKEN_CHARS
+from ..common.tls import ClientTLS, is_loopback
 from ..common.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
 from .proposal import DRAFTER_KINDS
 
@@ -15,6 +20,15 @@ GAMMA_POLICIES = ("adaptive", "fixed")
 MAX_STOP_STRINGS = 16  # stop strings per generation (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters per stop string
 FEATURE_FORMATS = (FeatureFormat.INT8.value, FeatureFormat.FP16.value)
+TOKEN_ENV = "HYBRIDSPEC_TOKEN"  # the edge's token when no token_file is given
+
+
+@dataclass(frozen=True)
+class CloudAccess:
+    """How an edge reaches its cloud: TLS settings and the bearer token every call carries (None: none)."""
+
+    tls: ClientTLS = ClientTLS()
+    token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,13 @@ class EdgeConfig:
     allow_unverified: bool = False  # cloud unreachable: keep generating with the drafter alone, marked
     reconnect_s: float = 1.0  # offline: seconds between attempts to reach the cloud again
     timeout_s: float = 30.0  # no reply within this long = the cloud is unreachable
+    tls: bool = False  # speak TLS to the cloud (implied by tls_ca and tls_cert)
+    tls_ca: str = ""  # PEM CA bundle the cloud's certificate must chain to; "" = the system's roots
+    tls_cert: str = ""  # PEM client certificate, for a cloud that requires mutual TLS (with tls_key)
+    tls_key: str = ""  # its private key
+    tls_server_name: str = ""  # the name the cloud's certificate must carry; "" = the host in `cloud`
+    token_file: str = ""  # file holding this edge's token; "" = the HYBRIDSPEC_TOKEN variable, if set
+    insecure: bool = False  # allow sending the token in plaintext to a cloud that is not on loopback
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -84,6 +105,35 @@ class EdgeConfig:
             raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
         self.sampling  # validates temperature, top_k, top_p and the penalties
         self.resolved_mode.check_temperature(self.temperature)
+        self.client_tls  # tls_cert and tls_key go together
+
+    @property
+    def client_tls(self) -> ClientTLS:
+        """TLS towards the cloud (disabled unless asked for)."""
+        return ClientTLS(enabled=self.tls or bool(self.tls_ca or self.tls_cert), ca=self.tls_ca, cert=self.tls_cert,
+                         key=self.tls_key, server_name=self.tls_server_name)
+
+    def cloud_access(self) -> CloudAccess:
+        """TLS and the token (read now from token_file or $HYBRIDSPEC_TOKEN). ConfigError for a token
+        that cannot be read, or one that would cross the network in plaintext without `insecure`."""
+        token = None
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"token_file {self.token_file} cannot be read: {exc.strerror or exc}") from None
+            if not token:
+                raise ConfigError(f"token_file {self.token_file} is empty")
+        elif os.environ.get(TOKEN_ENV):
+            token = os.environ[TOKEN_ENV].strip()
+        if token is not None and (len(token) > MAX_TOKEN_CHARS or not token.isprintable() or " " in token):
+            raise ConfigError(f"the token must be one word of at most {MAX_TOKEN_CHARS} printable characters")
+        tls = self.client_tls
+        host = self.cloud.rsplit(":", 1)[0]
+        if token is not None and not tls.enabled and not is_loopback(host) and not self.insecure:
+            raise ConfigError(f"the token would cross the network to {self.cloud} in plaintext: use TLS (--tls, "
+                              "--tls-ca) or pass --insecure")
+        return CloudAccess(tls, token)
 
     @property
     def sampling(self) -> SamplingParams:

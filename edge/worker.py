@@ -143,7 +143,7 @@ class EdgeWorker:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-            client = VerifierClient(self.client.address, self.client.timeout_s)
+            client = VerifierClient(self.client.address, self.client.timeout_s, self.client.access)
             self._clients.append(client)
             return client
 

@@ -115,11 +115,13 @@ def host_port(address: str) -> tuple[str, int]:
 
 
 def container_ports(service: dict) -> set[int]:
-    """Container-side ports of a compose service's `ports` ("HOST:CONTAINER" strings)."""
+    """Container-side ports of a compose service's `ports` ("127.0.0.1:HOST:CONTAINER" strings): the
+    stack runs plaintext with --insecure, so nothing may be published beyond the host's loopback."""
     ports = set()
     for mapping in service.get("ports", []):
-        assert isinstance(mapping, str) and re.fullmatch(r"\d+:\d+", mapping), f"unexpected port mapping {mapping!r}"
-        ports.add(int(mapping.split(":")[1]))
+        assert isinstance(mapping, str) and re.fullmatch(r"127\.0\.0\.1:\d+:\d+", mapping), \
+            f"unexpected port mapping {mapping!r}: publish on 127.0.0.1 only"
+        ports.add(int(mapping.split(":")[2]))
     return ports
 
 
@@ -277,16 +279,29 @@ def cloud_serve_config(dockerfile: Dockerfile, extra: list[str] = ()):
 
 
 @pytest.mark.parametrize("name", ["cloud.Dockerfile", "cloud-cpu.Dockerfile"])
+def test_cloud_image_refuses_plaintext_on_every_interface_unless_told(name):
+    from hybridspec.common.config import ConfigError
+
+    dockerfile = by_name(name)
+    with pytest.raises(ConfigError, match="0.0.0.0 without TLS.*--insecure"):
+        cloud_serve_config(dockerfile)
+    tls = ["--tls-cert", "/etc/hybridspec/tls/tls.crt", "--tls-key", "/etc/hybridspec/tls/tls.key"]
+    assert cloud_serve_config(dockerfile, tls).access.tls.enabled
+    assert not cloud_serve_config(dockerfile, ["--insecure"]).access.tls.enabled
+
+
+@pytest.mark.parametrize("name", ["cloud.Dockerfile", "cloud-cpu.Dockerfile"])
 def test_cloud_image_exposes_exactly_the_ports_it_serves(name):
     dockerfile = by_name(name)
-    config = cloud_serve_config(dockerfile)
+    config = cloud_serve_config(dockerfile, ["--insecure"])
     assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"
     assert (config.port, config.metrics_port) == (50051, 9464)  # the CLI's defaults
     assert dockerfile.exposed == {config.port, config.metrics_port}
     assert config.direct_verify is False
     assert config.device == ("cuda" if name == "cloud.Dockerfile" else "cpu")
+    # readiness over plain HTTP on the metrics port: still works once gRPC needs TLS and a token
     healthcheck = dockerfile.one("HEALTHCHECK")
-    assert f"127.0.0.1:{config.port}" in healthcheck
+    assert f"http://127.0.0.1:{config.metrics_port}/health/ready" in healthcheck
 
 
 def test_edge_image_exposes_the_port_it_serves():
@@ -394,3 +409,41 @@ def test_grafana_reads_the_compose_prometheus():
     datasource = yaml.safe_load((COMPOSE.parent / mounts[0].split(":")[0]).read_text())
     url = datasource["datasources"][0]["url"]
     assert url == "http://prometheus:%d" % next(iter(container_ports(services["prometheus"])))
+
+
+DASHBOARD = DEPLOY / "grafana" / "hybridspec.json"
+
+
+def dashboard_queries() -> list[str]:
+    """Every PromQL expression of the Grafana dashboard's panels."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [target["expr"] for panel in panels for target in panel.get("targets", [])]
+
+
+def test_grafana_provisions_the_dashboard():
+    services = compose()["services"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in services["grafana"]["volumes"])
+    provider = next(source for source, dest in mounts.items() if "/provisioning/dashboards/" in dest)
+    path = yaml.safe_load((COMPOSE.parent / provider).read_text())["providers"][0]["options"]["path"]
+    assert mounts["./grafana/hybridspec.json"] == f"{path}/hybridspec.json"
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "hybridspec" and dashboard_queries()
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}" and panel["fieldConfig"]["defaults"]["unit"]
+
+
+def dashboard_metric_names() -> set[str]:
+    """The hybridspec series names the dashboard's queries read."""
+    return {name for expr in dashboard_queries() for name in re.findall(r"\bhybridspec_[a-z_]+", expr)}
+
+
+def test_dashboard_reads_the_vllm_aligned_speculative_decoding_series():
+    names = dashboard_metric_names()
+    for wanted in ("hybridspec_spec_decode_num_accepted_tokens_total", "hybridspec_spec_decode_num_draft_tokens_total",
+                   "hybridspec_spec_decode_num_drafts_total", "hybridspec_spec_decode_num_accepted_tokens_per_pos_total",
+                   "hybridspec_time_to_first_token_seconds_bucket", "hybridspec_inter_token_latency_seconds_bucket",
+                   "hybridspec_request_queue_time_seconds_bucket", "hybridspec_kv_cache_usage_perc"):
+        assert wanted in names, wanted

@@ -37,9 +37,9 @@ def count_front_door_rounds(pool):
     calls = {"n": 0}
     original = pool.verify
 
-    async def counted(block):
+    async def counted(block, caller):
         calls["n"] += 1
-        return await original(block)
+        return await original(block, caller)
 
     pool.verify = counted
     return calls, lambda: vars(pool).pop("verify")
@@ -54,7 +54,7 @@ def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_poo
     assert all(r.verify_address.startswith("127.0.0.1:") for r in pool.replicas.values())
     calls, restore = count_front_door_rounds(pool)
     try:
-        rounds_before = server.running.metrics.rounds._value.get()
+        rounds_before = server.running.metrics.drafts._value.get()
         with VerifierClient(server.address) as client:
             for drafter in (target, random_drafter):  # all accepted / nearly all rejected; one client
                 gen = EdgeWorker(drafter, client, edge_config(server.address)).generate(PROMPT)
@@ -64,7 +64,7 @@ def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_poo
         restore()
     assert calls["n"] == 0  # every round went to a replica's own endpoint
     server.call(server.running.refresh_metrics())  # the replicas' tallies reach the front door's /metrics
-    assert server.running.metrics.rounds._value.get() - rounds_before >= 2 * NEW_TOKENS / 4
+    assert server.running.metrics.drafts._value.get() - rounds_before >= 2 * NEW_TOKENS / 4
 
 
 def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(direct_pool):
@@ -155,7 +155,7 @@ def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, tar
 
 def test_direct_verify_is_a_config_switch():
     assert ServeConfig().replica_spec("t").verify_host == "127.0.0.1"
-    assert ServeConfig(host="0.0.0.0").replica_spec("t").verify_host == "0.0.0.0"
+    assert ServeConfig(host="0.0.0.0", insecure=True).replica_spec("t").verify_host == "0.0.0.0"
     assert ServeConfig(direct_verify=False).replica_spec("t").verify_host == ""
 
 

@@ -15,6 +15,7 @@ import torch
 from hybridspec.cloud.backend import InProcessBackend
 from hybridspec.cloud.server import BackgroundServer
 from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.common.credentials import anonymous
 from hybridspec.common.errors import Internal
 from hybridspec.common.models import LoadedModel
 from hybridspec.common.proto import verifier_pb2 as pb
@@ -216,7 +217,7 @@ def test_one_client_cannot_take_every_session_slot(target, stub_of):
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "this client already holds 3" in text
         # Another client (a different peer address) still gets a session.
         spec = SessionSpec("", (5, 6))
-        opened = srv.call(backend.open_session(spec, "ipv4:192.0.2.1"))
+        opened = srv.call(backend.open_session(spec, anonymous("ipv4:192.0.2.1")))
         assert opened.committed_len == 2
     finally:
         srv.stop()

@@ -183,12 +183,21 @@ def test_bad_and_over_limit_requests_get_their_status(pool_server):
 def test_health_is_serving_and_metrics_count_rounds(pool_server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    server, _ = pool_server
+    server, pool = pool_server
     with grpc.insecure_channel(server.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="")).status
     assert status == health_pb2.HealthCheckResponse.SERVING
-    assert metric(server, "hybridspec_rounds_total") > 0
+    assert metric(server, "hybridspec_spec_decode_num_drafts_total") > 0
     assert metric(server, "hybridspec_replicas_alive") == 2
-    drafted1 = metric(server, "hybridspec_drafted_at_position_total", position="1")
-    accepted1 = metric(server, "hybridspec_accepted_at_position_total", position="1")
-    assert drafted1 >= accepted1 > 0
+    drafted0 = metric(server, "hybridspec_spec_decode_num_draft_tokens_per_pos_total", position="0")
+    accepted0 = metric(server, "hybridspec_spec_decode_num_accepted_tokens_per_pos_total", position="0")
+    assert drafted0 >= accepted0 > 0
+    # What the replicas measure themselves arrives with their status, one series per replica.
+    replicas = tuple(pool.replicas)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
+    for replica in replicas:
+        assert f'hybridspec_kv_cache_usage_perc{{replica="{replica}"}}' in text
+        assert 0 <= metric(server, "hybridspec_kv_cache_usage_perc", replica=replica) <= 1
+    assert sum(metric(server, "hybridspec_iteration_tokens_total_count", replica=r) for r in replicas) > 0
+    assert sum(metric(server, "hybridspec_time_to_first_token_seconds_count", replica=r) for r in replicas) > 0
+    assert sum(metric(server, "hybridspec_inter_token_latency_seconds_count", replica=r) for r in replicas) > 0

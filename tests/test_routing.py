@@ -1,25 +1,30 @@
-"""The front door's session table as a pure object: ids, re-opens, per-client limits, reconciliation."""
+"""The front door's session table as a pure object: ids, re-opens, per-client limits, ownership,
+reconciliation."""
 import time
 
 import pytest
 
 from hybridspec.cloud.routing import SessionTable
-from hybridspec.common.errors import FailedPrecondition, ResourceExhausted
+from hybridspec.common.credentials import Identity, anonymous
+from hybridspec.common.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
+
+ALICE, BOB = Identity("alice", authenticated=True), Identity("bob", authenticated=True)
 
 
 def routed(table: SessionTable, client: str, replica: str, opening: bool = False) -> str:
     """A new session of `client`, placed on `replica` (as Backend.open_session does)."""
-    sid, route = table.claim("", client)
+    sid, route = table.claim("", anonymous(client))
     route.replica, route.opening = replica, opening
     return sid
 
 
 def test_new_ids_are_fresh_and_a_live_id_reopens_in_place():
     table = SessionTable(max_per_client=8)
-    sid, route = table.claim("", "a")
+    sid, route = table.claim("", anonymous("a"))
     assert route.replica == "" and len(sid) == 24  # counted at once, placed later
-    assert table.claim(sid, "anyone") == (sid, route)  # presenting the id is holding the session
-    made_up, other = table.claim("my-own-id", "a")
+    # Without credentials, presenting the id is holding the session.
+    assert table.claim(sid, anonymous("anyone")) == (sid, route)
+    made_up, other = table.claim("my-own-id", anonymous("a"))
     assert other is not route and made_up not in (sid, "my-own-id")
     with pytest.raises(FailedPrecondition) as info:
         table.get("my-own-id")
@@ -28,14 +33,34 @@ def test_new_ids_are_fresh_and_a_live_id_reopens_in_place():
 
 def test_the_limit_counts_from_the_claim_and_is_freed_by_removal():
     table = SessionTable(max_per_client=2)
-    first, _ = table.claim("", "a")  # not placed yet (every replica down, say): it counts already
+    first, _ = table.claim("", anonymous("a"))  # not placed yet (every replica down, say): it counts already
     routed(table, "a", "r1")
     with pytest.raises(ResourceExhausted):
-        table.claim("", "a")
-    table.claim("", "b")  # another client is not affected
+        table.claim("", anonymous("a"))
+    table.claim("", anonymous("b"))  # another client is not affected
     table.remove(first)
-    table.claim("", "a")  # room again
+    table.claim("", anonymous("a"))  # room again
     assert table.count("r1") == 1
+
+
+def test_an_authenticated_session_belongs_to_its_identity():
+    table = SessionTable(max_per_client=8)
+    sid, route = table.claim("", ALICE)
+    assert table.claim(sid, ALICE) == (sid, route) and table.get(sid, ALICE) is route
+    for attempt in (lambda: table.claim(sid, BOB), lambda: table.get(sid, BOB)):
+        with pytest.raises(PermissionDenied):
+            attempt()
+    assert table.lookup(sid) is route  # a refused caller changes nothing
+
+
+def test_an_identity_may_carry_its_own_session_limit():
+    table = SessionTable(max_per_client=8)
+    small = Identity("small", authenticated=True, max_sessions=1)
+    table.claim("", small)
+    with pytest.raises(ResourceExhausted, match="the limit is 1"):
+        table.claim("", small)
+    for _ in range(8):
+        table.claim("", ALICE)  # the server's default for everyone else
 
 
 def test_reconcile_drops_only_settled_routes_the_replica_no_longer_holds():

@@ -17,6 +17,9 @@ import openai
 import pytest
 import uvicorn
 from hybridspec.cli.serve_cmd import parse_ready_line
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.common.errors import HybridSpecError
+from hybridspec.common.wire import SessionSpec
 from hybridspec.common.models import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -214,8 +217,10 @@ def test_models_health_and_metrics(api):
     client.completions.create(model=model, prompt="w5", max_tokens=4)
     metrics = httpx2.get(f"{base}/metrics").text
     for name in ("hybridspec_edge_prompt_tokens_total", "hybridspec_edge_completion_tokens_total",
-                 "hybridspec_edge_accepted_tokens_total", "hybridspec_edge_drafted_tokens_total",
-                 "hybridspec_edge_verify_rounds_total", "hybridspec_edge_uplink_bytes_total",
+                 "hybridspec_edge_spec_decode_num_accepted_tokens_total",
+                 "hybridspec_edge_spec_decode_num_draft_tokens_total",
+                 "hybridspec_edge_spec_decode_num_drafts_total", "hybridspec_edge_uplink_bytes_total",
+                 "hybridspec_edge_inter_token_latency_seconds_bucket",
                  "hybridspec_edge_time_to_first_token_seconds_bucket", "hybridspec_edge_requests_in_flight",
                  "hybridspec_edge_http_request_duration_seconds_bucket"):
         assert name in metrics, name
@@ -373,3 +378,33 @@ def test_embedded_pair_answers_a_chat_completion_exactly():
         assert reply.usage.prompt_tokens == len(prompt)
     finally:
         cloud.stop()
+
+
+def _series_names(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_series_the_grafana_dashboard_reads_is_exported(verifier, drafter):
+    """deploy/grafana/hybridspec.json only reads series a real cloud and a real edge export after
+    serving a request: a renamed metric breaks this test, not a dashboard nobody looks at."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_deploy import dashboard_metric_names
+
+    cloud = BackgroundServer(verifier, metrics_port=0)
+    try:
+        worker = make_worker(cloud.address, drafter, fallback_threshold=0.0)
+        with serving(worker) as (base, model):
+            assert httpx2.post(f"{base}/v1/completions", json={"model": model, "prompt": "w5 w6",
+                                                                "max_tokens": 8}).status_code == 200
+            assert httpx2.get(f"{base}/nowhere").status_code == 404
+            edge_text = httpx2.get(f"{base}/metrics").text
+        client = VerifierClient(cloud.address, 5)
+        with pytest.raises(HybridSpecError, match="vocabulary"):  # one refused call: the error counter has a series
+            client.open_session(SessionSpec(session_id="", committed_ids=(5, 10**6)))
+        client.close()
+        cloud.call(cloud.running.refresh_metrics())
+        cloud_text = httpx2.get(f"http://127.0.0.1:{cloud.running.metrics_port}/metrics").text
+    finally:
+        cloud.stop()
+    missing = dashboard_metric_names() - _series_names(cloud_text) - _series_names(edge_text)
+    assert not missing, f"the dashboard reads series nobody exports: {sorted(missing)}"

@@ -72,16 +72,23 @@ def test_the_real_binds_fail_cleanly_and_a_grpc_port_is_never_shared(verifier, b
 
 
 def test_metrics_server_answers_metrics_and_health_only(verifier):
+    """/metrics, /health (liveness) and /health/ready (readiness: the front door is SERVING); 404 else."""
     server = BackgroundServer(verifier, metrics_port=0)
     base = f"http://127.0.0.1:{server.running.metrics_port}"
     try:
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as reply:
             assert reply.status == 200
             text = reply.read().decode()
-        assert "hybridspec_rounds_total" in text and "hybridspec_replicas_alive" in text
+        assert "hybridspec_spec_decode_num_drafts_total" in text and "hybridspec_replicas_alive" in text
         assert "_created" not in text
         with urllib.request.urlopen(f"{base}/health", timeout=10) as reply:
             assert reply.status == 200 and len(reply.read()) < 16
+        with urllib.request.urlopen(f"{base}/health/ready", timeout=10) as reply:
+            assert reply.status == 200
+        server.running.metrics.serving.clear()  # what a drain does before the port closes
+        with pytest.raises(urllib.error.HTTPError) as not_ready:
+            urllib.request.urlopen(f"{base}/health/ready", timeout=10)
+        assert not_ready.value.code == 503
         for path in ("/", "/other", "/metrics/x"):
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(f"{base}{path}", timeout=10)

@@ -34,6 +34,9 @@ WORKDIR /home/hybridspec
 RUN hybridspec models pull
 
 EXPOSE 50051 9464
+# Readiness over the metrics port: plain HTTP on loopback, so the check keeps working when the
+# gRPC front door is TLS-only and needs a token.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-  CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=3); sys.exit(s.status != h.HealthCheckResponse.SERVING)"]
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/health/ready', timeout=3)"]
+# Listening on every interface needs TLS (--tls-cert/--tls-key) or an explicit --insecure.
 ENTRYPOINT ["hybridspec", "cloud", "serve", "--config", "/etc/hybridspec/cloud.yaml", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", "--device", "cpu", "--no-direct-verify"]

@@ -1,7 +1,11 @@
 # The cloud verifier pool on an NVIDIA GPU: `hybridspec cloud serve` (gRPC 50051, /metrics 9464).
 # Build from the repository root and run with the NVIDIA container toolkit:
 #   docker build -f deploy/docker/cloud.Dockerfile -t hybridspec-cloud:cuda .
-#   docker run --gpus all --shm-size 2g -p 50051:50051 -p 9464:9464 hybridspec-cloud:cuda --replicas 1
+#   docker run --gpus all --shm-size 2g -p 50051:50051 -p 127.0.0.1:9464:9464 \
+#     -v $PWD/tls:/etc/hybridspec/tls:ro -v $PWD/credentials.yaml:/etc/hybridspec/credentials.yaml:ro \
+#     hybridspec-cloud:cuda --replicas 1 --tls-cert /etc/hybridspec/tls/tls.crt \
+#     --tls-key /etc/hybridspec/tls/tls.key --credentials /etc/hybridspec/credentials.yaml
+# (docs/security.md makes the certificate and the credentials file.)
 # torch's cu128 wheels bring their own CUDA libraries; the base image supplies the user-space driver
 # hooks. The embedded models are pulled at build time; nothing is downloaded at run time.
 FROM nvidia/cuda:12.8.1-runtime-ubuntu22.04
@@ -42,6 +46,9 @@ WORKDIR /home/hybridspec
 RUN hybridspec models pull
 
 EXPOSE 50051 9464
+# Readiness over the metrics port: plain HTTP on loopback, so the check keeps working when the
+# gRPC front door is TLS-only and needs a token.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=180s --retries=3 \
-  CMD ["python", "-c", "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s = g.HealthStub(grpc.insecure_channel('127.0.0.1:50051')).Check(h.HealthCheckRequest(), timeout=3); sys.exit(s.status != h.HealthCheckResponse.SERVING)"]
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/health/ready', timeout=3)"]
+# Listening on every interface needs TLS (--tls-cert/--tls-key) or an explicit --insecure.
 ENTRYPOINT ["hybridspec", "cloud", "serve", "--config", "/etc/hybridspec/cloud.yaml", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9464", "--device", "cuda", "--no-direct-verify"]

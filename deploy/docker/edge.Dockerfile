@@ -1,7 +1,9 @@
 # An OpenAI-compatible edge: `hybridspec edge serve` on port 8000 (HTTP API, /health, /metrics).
 # Build from the repository root:
 #   docker build -f deploy/docker/edge.Dockerfile -t hybridspec-edge .
-#   docker run -p 8000:8000 hybridspec-edge --cloud CLOUD_HOST:50051
+#   docker run -p 8000:8000 -v $PWD/edge-tls:/etc/hybridspec/tls:ro -e HYBRIDSPEC_TOKEN=hs_... \
+#     hybridspec-edge --cloud CLOUD_HOST:50051 --tls --http-tls-cert /etc/hybridspec/tls/tls.crt \
+#     --http-tls-key /etc/hybridspec/tls/tls.key --api-keys /etc/hybridspec/tls/api-keys.yaml
 # The cloud address is the one argument the image cannot know: pass --cloud HOST:PORT (compose.yaml
 # gives netem:50052). The embedded drafter is pulled at build time (it shares the target's files).
 FROM python:3.11.14-slim-bookworm

@@ -19,12 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ...common.credentials import CredentialStore
 from ...common.errors import HybridSpecError, Unavailable
 from ...common.wire import ModelInfo
 from ..config import EdgeConfig
 from ..prompt import encode_messages, encode_prompt
 from ..worker import EdgeWorker
 from . import errors
+from .auth import APIKeys
 from .config import ServeOptions
 from .errors import APIError, api_error
 from .generation import Job, Outcome, Text
@@ -198,7 +200,8 @@ class Service:
             kind = "error"
         else:
             kind = gen.finish_reason
-        self.metrics.observe_generation(endpoint, kind, len(job.prompt_ids), gen.stats if gen else None, job.ttft_s)
+        self.metrics.observe_generation(endpoint, kind, len(job.prompt_ids), gen.stats if gen else None, job.ttft_s,
+                                        job.itl_s(gen.stats.new_tokens) if gen else None)
 
     async def _until(self, job: Job, request: Request, stop_at_text: bool) -> tuple[list[str], Outcome | None]:
         """The job's text until its Outcome (or, with stop_at_text, its first text); cancels the job
@@ -261,8 +264,10 @@ class Service:
                 job.cancel()
 
 
-def create_app(worker: EdgeWorker, options: ServeOptions | None = None) -> FastAPI:
-    """The HTTP app in front of `worker` (built and connected; warm it up first, generation.warm_up)."""
+def create_app(worker: EdgeWorker, options: ServeOptions | None = None, api_keys: CredentialStore | None = None,
+               ) -> FastAPI:
+    """The HTTP app in front of `worker` (built and connected; warm it up first, generation.warm_up).
+    api_keys: every /v1/ request must carry one of its keys (None: open)."""
     options = options or ServeOptions()
     service = Service(worker, options)
     app = FastAPI(title="hybridspec edge", summary="OpenAI-compatible edge-cloud speculative decoding",
@@ -313,6 +318,8 @@ def create_app(worker: EdgeWorker, options: ServeOptions | None = None) -> FastA
 
     endpoints = {route.path for route in app.routes if hasattr(route, "path")}
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
+    if api_keys is not None:  # outside BodyLimit: an unknown caller's body is never read
+        app.add_middleware(APIKeys, store=api_keys)
     app.add_middleware(RequestMetrics, metrics=service.metrics, endpoints=endpoints)
     return app
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...common.tls import check_plaintext
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -16,6 +18,10 @@ class ServeOptions:
     served_model_name: str = ""  # the model id clients name; "" = the target's directory or file name
     warmup_tokens: int = 32  # tokens the start-up generation decodes; 0 skips it
     access_log: bool = False  # one uvicorn log line per request
+    http_tls_cert: str = ""  # PEM certificate chain: serve HTTPS (with http_tls_key)
+    http_tls_key: str = ""  # its private key
+    api_keys: str = ""  # credentials file (hybridspec token add): every /v1/ request needs one of its keys
+    insecure: bool = False  # allow plain HTTP on a non-loopback host (logged as a warning)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -26,3 +32,11 @@ class ServeOptions:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.warmup_tokens < 0:
             raise ValueError(f"warmup_tokens must be >= 0, got {self.warmup_tokens}")
+        if bool(self.http_tls_cert) != bool(self.http_tls_key):
+            raise ValueError("http_tls_cert and http_tls_key go together: give both or neither")
+        check_plaintext(self.host, self.tls, self.insecure, "the HTTP server")
+
+    @property
+    def tls(self) -> bool:
+        """True when the server speaks HTTPS."""
+        return bool(self.http_tls_cert)

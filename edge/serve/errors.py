@@ -1,7 +1,8 @@
 """Every failure as OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, with its
-HTTP status: 400 invalid request (FastAPI's validation errors included), 404 unknown route or model,
-413 body too large, 429 too many requests, 503 cloud unreachable, 500 anything else (an incident
-id; the traceback goes to the server log only).
+HTTP status: 400 invalid request (FastAPI's validation errors included), 401 missing or unknown API key,
+404 unknown route or model, 413 body too large, 429 too many requests, 502 the cloud refused this
+server's own credentials, 503 cloud unreachable, 500 anything else (an incident id; the traceback
+goes to the server log only).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from starlette.exceptions import HTTPException
 from ...common.errors import (
     HybridSpecError,
     InvalidArgument,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     incident,
 )
@@ -23,9 +26,9 @@ from ...common.errors import (
 log = logging.getLogger("hybridspec.edge.serve")
 
 # OpenAI's `type` per status.
-TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-         413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request", 500: "server_error",
-         503: "service_unavailable"}
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         499: "client_closed_request", 500: "server_error", 502: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -60,8 +63,10 @@ def api_error(exc: BaseException, during: str) -> APIError:
         return APIError(400, str(exc), code="invalid_value")
     if isinstance(exc, Unavailable):
         return APIError(503, str(exc), code="cloud_unavailable")
-    if isinstance(exc, ResourceExhausted):  # the cloud's session or context limits
+    if isinstance(exc, ResourceExhausted):  # the cloud's session, rate or context limits
         return APIError(429, str(exc), code="cloud_capacity")
+    if isinstance(exc, (Unauthenticated, PermissionDenied)):  # this server's own credentials, not the client's
+        return APIError(502, str(exc), code="cloud_refused_credentials")
     return APIError(500, str(incident(log, exc, during)), code="internal_error")
 
 

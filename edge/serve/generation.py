@@ -52,6 +52,7 @@ class Job:
         self.on_thread = on_thread
         self.created = time.perf_counter()
         self.first_text_at: float | None = None
+        self.ended_at: float | None = None
         self.outcome: Outcome | None = None  # set by the thread; None if the job never got one
         self._queue: asyncio.Queue[Text | Outcome] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -64,6 +65,13 @@ class Job:
     def ttft_s(self) -> float | None:
         """Seconds from the request to the first final text (None: no text yet)."""
         return None if self.first_text_at is None else self.first_text_at - self.created
+
+    def itl_s(self, tokens: int) -> float | None:
+        """Mean seconds between the generation's output tokens after the first, for `tokens` output
+        tokens (None: fewer than two, or no text)."""
+        if self.first_text_at is None or self.ended_at is None or tokens < 2:
+            return None
+        return (self.ended_at - self.first_text_at) / (tokens - 1)
 
     def start(self, on_done: Callable[[Job], None]) -> None:
         """Queue the generation for a worker thread; `on_done(job)` runs on the event loop once the
@@ -109,6 +117,7 @@ class Job:
             self.on_thread(-1)
 
     def _end(self, outcome: Outcome) -> None:
+        self.ended_at = time.perf_counter()
         self.outcome = outcome
         self._put(outcome)
 

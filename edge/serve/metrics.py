@@ -1,8 +1,9 @@
 """Prometheus metrics of `edge serve` (one registry per app, so tests can run several).
 
 Requests are counted by endpoint and HTTP status, with their duration (for a stream: until its last
-byte); generations by how they ended, with their tokens, the speculative work behind them (rounds,
-drafted and accepted tokens, bytes each way) and their time to first token.
+byte); generations by how they ended, with their tokens, the speculative work behind them (drafts,
+drafted and accepted tokens under vLLM's spec_decode names, bytes each way), their time to first
+token and their mean inter-token latency.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..stats import Stats
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 OTHER = "other"  # the endpoint label of paths that are no route (bounded label cardinality)
 
 
@@ -36,6 +38,9 @@ class ServeMetrics:
         self.ttft = Histogram("hybridspec_edge_time_to_first_token_seconds",
                               "Time from a generation request to its first final text", ["endpoint"],
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hybridspec_edge_inter_token_latency_seconds",
+                             "Mean time between a generation's output tokens after its first (one observation "
+                             "per generation)", ["endpoint"], buckets=ITL_BUCKETS, registry=r)
         self.in_flight = Gauge("hybridspec_edge_requests_in_flight",
                                "Generation requests admitted and not finished (running or waiting)", registry=r)
         self.running = Gauge("hybridspec_edge_generations_running", "Generations running on worker threads",
@@ -45,11 +50,12 @@ class ServeMetrics:
                                    registry=r)
         self.prompt_tokens = Counter("hybridspec_edge_prompt_tokens_total", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("hybridspec_edge_completion_tokens_total", "Generated tokens", registry=r)
-        self.drafted = Counter("hybridspec_edge_drafted_tokens_total", "Tokens drafted and sent for verification",
-                               registry=r)
-        self.accepted = Counter("hybridspec_edge_accepted_tokens_total", "Drafted tokens the verifier accepted",
-                                registry=r)
-        self.rounds = Counter("hybridspec_edge_verify_rounds_total", "Verify round trips", registry=r)
+        self.drafted = Counter("hybridspec_edge_spec_decode_num_draft_tokens_total",
+                               "Tokens drafted and sent for verification", registry=r)
+        self.accepted = Counter("hybridspec_edge_spec_decode_num_accepted_tokens_total",
+                                "Drafted tokens the verifier accepted", registry=r)
+        self.rounds = Counter("hybridspec_edge_spec_decode_num_drafts_total", "Verify round trips (one block each)",
+                              registry=r)
         self.cloud_only = Counter("hybridspec_edge_cloud_only_tokens_total", "Tokens the cloud decoded alone",
                                   registry=r)
         self.unverified = Counter("hybridspec_edge_unverified_tokens_total",
@@ -58,11 +64,13 @@ class ServeMetrics:
         self.downlink = Counter("hybridspec_edge_downlink_bytes_total", "Bytes received from the cloud", registry=r)
 
     def observe_generation(self, endpoint: str, outcome: str, prompt_tokens: int, stats: Stats | None,
-                           ttft_s: float | None) -> None:
+                           ttft_s: float | None, itl_s: float | None = None) -> None:
         """One generation ended (`stats` None: it never started)."""
         self.generations.labels(outcome).inc()
         if ttft_s is not None:
             self.ttft.labels(endpoint).observe(ttft_s)
+        if itl_s is not None:
+            self.itl.labels(endpoint).observe(itl_s)
         if stats is None:
             return
         self.prompt_tokens.inc(prompt_tokens)

@@ -1,0 +1,75 @@
+"""What a replica measures about its own steps and sessions, as plain numbers: no Prometheus here (the
+replica may live in another process; the front door exports the snapshots, cloud/metrics.py).
+
+- time to first token: from the replica taking a new generation's open to its first answered round
+  (prefill, the edge's first draft, the round trip and the round itself);
+- inter-token latency: for every later round, the time since the session's previous answer divided
+  over the tokens the round committed (each token is one observation, so the mean is seconds/token);
+- iteration tokens: the tokens each forward pass carried (rounds' blocks plus prefill chunks).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """A histogram's state: counts per bucket (not cumulative; the last one past every bound) and
+    the sum of everything observed."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float = 0.0
+
+    @property
+    def count(self) -> int:
+        """Observations in all."""
+        return sum(self.counts)
+
+
+class Buckets:
+    """A running histogram over fixed upper bounds."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"bounds must increase, got {bounds}")
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._total = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count `value` `times` times (a value equal to a bound falls in that bound's bucket)."""
+        self._counts[bisect.bisect_left(self.bounds, value)] += times
+        self._total += value * times
+
+    def snapshot(self) -> HistogramSnapshot:
+        """The state now."""
+        return HistogramSnapshot(self.bounds, tuple(self._counts), self._total)
+
+
+@dataclass(frozen=True)
+class ReplicaTelemetry:
+    """A replica's histograms since it started, and how full its KV pool is now."""
+
+    ttft: HistogramSnapshot
+    itl: HistogramSnapshot
+    iteration_tokens: HistogramSnapshot
+    kv_usage: float  # fraction of the KV pool's pages in use, 0..1
+
+
+class Telemetry:
+    """The running histograms one Verifier keeps (touched under its lock)."""
+
+    def __init__(self) -> None:
+        self.ttft = Buckets(TTFT_BUCKETS)
+        self.itl = Buckets(ITL_BUCKETS)
+        self.iteration_tokens = Buckets(ITERATION_TOKEN_BUCKETS)
+
+    def snapshot(self, kv_usage: float) -> ReplicaTelemetry:
+        """Everything, frozen, with the KV pool's fill."""
+        return ReplicaTelemetry(self.ttft.snapshot(), self.itl.snapshot(), self.iteration_tokens.snapshot(), kv_usage)

@@ -1,0 +1,436 @@
+"""The verifier pool on the internet: TLS (and mutual TLS) with throw-away certificates from trustme,
+per-edge tokens, session ownership and per-identity limits — over real gRPC on localhost, with the
+in-process backend and with a real Ray pool whose replicas take rounds on their own endpoints."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hybridspec.cloud.access import AccessSpec
+from hybridspec.cloud.backend import InProcessBackend
+from hybridspec.cloud.pool import PoolSpec, RayPool
+from hybridspec.cloud.replica import ReplicaSpec
+from hybridspec.cloud.server import BackgroundServer
+from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.common.config import ConfigError
+from hybridspec.common.credentials import add_identity, remove_identity
+from hybridspec.common.errors import Unauthenticated, Unavailable
+from hybridspec.common.proto import verifier_pb2 as pb
+from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.tls import ClientTLS, ServerTLS
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import CloudAccess, EdgeConfig
+from hybridspec.edge.worker import EdgeWorker
+
+from test_cli import ENV
+from tinymodels import EVERY_ROUND, greedy_reference
+
+PROMPT = [7, 19, 40, 81]
+NEW_TOKENS = 12
+SERVER_NAME = "verifier.hybridspec.test"
+LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=16)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA and the server's certificate (for the test name and 127.0.0.1), a second unrelated CA, and a
+    client CA with one edge's certificate, all as PEM files."""
+    root = tmp_path_factory.mktemp("pki")
+    ca, other, client_ca = trustme.CA(), trustme.CA(), trustme.CA()
+    server = ca.issue_cert(SERVER_NAME, "127.0.0.1")
+    edge = client_ca.issue_cert("edge-1")
+    files = {"ca": ca.cert_pem, "other_ca": other.cert_pem, "client_ca": client_ca.cert_pem,
+             "cert": server.cert_chain_pems[0], "key": server.private_key_pem,
+             "edge_cert": edge.cert_chain_pems[0], "edge_key": edge.private_key_pem}
+    paths = {}
+    for name, blob in files.items():
+        blob.write_to_path(str(root / f"{name}.pem"))
+        paths[name] = str(root / f"{name}.pem")
+    paths["issuer"] = ca
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """A credentials file: alice and bob with the server's defaults, `slow` with a tiny rate, `small`
+    with one session; returns (path, {name: token})."""
+    path = tmp_path_factory.mktemp("auth") / "credentials.yaml"
+    issued = {name: add_identity(path, name) for name in ("alice", "bob")}
+    issued["slow"] = add_identity(path, "slow", tokens_per_s=10)
+    issued["small"] = add_identity(path, "small", max_sessions=1)
+    return str(path), issued
+
+
+def access(pki, tokens, mutual=False) -> AccessSpec:
+    return AccessSpec(tls=ServerTLS(pki["cert"], pki["key"], pki["client_ca"] if mutual else ""),
+                      credentials=tokens[0])
+
+
+def edge_access(pki, token, ca="ca", **tls) -> CloudAccess:
+    return CloudAccess(ClientTLS(enabled=True, ca=pki[ca], server_name=SERVER_NAME, **tls), token)
+
+
+@pytest.fixture(scope="module")
+def secure_server(target, pki, tokens):
+    """A front door with TLS and tokens, in front of one in-process verifier."""
+    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS), max_sessions_per_client=4),
+                           access=access(pki, tokens))
+    yield srv
+    srv.stop()
+
+
+def edge_config(address: str) -> EdgeConfig:
+    return EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
+
+
+def generate(address: str, cloud_access: CloudAccess, drafter) -> list[int]:
+    with VerifierClient(address, access=cloud_access) as client:
+        return EdgeWorker(drafter, client, edge_config(address)).generate(PROMPT).token_ids
+
+
+def secure_stub(address: str, pki, ca="ca", **tls):
+    credentials = ClientTLS(enabled=True, ca=pki[ca], **tls).channel_credentials()
+    channel = grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", SERVER_NAME)])
+    return channel, pb_grpc.VerifierStub(channel)
+
+
+def auth(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def code_of(call, *args, **kwargs):
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value.code(), info.value.details()
+
+
+# ---- TLS -------------------------------------------------------------------------------------------
+
+def test_greedy_output_is_identical_over_tls_with_a_token(secure_server, pki, tokens, target, random_drafter):
+    expected = greedy_reference(target, PROMPT, NEW_TOKENS)
+    for drafter in (target, random_drafter):  # every draft accepted / nearly every draft rejected
+        assert generate(secure_server.address, edge_access(pki, tokens[1]["alice"]), drafter) == expected
+
+
+def test_a_server_certificate_from_another_ca_is_refused(secure_server, pki, tokens, target):
+    with pytest.raises(Unavailable, match="not signed by a trusted CA"):
+        generate(secure_server.address, edge_access(pki, tokens[1]["alice"], ca="other_ca"), target)
+
+
+def test_a_wrong_server_name_and_a_plaintext_client_are_refused(secure_server, pki, tokens, target):
+    wrong_name = CloudAccess(ClientTLS(enabled=True, ca=pki["ca"], server_name="elsewhere.test"), tokens[1]["alice"])
+    with pytest.raises(Unavailable, match="does not name that host"):
+        generate(secure_server.address, wrong_name, target)
+    with pytest.raises(Unavailable):
+        generate(secure_server.address, CloudAccess(token=tokens[1]["alice"]), target)
+
+
+def test_mutual_tls_needs_a_client_certificate_from_the_client_ca(target, pki, tokens):
+    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)), access=access(pki, tokens, mutual=True))
+    try:
+        token = tokens[1]["alice"]
+        with pytest.raises(Unavailable):
+            generate(srv.address, edge_access(pki, token), target)
+        with_cert = edge_access(pki, token, cert=pki["edge_cert"], key=pki["edge_key"])
+        assert generate(srv.address, with_cert, target) == greedy_reference(target, PROMPT, NEW_TOKENS)
+    finally:
+        srv.stop()
+
+
+def test_a_rotated_certificate_is_served_without_a_restart(target, pki, tokens, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    shutil.copy(pki["cert"], cert)
+    shutil.copy(pki["key"], key)
+    spec = AccessSpec(tls=ServerTLS(str(cert), str(key)), credentials=tokens[0])
+    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)), access=spec)
+    try:
+        new_ca = trustme.CA()
+        renewed = new_ca.issue_cert(SERVER_NAME, "127.0.0.1")
+        renewed.private_key_pem.write_to_path(str(key))
+        renewed.cert_chain_pems[0].write_to_path(str(cert))
+        new_ca.cert_pem.write_to_path(str(tmp_path / "new-ca.pem"))
+        pki_now = {**pki, "new_ca": str(tmp_path / "new-ca.pem")}
+        token = tokens[1]["alice"]
+        assert generate(srv.address, edge_access(pki_now, token, ca="new_ca"), target)
+        with pytest.raises(Unavailable, match="not signed by a trusted CA"):
+            generate(srv.address, edge_access(pki_now, token, ca="ca"), target)
+    finally:
+        srv.stop()
+
+
+# ---- tokens ----------------------------------------------------------------------------------------
+
+def test_no_or_a_wrong_token_is_unauthenticated_and_health_stays_open(secure_server, pki):
+    channel, stub = secure_stub(secure_server.address, pki)
+    with channel:
+        request = pb.OpenSessionRequest(committed_ids=[5, 6])
+        for metadata in ((), auth("hs_not-a-token"), (("authorization", "Basic YWxpY2U6eA=="),)):
+            code, details = code_of(stub.OpenSession, request, metadata=metadata)
+            assert code == grpc.StatusCode.UNAUTHENTICATED, (metadata, code)
+            assert "hs_not-a-token" not in details
+        assert code_of(stub.GetModelInfo, pb.GetModelInfoRequest())[0] == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_edge_reports_a_refused_token_in_one_line(secure_server, pki, target):
+    with pytest.raises(Unauthenticated, match="refused this edge's credentials: invalid credentials"):
+        generate(secure_server.address, edge_access(pki, "hs_revoked-or-made-up"), target)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-ca", "other_ca"], "not signed by a trusted CA"),
+    (["--tls-ca", "ca", "--tls-server-name", "wrong.example"], "does not name that host"),
+])
+def test_the_edge_cli_reports_a_refused_handshake_in_exactly_one_line(secure_server, pki, model_dirs, flags, message):
+    """gRPC's C core logs every failed handshake on stderr unless told otherwise; the CLI's one
+    error line must be all a user sees."""
+    flags = [pki.get(flag, flag) for flag in flags]
+    if "--tls-server-name" not in flags:
+        flags += ["--tls-server-name", SERVER_NAME]
+    result = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "edge", "generate", "--prompt", "w5 w6",
+                             "--cloud", secure_server.address, "--drafter", str(model_dirs["target"]),
+                             "--max-new-tokens", "4", "--tls", *flags], capture_output=True, text=True,
+                            timeout=120, env=ENV)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hybridspec: error:") and message in lines[0], result.stderr
+
+
+def test_another_identitys_session_is_permission_denied_and_left_intact(secure_server, pki, tokens, target):
+    alice, bob = auth(tokens[1]["alice"]), auth(tokens[1]["bob"])
+    channel, stub = secure_stub(secure_server.address, pki)
+    with channel:
+        sid = stub.OpenSession(pb.OpenSessionRequest(committed_ids=PROMPT), metadata=alice).session_id
+        round0 = pb.VerifyRequest(session_id=sid, round=0, committed_len=len(PROMPT), draft_ids=[5])
+        attacks = [(stub.Verify, round0), (stub.CloseSession, pb.CloseSessionRequest(session_id=sid)),
+                   (stub.OpenSession, pb.OpenSessionRequest(session_id=sid, committed_ids=[9, 9, 9]))]
+        for call, request in attacks:
+            code, details = code_of(call, request, metadata=bob)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "another identity" in details, call
+        reply = stub.Verify(round0, metadata=alice)  # alice's session is as she left it
+        assert reply.committed_len == len(PROMPT) + 1 + reply.num_accepted
+        assert ([5] if reply.num_accepted else []) + [reply.next_token] == \
+            greedy_reference(target, PROMPT, reply.num_accepted + 1)
+        assert stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=alice).existed
+
+
+def test_over_its_limits_an_identity_gets_resource_exhausted(secure_server, pki, tokens):
+    channel, stub = secure_stub(secure_server.address, pki)
+    with channel:
+        # `slow` may prefill 10 tokens/s with 2 s of credit and 2 s of waiting: 100 tokens is too many.
+        code, details = code_of(stub.OpenSession, pb.OpenSessionRequest(committed_ids=[5] * 100),
+                                metadata=auth(tokens[1]["slow"]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "slow is over its limit of 10 tokens/s" in details
+        # `small` may hold one session; others keep the server's limit of 4.
+        small = auth(tokens[1]["small"])
+        first = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5]), metadata=small).session_id
+        code, details = code_of(stub.OpenSession, pb.OpenSessionRequest(committed_ids=[5]), metadata=small)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the limit is 1" in details
+        stub.CloseSession(pb.CloseSessionRequest(session_id=first), metadata=small)
+
+
+def test_a_paced_identity_is_slowed_not_refused(secure_server, pki, tokens):
+    """Within its credit plus the longest wait, a request over the rate is delayed, not failed."""
+    channel, stub = secure_stub(secure_server.address, pki)
+    slow = auth(tokens[1]["slow"])
+    with channel:
+        start = time.monotonic()
+        for _ in range(3):  # 3 x 12 tokens at 10 tokens/s with 20 tokens of credit: the third waits ~1.6 s
+            sid = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5] * 12), metadata=slow).session_id
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=slow)
+        assert time.monotonic() - start > 1.0
+
+
+def test_a_revoked_token_stops_working_without_a_restart(target, pki, tmp_path):
+    path = tmp_path / "credentials.yaml"
+    token = add_identity(path, "temp")
+    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)),
+                           access=AccessSpec(tls=ServerTLS(pki["cert"], pki["key"]), credentials=str(path)))
+    channel, stub = secure_stub(srv.address, pki)
+    try:
+        with channel:
+            stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=auth(token))
+            assert remove_identity(path, "temp")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                try:
+                    stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=auth(token))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail("the revoked token still works after 5 s")
+            path.write_text("identities: [not, a, mapping]\n")  # a broken file keeps the last good table
+            time.sleep(1.2)
+            assert code_of(stub.GetModelInfo, pb.GetModelInfoRequest(), metadata=auth(token))[0] == \
+                grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        srv.stop()
+
+
+# ---- a Ray pool: replica endpoints speak TLS and check tokens too ------------------------------------
+
+@pytest.fixture(scope="module")
+def secure_pool(ray_cluster, model_dirs, pki, tokens):
+    spec = access(pki, tokens)
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, verify_host="127.0.0.1",
+                          limits=LIMITS, access=spec)
+    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="secure-pool"))
+    server = BackgroundServer(pool, access=spec)
+    yield server, pool
+    server.stop()
+
+
+def test_direct_rounds_use_tls_and_tokens_and_stay_exact(secure_pool, pki, tokens, target, random_drafter):
+    server, pool = secure_pool
+    endpoint = next(iter(pool.replicas.values())).verify_address
+    with VerifierClient(server.address, access=edge_access(pki, tokens[1]["alice"])) as client:
+        for drafter in (target, random_drafter):
+            gen = EdgeWorker(drafter, client, edge_config(server.address)).generate(PROMPT)
+            assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
+            assert client.rounds_address == endpoint  # the rounds went to the replica, over TLS
+    # The replica's own endpoint: plaintext refused; no token, another's session -> their statuses.
+    with grpc.insecure_channel(endpoint) as plain:
+        assert code_of(_stream_once, plain, "any-session", ())[0] == grpc.StatusCode.UNAVAILABLE
+    alice, bob = auth(tokens[1]["alice"]), auth(tokens[1]["bob"])
+    front, stub = secure_stub(server.address, pki)
+    with front:
+        opened = stub.OpenSession(pb.OpenSessionRequest(committed_ids=PROMPT), metadata=alice)
+        assert opened.verify_address == endpoint
+        channel, _ = secure_stub(endpoint, pki)
+        with channel:
+            assert code_of(_stream_once, channel, opened.session_id, ())[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert code_of(_stream_once, channel, opened.session_id, bob)[0] == grpc.StatusCode.PERMISSION_DENIED
+            reply = _stream_once(channel, opened.session_id, alice)
+            assert reply.committed_len == len(PROMPT) + 1
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=alice)
+
+
+def _stream_once(channel, session_id: str, metadata):
+    """One round of `session_id` on a VerifyStream (the only RPC a replica endpoint serves)."""
+    stub = pb_grpc.VerifierStub(channel)
+    request = pb.VerifyRequest(session_id=session_id, round=0, committed_len=len(PROMPT), draft_ids=[5])
+    return next(iter(stub.VerifyStream(iter([request]), metadata=metadata, timeout=30)))
+
+
+# ---- configuration: one clear line ---------------------------------------------------------------
+
+def test_plaintext_beyond_loopback_needs_insecure():
+    from hybridspec.cloud.config import ServeConfig
+
+    with pytest.raises(ConfigError, match="would listen on 0.0.0.0 without TLS"):
+        ServeConfig(host="0.0.0.0")
+    assert ServeConfig(host="0.0.0.0", insecure=True).host == "0.0.0.0"
+    assert ServeConfig(host="0.0.0.0", tls_cert="c.pem", tls_key="k.pem").access.tls.enabled
+    with pytest.raises(ConfigError, match="go together"):
+        ServeConfig(tls_cert="c.pem")
+
+
+def test_an_edge_sends_its_token_in_plaintext_only_to_loopback_or_when_told(monkeypatch):
+    monkeypatch.setenv("HYBRIDSPEC_TOKEN", "hs_test")
+    with pytest.raises(ConfigError, match="in plaintext"):
+        EdgeConfig(cloud="203.0.113.7:50051").cloud_access()
+    assert EdgeConfig(cloud="127.0.0.1:50051").cloud_access().token == "hs_test"
+    assert EdgeConfig(cloud="203.0.113.7:50051", insecure=True).cloud_access().token == "hs_test"
+    assert EdgeConfig(cloud="203.0.113.7:50051", tls=True).cloud_access().tls.enabled
+    monkeypatch.delenv("HYBRIDSPEC_TOKEN")
+    assert EdgeConfig(cloud="203.0.113.7:50051").cloud_access().token is None  # no token: nothing to leak
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--host", "0.0.0.0"], "would listen on 0.0.0.0 without TLS"),
+    (["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"],
+     "tls_key /nonexistent/key.pem cannot be read"),
+    (["--credentials", "/nonexistent/credentials.yaml"], "credentials file /nonexistent/credentials.yaml cannot be read"),
+])
+def test_cloud_serve_refuses_a_bad_security_setup_in_one_line(model_dirs, flags, message):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
+                             str(model_dirs["target"]), "--backend", "inprocess", "--port", "0", "--metrics-port", "-1",
+                             *flags], capture_output=True, text=True, timeout=60, env=ENV)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if "hybridspec: error:" in line]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_a_token_file_is_read_and_checked(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("hs_abc\n")
+    assert EdgeConfig(token_file=str(path)).cloud_access().token == "hs_abc"
+    path.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        EdgeConfig(token_file=str(path)).cloud_access()
+    with pytest.raises(ConfigError, match="cannot be read"):
+        EdgeConfig(token_file=str(tmp_path / "missing")).cloud_access()
+
+
+
+# ---- edge serve: HTTPS and API keys ----------------------------------------------------------------
+
+def test_edge_serve_over_https_with_api_keys(secure_server, pki, tokens, target, model_dirs):
+    """The edge's HTTP side: HTTPS with a throw-away certificate, /v1/ only with a key from a
+    credentials file (401 in OpenAI's shape otherwise), health and metrics open; the worker behind it
+    talks TLS and a token to the cloud. Output still exactly the target's."""
+    import ssl
+    import threading
+
+    import httpx2
+    import openai
+    import uvicorn
+
+    from hybridspec.common.credentials import CredentialStore
+    from hybridspec.common.models import load_model
+    from hybridspec.edge.serve.app import create_app
+    from hybridspec.edge.serve.config import ServeOptions
+
+    keys_path = tokens[0]  # the same file format as the cloud's; here the very same identities
+    options = ServeOptions(http_tls_cert=pki["cert"], http_tls_key=pki["key"], api_keys=keys_path, warmup_tokens=0)
+    config = EdgeConfig(cloud=secure_server.address, max_new_tokens=NEW_TOKENS, max_draft=4,
+                        fallback_threshold=0.0, **EVERY_ROUND)
+    worker = EdgeWorker(load_model(model_dirs["target"], device="cpu"),
+                        VerifierClient(secure_server.address, config.timeout_s,
+                                       edge_access(pki, tokens[1]["alice"])), config)
+    app = create_app(worker, options, CredentialStore(keys_path))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                           ssl_certfile=pki["cert"], ssl_keyfile=pki["key"]))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        base = f"https://127.0.0.1:{port}"
+        trusted = ssl.create_default_context(cafile=pki["ca"])
+        model = app.state.service.model
+        body = {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS}
+        with httpx2.Client(verify=trusted) as http:
+            for headers in ({}, {"Authorization": "Bearer hs_made-up"}, {"Authorization": "Basic eDp5"}):
+                refused = http.post(f"{base}/v1/completions", json=body, headers=headers)
+                assert refused.status_code == 401, headers
+                assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert http.get(f"{base}/health").status_code == 200  # open, as are /metrics
+            assert http.get(f"{base}/metrics").status_code == 200
+        with pytest.raises(httpx2.ConnectError):  # a client that does not trust the CA never gets in
+            httpx2.get(f"{base}/health", verify=ssl.create_default_context(cafile=pki["other_ca"]))
+        with openai.OpenAI(base_url=f"{base}/v1", api_key=tokens[1]["bob"], max_retries=0,
+                           http_client=httpx2.Client(verify=trusted)) as client:  # closed: uvicorn waits for it
+            reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS)
+        assert reply.choices[0].text == target.tokenizer.decode(greedy_reference(target, PROMPT, NEW_TOKENS),
+                                                                 skip_special_tokens=True)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        worker.close()
