@@ -5,6 +5,8 @@ import asyncio
 import signal
 import sys
 
+from ..netem.profiles import PROFILES
+
 
 def register(sub) -> None:
     """Add the `netem` command."""
@@ -24,6 +26,8 @@ def register(sub) -> None:
         n.add_argument(f"--{prefix}loss-pct", type=float, help=f"%% of chunks one 200 ms RTO late{which}")
         n.add_argument(f"--{prefix}stall-ms", type=float, help=f"stall length{which}")
         n.add_argument(f"--{prefix}stall-every-s", type=float, help=f"stall period{which}")
+    n.add_argument("--profile", help="a named link preset: " + ", ".join(PROFILES) + " (docs/experiments.md cites "
+                   "their sources); --up-*/--down-* flags still override one direction")
     n.add_argument("--seed", type=int, help="seed for jitter and loss")
     n.set_defaults(run=run_netem)
 

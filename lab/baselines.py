@@ -99,3 +99,13 @@ def _until_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
         if t in stop:
             return tokens[: i + 1]
     return tokens
+
+
+def target_greedy(target: LoadedModel, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
+    """The target's own greedy decoding by Hugging Face `generate` (no drafter, no pool, no network):
+    the independent reference every greedy row of an experiment is compared with."""
+    ids = torch.tensor([prompt], device=target.device)
+    with torch.inference_mode():
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=stop_ids[0])
+    return _until_stop(out[0, len(prompt):].tolist(), frozenset(stop_ids))

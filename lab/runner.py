@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import subprocess
 import threading
 import time
@@ -29,12 +30,15 @@ from ..edge.prompt import encode_prompt
 from ..edge.controller import DEFAULT_RATES
 from ..edge.worker import EdgeWorker
 from ..netem.relay import BackgroundLink
+from ..edge.state import EventKind
+from ..netem.profiles import profile
 from ..netem.shaping import LinkSpec
 from . import baselines
 from .spec import LINKED, ExperimentSpec, GridPoint, Strategy
 
-CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "temperature", "edges", "edge", "prompt",
-              "repeat", "new_tokens", "wall_s", "tokens_per_s", "same_as_target", "acceptance_rate",
+CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "link", "temperature", "edges",
+              "drafter", "drafter_used", "edge", "prompt_set", "prompt", "repeat", "new_tokens", "wall_s", "tokens_per_s",
+              "ttft_s", "measured_rtt_ms", "step_ms_p50", "step_ms_p90", "same_as_target", "acceptance_rate",
               "mean_tokens_per_round", "rounds", "mean_gamma", "cloud_calls_per_token", "bytes_per_token",
               "uplink_bytes", "downlink_bytes", "cloud_only_tokens", "switches_to_cloud", "pipeline_hits",
               "fallbacks"]
@@ -56,10 +60,13 @@ class Lab:
         self.edge_cores = {cores[0]} if self.pin else set(cores)
         self.cloud_cores = {cores[1]} if self.pin else set(cores)
         self.drafter = load_model(self.drafter_path, device="cpu")
-        self.prompts = [encode_prompt(self.drafter.tokenizer, p, spec.chat) for p in spec.prompt_texts()]
+        texts = spec.prompt_texts()
+        self.prompt_sets = [name for name, _ in texts]
+        self.prompts = [encode_prompt(self.drafter.tokenizer, text, spec.chat) for _, text in texts]
         self.rows_file = out / "results.jsonl"
         self.done = _done_keys(self.rows_file)
-        self.references: dict[tuple, list[int]] = _references(self.rows_file)  # greedy cloud-only tokens
+        self.references_file = out / "references.json"
+        self.references: dict[int, list[int]] = {}  # prompt -> the target's own greedy tokens
         self._local: dict[str, object] = {}  # target, verifier, assistant for the local baselines
         self._drafters: dict[str, LoadedModel] = {self.drafter_path: self.drafter}  # a strategy may name its own
 
@@ -77,6 +84,7 @@ class Lab:
         if self.pin:
             os.sched_setaffinity(0, self.edge_cores)
             torch.set_num_threads(1)
+        self._load_references()
         ran = 0
         with tqdm(total=total, desc=f"experiment {spec.name}", unit="generation") as bar:
             linked = [(p, s) for p, s in todo if s.kind in LINKED and self._count(p, s)]
@@ -96,9 +104,34 @@ class Lab:
         return ran
 
     def _local_points(self) -> list[GridPoint]:
-        """Baselines without a link run once per temperature."""
-        temps = self.spec.grid.get("temperature", [0])
-        return [GridPoint(rtt_ms=None, jitter_ms=None, bandwidth_mbps=None, temperature=t, edges=1) for t in temps]
+        """Baselines without a link run once per temperature and drafter."""
+        seen = {(p.temperature, p.drafter) for p in self.spec.points()}
+        return [GridPoint(rtt_ms=None, jitter_ms=None, bandwidth_mbps=None, loss_pct=None, link=None, temperature=t,
+                          edges=1, drafter=d) for t, d in sorted(seen)]
+
+    # ---- the independent reference ----------------------------------------------------------
+
+    def _load_references(self) -> None:
+        """The target's own greedy decoding of every prompt, computed once (on the cloud's core) and
+        kept in OUT/references.json: what every greedy row is judged against, whatever its kind."""
+        if not any(p.temperature == 0 for p in self.spec.points()):
+            return
+        stored = json.loads(self.references_file.read_text()) if self.references_file.is_file() else {}
+        if stored.get("max_new_tokens") == self.spec.max_new_tokens and stored.get("prompts") == self.prompts:
+            self.references = {int(k): v for k, v in stored["tokens"].items()}
+            return
+        if self.pin:
+            os.sched_setaffinity(0, self.cloud_cores)
+        try:
+            target = self._target()
+            eos = list(self._verifier().info.eos_token_ids)
+            for i, prompt in enumerate(tqdm(self.prompts, desc="reference (target alone, greedy)", unit="prompt")):
+                self.references[i] = baselines.target_greedy(target, prompt, self.spec.max_new_tokens, eos)
+        finally:
+            if self.pin:
+                os.sched_setaffinity(0, self.edge_cores)
+        self.references_file.write_text(json.dumps({"max_new_tokens": self.spec.max_new_tokens, "prompts": self.prompts,
+                                                    "tokens": self.references}) + "\n")
 
     def _keys(self, point: GridPoint, strategy: Strategy) -> list[tuple]:
         """Rows a (point, strategy) pair produces. Over the link, edges run in groups of `edges`
@@ -115,10 +148,8 @@ class Lab:
     # ---- strategies over the link -----------------------------------------------------------
 
     def _run_linked(self, point: GridPoint, strategies: list[Strategy], address: str, bar) -> int:
-        link_spec = LinkSpec.symmetric(delay_ms=point.rtt_ms / 2, jitter_ms=point.jitter_ms,
-                                       bandwidth_mbps=point.bandwidth_mbps)
         ran = 0
-        with BackgroundLink(link_spec, address, seed=self.spec.seed) as link:
+        with BackgroundLink(link_spec(point), address, seed=self.spec.seed) as link:
             for strategy in strategies:
                 # One edge per concurrent slot, kept across prompts: like a device serving many requests,
                 # it keeps its connection and its measured rates from one generation to the next.
@@ -147,7 +178,8 @@ class Lab:
         def one(i: int) -> None:
             prompt = (first + i) % len(self.prompts)
             try:
-                rows[i] = edges[i].generate(self.prompts[prompt], repeat)
+                rows[i] = edges[i].generate(self.prompts[prompt], repeat, self._trace_file(point, strategy, first + i,
+                                                                                           repeat))
             except Exception as exc:  # recorded, so one failed generation does not end the sweep
                 rows[i] = {"error": f"{type(exc).__name__}: {exc}"}
             rows[i].update(edge=i, prompt=prompt)
@@ -238,7 +270,7 @@ class Lab:
     def _edge_config(self, strategy: Strategy, point: GridPoint, address: str, repeat: int) -> EdgeConfig:
         values = {"cloud": address or "127.0.0.1:1", "max_new_tokens": self.spec.max_new_tokens,
                   "temperature": point.temperature, "seed": self.spec.seed + repeat,
-                  "torch_threads": 1 if self.pin else 0, **strategy.edge}
+                  "torch_threads": 1 if self.pin else 0, "drafter": point.drafter, **strategy.edge}
         return EdgeConfig(**values)
 
     def _row(self, point: GridPoint, strategy: Strategy, raw: dict, repeat: int) -> dict:
@@ -247,12 +279,11 @@ class Lab:
                **dataclasses.asdict(point), "repeat": repeat, "new_tokens": len(tokens), **raw}
         if "wall_s" in row:
             row["tokens_per_s"] = len(tokens) / row["wall_s"] if row["wall_s"] else 0.0
-        ref_key = (row["prompt"], point.temperature)
-        if point.temperature == 0 and tokens:
-            if strategy.kind == "cloud_only" and ref_key not in self.references:
-                self.references[ref_key] = tokens
-            ref = self.references.get(ref_key)
-            row["same_as_target"] = None if ref is None else tokens == ref
+        row["prompt_set"] = self.prompt_sets[row["prompt"]]
+        row["drafter_used"] = (strategy.edge.get("drafter") or point.drafter or self.spec.drafter or "default") \
+            if strategy.kind != "cloud_only" else ""
+        if point.temperature == 0 and tokens and row["prompt"] in self.references:
+            row["same_as_target"] = tokens == self.references[row["prompt"]]
         row["tokens"] = tokens
         return row
 
@@ -261,6 +292,16 @@ class Lab:
         with self.rows_file.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.done.add(key)
+
+    def _trace_file(self, point: GridPoint, strategy: Strategy, prompt: int, repeat: int) -> Path | None:
+        """Where this generation's per-token trace goes: with `trace: true`, the first prompt's first
+        repeat of every strategy at every point."""
+        if not self.spec.trace or prompt != 0 or repeat != 0:
+            return None
+        folder = self.out / "traces"
+        folder.mkdir(exist_ok=True)
+        name = "_".join(str(v) for v in _key(strategy.name, point, prompt, repeat, 0)[:-3]).replace("/", "-")
+        return folder / f"{name}.jsonl"
 
     def _write_meta(self) -> None:
         import grpc
@@ -289,33 +330,94 @@ class _Edge:
         self.client = VerifierClient(address, timeout_s=self.config.timeout_s)
         self.worker: EdgeWorker | None = None
 
-    def generate(self, prompt: list[int], repeat: int) -> dict:
-        """One generation; the raw row fields."""
+    def generate(self, prompt: list[int], repeat: int, trace: Path | None = None) -> dict:
+        """One generation; the raw row fields, with what the edge measured: its RTT to the cloud,
+        time to first token, and the time between successive commits (a round, or a streamed token)."""
         cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
+        clock = _Clock()
         if self.strategy.kind == "cloud_only":
             spec = GenerateSpec(prompt_ids=tuple(prompt), sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                                 seed=cfg.seed)
-            self.client.model_info()  # connected before the clock starts, as an edge worker is
+            rtt_start = time.perf_counter()
+            self.client.model_info()  # connected before the clock starts, as an edge worker is; one round trip
+            rtt_ms = (time.perf_counter() - rtt_start) * 1e3
             up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
-            start = time.perf_counter()
-            tokens = list(self.client.generate(spec))
-            wall = time.perf_counter() - start
+            clock.start()
+            tokens = []
+            for token in self.client.generate(spec):
+                tokens.append(token)
+                clock.commit([token], "cloud")
+            wall = clock.elapsed()
             up, down = self.client.uplink_bytes - up0, self.client.downlink_bytes - down0
+            clock.write(trace)
             return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 1 / max(len(tokens), 1),
-                    "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1)}
+                    "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1),
+                    "measured_rtt_ms": rtt_ms, **clock.summary()}
         if self.worker is None:
             drafter, fallback = self.lab.drafter_for(cfg)
             self.worker = EdgeWorker(drafter, self.client, cfg, fallback)
         self.worker.config = cfg
-        gen = self.worker.generate(prompt)
+        run = self.worker.stream(prompt)
+        clock.start()
+        for event in run:
+            if event.kind == EventKind.COMMIT and event.tokens:
+                clock.commit(event.tokens, [o.value for o in event.origins])
+        gen = run.generation
+        clock.write(trace)
         stats = gen.stats.to_dict()
         rates = self.worker.estimates.rates(DEFAULT_RATES)
         return {"tokens": gen.token_ids, "wall_s": gen.stats.wall_s, **{k: stats[k] for k in STATS_KEYS},
-                "rates": {k: v for k, v in dataclasses.asdict(rates).items() if k != "alphas"}}
+                "rates": {k: v for k, v in dataclasses.asdict(rates).items() if k != "alphas"},
+                "measured_rtt_ms": rates.rtt_s * 1e3, **clock.summary()}
 
     def close(self) -> None:
         """Close the connection."""
         self.client.close()
+
+
+class _Clock:
+    """When a generation's tokens became final, from the edge's side."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.commits: list[tuple[float, list[int], object]] = []  # (seconds since start, tokens, origins)
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def commit(self, tokens, origins) -> None:
+        self.commits.append((self.elapsed(), list(tokens), origins))
+
+    def summary(self) -> dict:
+        """Time to first token, and the median and 90th percentile of the gaps between commits."""
+        times = [t for t, _, _ in self.commits]
+        gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        out = {"ttft_s": times[0] if times else None}
+        if len(gaps) >= 2:
+            deciles = statistics.quantiles(gaps, n=10)
+            out.update(step_ms_p50=statistics.median(gaps), step_ms_p90=deciles[-1])
+        return out
+
+    def write(self, path: Path | None) -> None:
+        """One JSON line per committed token: its time, id and origin."""
+        if path is None:
+            return
+        with path.open("w") as f:
+            for t, tokens, origins in self.commits:
+                names = origins if isinstance(origins, list) else [origins] * len(tokens)
+                for token, origin in zip(tokens, names):
+                    f.write(json.dumps({"t_s": round(t, 6), "token": token, "origin": origin}) + "\n")
+
+
+def link_spec(point: GridPoint) -> LinkSpec:
+    """The emulated link of a grid point: its named profile, else its RTT, jitter, bandwidth and loss."""
+    if point.link:
+        return profile(point.link).link_spec()
+    return LinkSpec.symmetric(delay_ms=point.rtt_ms / 2, jitter_ms=point.jitter_ms,
+                              bandwidth_mbps=point.bandwidth_mbps, loss_pct=point.loss_pct)
 
 
 def run_experiment(spec: ExperimentSpec, out: Path, fresh: bool = False) -> Path:
@@ -347,20 +449,11 @@ def write_csv(rows_file: Path, csv_file: Path) -> None:
 
 
 def _key(strategy: str, point: GridPoint, prompt: int, repeat: int, edge: int) -> tuple:
-    return (strategy, point.rtt_ms, point.jitter_ms, point.bandwidth_mbps, point.temperature, point.edges,
-            prompt, repeat, edge)
+    return (strategy, *dataclasses.astuple(point), prompt, repeat, edge)
 
 
 def _done_keys(rows_file: Path) -> set[tuple]:
     return {tuple(r["key"]) for r in read_rows(rows_file) if "key" in r and "error" not in r}
-
-
-def _references(rows_file: Path) -> dict[tuple, list[int]]:
-    refs = {}
-    for r in read_rows(rows_file):
-        if r.get("kind") == "cloud_only" and r.get("temperature") == 0 and r.get("tokens"):
-            refs.setdefault((r["prompt"], 0), r["tokens"])
-    return refs
 
 
 def _git_commit() -> str | None:

@@ -18,7 +18,13 @@ KINDS = {
     "edge_only": "the drafter alone on the edge's core (fast, lower quality)",
 }
 LINKED = ("hybrid", "cloud_only")  # strategies that cross the link; the others run once, without it
-GRID_KEYS = ("rtt_ms", "jitter_ms", "bandwidth_mbps", "temperature", "edges")
+# The swept conditions and their values when a grid leaves them out. `link` names a preset of
+# netem/profiles.py (it sets RTT, jitter, bandwidth and loss; the other link keys then add nothing);
+# `drafter` replaces the experiment's drafter for strategies that do not name their own.
+GRID_DEFAULTS = {"rtt_ms": 0, "jitter_ms": 0, "bandwidth_mbps": 0, "loss_pct": 0, "link": "", "temperature": 0,
+                 "edges": 1, "drafter": ""}
+GRID_KEYS = tuple(GRID_DEFAULTS)
+NETWORK_KEYS = ("rtt_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "link")  # meaningless without a link
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,14 @@ class Strategy:
 class GridPoint:
     """One combination of the swept conditions."""
 
-    rtt_ms: float
-    jitter_ms: float
-    bandwidth_mbps: float
+    rtt_ms: float | None  # None (with the other network keys) for strategies that cross no link
+    jitter_ms: float | None
+    bandwidth_mbps: float | None
+    loss_pct: float | None
+    link: str | None
     temperature: float
     edges: int
+    drafter: str
 
 
 @dataclass(frozen=True)
@@ -56,34 +65,52 @@ class ExperimentSpec:
     name: str
     strategies: tuple[Strategy, ...]
     grid: dict[str, list]
+    vary: dict[str, list] = field(default_factory=dict)  # one at a time around the grid's first point
     target: str = ""  # "" = the embedded default
     drafter: str = ""
-    prompts: Any = "heldout:4"  # heldout:N | freeform:N | a list of strings
+    prompts: Any = "heldout:16"  # heldout:N | freeform:N | a list of strings | {set name: one of those}
     chat: bool = True
     max_new_tokens: int = 64
-    repeats: int = 1
+    repeats: int = 3
     seed: int = 0
     pin: bool = True  # edge on one core, cloud on another, one torch thread each (needs 2 cores)
     cloud: dict[str, Any] = field(default_factory=dict)  # ServeConfig keys for the cloud side
+    trace: bool = False  # write OUT/traces/*.jsonl: per-token times of one generation per strategy and point
 
     def points(self) -> list[GridPoint]:
-        """Every grid point, in sweep order."""
-        values = [self.grid.get(k, [d]) for k, d in zip(GRID_KEYS, (0, 0, 0, 0, 1))]
-        return [GridPoint(*combo) for combo in itertools.product(*values)]
+        """Every grid point, in sweep order: the product of `grid`, then each `vary` value alone, the
+        other keys at the grid's first point (a one-factor-at-a-time design for many dimensions)."""
+        values = [self.grid.get(k, [GRID_DEFAULTS[k]]) for k in GRID_KEYS]
+        points = [GridPoint(*combo) for combo in itertools.product(*values)]
+        base = dict(zip(GRID_KEYS, (v[0] for v in values)))
+        for key, extra in self.vary.items():
+            for value in extra:
+                point = GridPoint(**{**base, key: value})
+                if point not in points:
+                    points.append(point)
+        return points
 
-    def prompt_texts(self) -> list[str]:
-        """The prompts, resolved."""
-        from ..distill.prompts import FREEFORM_PROMPTS, heldout_prompts
+    def prompt_texts(self) -> list[tuple[str, str]]:
+        """The prompts, resolved: (set name, text) in order."""
+        sets = self.prompts if isinstance(self.prompts, dict) else {"": self.prompts}
+        return [(name, text) for name, source in sets.items() for text in _resolve_prompts(source)]
 
-        if isinstance(self.prompts, list):
-            return [str(p) for p in self.prompts]
-        kind, _, count = str(self.prompts).partition(":")
-        n = int(count or 4)
-        if kind == "heldout":
-            return heldout_prompts(n, seed=7)
-        if kind == "freeform":
-            return FREEFORM_PROMPTS[:n]
-        raise ConfigError(f"prompts must be heldout:N, freeform:N or a list of strings, got {self.prompts!r}")
+
+def _resolve_prompts(source: Any) -> list[str]:
+    from ..distill.prompts import FREEFORM_PROMPTS, heldout_prompts
+
+    if isinstance(source, list):
+        return [str(p) for p in source]
+    kind, _, count = str(source).partition(":")
+    n = int(count or 16)
+    if kind == "heldout":
+        return heldout_prompts(n, seed=7)
+    if kind == "freeform":
+        if n > len(FREEFORM_PROMPTS):
+            raise ConfigError(f"freeform:{n}: there are {len(FREEFORM_PROMPTS)} free-form prompts")
+        return FREEFORM_PROMPTS[:n]
+    raise ConfigError(f"prompts must be heldout:N, freeform:N, a list of strings or a mapping of set names to "
+                      f"those, got {source!r}")
 
 
 def load_spec(path: str | Path) -> ExperimentSpec:
@@ -97,13 +124,9 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     strategies = raw.pop("strategies", None)
     if not strategies:
         raise ConfigError(f"{p}: `strategies` must list at least one strategy")
-    grid = raw.pop("grid", {}) or {}
-    bad = sorted(set(grid) - set(GRID_KEYS))
-    if bad:
-        raise ConfigError(f"{p}: unknown grid key(s) {', '.join(bad)}; known: {', '.join(GRID_KEYS)}")
-    grid = {k: v if isinstance(v, list) else [v] for k, v in grid.items()}
+    grid, vary = (_grid_section(p, raw.pop(section, {}) or {}, section) for section in ("grid", "vary"))
     try:
-        spec = ExperimentSpec(strategies=tuple(Strategy(**s) for s in strategies), grid=grid,
+        spec = ExperimentSpec(strategies=tuple(Strategy(**s) for s in strategies), grid=grid, vary=vary,
                               **{"name": p.stem, **raw})
     except TypeError as exc:
         raise ConfigError(f"{p}: {exc}") from None
@@ -111,4 +134,22 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     if len(set(names)) != len(names):
         raise ConfigError(f"{p}: strategy names must be unique")
     spec.prompt_texts()  # validates `prompts`
+    if spec.repeats < 1:
+        raise ConfigError(f"{p}: repeats must be >= 1, got {spec.repeats}")
     return spec
+
+
+def _grid_section(path: Path, section: dict, name: str) -> dict[str, list]:
+    """A `grid` or `vary` mapping checked: known keys, known link profiles, lists."""
+    from ..netem.profiles import PROFILES
+
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: `{name}` must map grid keys to values")
+    bad = sorted(set(section) - set(GRID_KEYS))
+    if bad:
+        raise ConfigError(f"{path}: unknown {name} key(s) {', '.join(bad)}; known: {', '.join(GRID_KEYS)}")
+    section = {k: v if isinstance(v, list) else [v] for k, v in section.items()}
+    for link in section.get("link", []):
+        if link and link not in PROFILES:
+            raise ConfigError(f"{path}: unknown link profile {link!r}; known: {', '.join(PROFILES)}")
+    return section

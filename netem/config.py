@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .profiles import PROFILES, profile
 from .shaping import DirectionSpec, LinkSpec
 
 SHAPING_KEYS = ("delay_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "stall_ms", "stall_every_s")
@@ -11,7 +12,8 @@ SHAPING_KEYS = ("delay_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "stall_ms
 @dataclass(frozen=True)
 class NetemConfig:
     """A relay from `listen` to `upstream`. Each shaping key applies to both directions unless an
-    `up_`/`down_` key overrides it (up = edge → cloud, towards upstream; down = back)."""
+    `up_`/`down_` key overrides it (up = edge → cloud, towards upstream; down = back). A `profile`
+    (netem/profiles.py) takes the place of the symmetric keys; `up_`/`down_` keys still override it."""
 
     listen: str = "127.0.0.1:50052"  # HOST:PORT edges connect to
     upstream: str = "127.0.0.1:50051"  # HOST:PORT of the real server (the cloud front door)
@@ -34,16 +36,25 @@ class NetemConfig:
     down_stall_ms: float | None = None
     down_stall_every_s: float | None = None
     seed: int | None = None  # seeds jitter and loss; None = different each run
+    profile: str = ""  # a named preset (lan, metro-fibre, lte, 5g, satellite-geo, wifi-lossy); "" = none
 
     def __post_init__(self) -> None:
+        if self.profile:
+            if self.profile not in PROFILES:
+                raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+            given = [k for k in SHAPING_KEYS if getattr(self, k) != getattr(_DEFAULTS, k)]
+            if given:
+                raise ValueError(f"profile {self.profile} sets the link: drop {', '.join(given)} "
+                                 "(or override one direction with up_/down_ keys)")
         self.link_spec()  # validates every value
 
     def direction(self, which: str) -> DirectionSpec:
         """The shaping of `up` or `down`."""
+        base = getattr(profile(self.profile).link_spec(), which) if self.profile else self
         values = {}
         for key in SHAPING_KEYS:
             override = getattr(self, f"{which}_{key}")
-            values[key] = getattr(self, key) if override is None else override
+            values[key] = getattr(base, key) if override is None else override
         try:
             return DirectionSpec(**values)
         except ValueError as exc:
@@ -69,3 +80,4 @@ def describe(spec: DirectionSpec) -> str:
 
 
 CONFIG_KEYS = tuple(f.name for f in fields(NetemConfig))
+_DEFAULTS = DirectionSpec()

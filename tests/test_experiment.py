@@ -1,4 +1,5 @@
-"""The experiment workflow end to end on CPU: experiments/smoke.yaml with tiny models, its CSV and plots."""
+"""The experiment workflow end to end on CPU: experiments/smoke.yaml with tiny models, its CSV, plots and
+summary; the report's statistics on planted data."""
 import csv
 import json
 import subprocess
@@ -9,9 +10,12 @@ import pytest
 import yaml
 
 from hybridspec.common.config import ConfigError
-from hybridspec.lab.report import observed_crossover_ms, predicted_crossover_ms
+from hybridspec.lab import aggregate
+from hybridspec.lab.report import predicted_crossover_ms
 from hybridspec.lab.runner import read_rows, run_experiment
 from hybridspec.lab.spec import load_spec
+from hybridspec.lab.stats import crossing
+from tinymodels import greedy_reference
 
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
 
@@ -22,7 +26,9 @@ def smoke(model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("smoke")
     spec = yaml.safe_load(SMOKE.read_text())
     spec.update(target=str(model_dirs["target"]), drafter=str(model_dirs["random"]), chat=False,
-                prompts=["w5 w17 w33 w80", "w9 w200 w31 w64"], pin=False)
+                prompts={"templated": ["w5 w17 w33 w80", "w9 w200 w31 w64"], "freeform": ["w3 w3 w3", "w100 w7"]},
+                pin=False)
+    spec["vary"]["drafter"] = [str(model_dirs["target"])]  # a second drafter: the target itself
     path = root / "smoke.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = root / "results"
@@ -32,24 +38,77 @@ def smoke(model_dirs, tmp_path_factory):
     return path, out
 
 
-def test_every_strategy_ran_and_greedy_strategies_match_the_target(smoke):
+def test_every_strategy_ran_and_greedy_rows_match_the_independent_reference(smoke, target):
     _, out = smoke
     rows = read_rows(out)
     assert not [r for r in rows if "error" in r]
     strategies = {s["name"] for s in yaml.safe_load(SMOKE.read_text())["strategies"]}
     assert {r["strategy"] for r in rows} == strategies
-    exact = [r for r in rows if r["kind"] in ("hybrid", "colocated", "cloud_only")]
-    assert exact and all(r["same_as_target"] for r in exact)
+    # the reference is the target's own decoding, computed once per prompt, not a row of the sweep
+    references = json.loads((out / "references.json").read_text())
+    prompts = references["prompts"]
+    assert [references["tokens"][str(i)] for i in range(len(prompts))] == \
+        [greedy_reference(target, p, 16)[:len(references["tokens"][str(i)])] for i, p in enumerate(prompts)]
+    exact = [r for r in rows if r["kind"] in ("hybrid", "colocated", "cloud_only") and r["temperature"] == 0]
+    assert exact and all(r["same_as_target"] is True for r in exact)
+    assert all(r.get("same_as_target") is None for r in rows if r["temperature"] > 0)
     with (out / "results.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert json.loads((out / "meta.json").read_text())["versions"]["torch"]
 
 
+def test_rows_carry_what_the_edge_measured_and_one_trace_per_strategy_and_point(smoke):
+    _, out = smoke
+    linked = [r for r in read_rows(out) if r["kind"] in ("hybrid", "cloud_only")]
+    assert all(r["ttft_s"] > 0 and r["measured_rtt_ms"] > 0 for r in linked)
+    slow = [r for r in linked if r["rtt_ms"] == 40 and r["strategy"] == "cloud-only"]
+    assert slow and all(r["measured_rtt_ms"] >= 35 for r in slow)  # the emulated 40 ms, as the edge saw it
+    assert any(r.get("step_ms_p50") for r in linked)
+    traces = list((out / "traces").glob("*.jsonl"))
+    assert traces and all(json.loads(t.read_text().splitlines()[0]).keys() == {"t_s", "token", "origin"}
+                          for t in traces)
+
+
+def test_smoke_varies_every_dimension_and_the_report_gives_each_value_its_panel(smoke):
+    _, out = smoke
+    rows = aggregate.ok_rows(read_rows(out))
+    panels = aggregate.facets(rows)
+    for key in aggregate.FACET_KEYS:
+        seen = {dict(p.values).get(key) for p in panels}
+        assert len(seen) >= 2, f"{key}: the report shows only {seen}"
+    # no panel pools two values of any condition
+    for panel in panels:
+        linked = [r for r in panel.rows if r.get("rtt_ms") is not None]
+        for key in aggregate.FACET_KEYS:
+            assert len({r.get(key) for r in linked}) == 1, (panel.title, key)
+    summary = (out / "summary.md").read_text()
+    assert summary.count("\n## ") == len(panels)
+
+
 def test_report_writes_non_empty_plots_and_a_summary(smoke):
     _, out = smoke
-    pngs = list(out.glob("*.png"))
-    assert len(pngs) == 4 and all(p.stat().st_size > 5000 for p in pngs)
-    assert "| cloud-only | cloud_only |" in (out / "summary.md").read_text()
+    pngs = {p.name: p for p in out.glob("*.png")}
+    assert set(pngs) == {"tokens_per_s_vs_rtt.png", "speedup_vs_rtt.png", "acceptance_per_position.png",
+                         "cloud_calls_and_bytes_per_token.png", "capacity_vs_edges.png"}
+    assert all(p.stat().st_size > 5000 for p in pngs.values())
+    summary = (out / "summary.md").read_text()
+    assert "| cloud-only | cloud_only |" in summary and "Greedy exactness" in summary
+
+
+def test_a_cloud_only_row_is_never_its_own_reference(smoke, model_dirs):
+    """Regression: the first greedy cloud-only row became the reference, so it always matched itself."""
+    from hybridspec.lab.runner import Lab
+    from hybridspec.lab.spec import GridPoint, Strategy
+
+    path, out = smoke
+    lab = Lab(load_spec(path), out)
+    lab._load_references()  # read back from references.json, not recomputed
+    reference = lab.references[0]
+    point = GridPoint(rtt_ms=0, jitter_ms=0, bandwidth_mbps=0, loss_pct=0, link="", temperature=0, edges=1, drafter="")
+    wrong = [t + 1 for t in reference]
+    row = lab._row(point, Strategy("cloud-only", "cloud_only"), {"tokens": wrong, "wall_s": 1.0, "edge": 0, "prompt": 0}, 0)
+    assert row["same_as_target"] is False
+    assert lab.references[0] == reference  # and the row did not become the reference either
 
 
 def test_a_rerun_resumes_instead_of_repeating(smoke):
@@ -74,9 +133,9 @@ def test_crossovers():
     fit = {"alpha": 0.8, "c": 0.0, "v": 1.0, "T": 0.05, "base_rtt_s": 0.0}
     # Free drafting, v = 1: the bound crosses 1 at RTT = T·α/(1 − α) (here with γ ≤ 8, a little earlier).
     assert predicted_crossover_ms(fit) == pytest.approx(1e3 * 0.05 * bound_gamma8_r(0.8), rel=1e-3)
-    assert observed_crossover_ms({0: 1.5, 100: 0.5}) == pytest.approx(50)
-    assert observed_crossover_ms({0: 0.9, 100: 0.5}) == 0.0
-    assert observed_crossover_ms({0: 1.5, 100: 1.2}) is None
+    assert crossing({0: 1.5, 100: 0.5}.items()) == pytest.approx(50)
+    assert crossing({0: 0.9, 100: 0.5}.items()) == 0
+    assert crossing({0: 1.5, 100: 1.2}.items()) is None
 
 
 def bound_gamma8_r(alpha: float) -> float:
@@ -84,20 +143,57 @@ def bound_gamma8_r(alpha: float) -> float:
     return (1 - alpha ** 9) / (1 - alpha) - 1
 
 
+def _rows(spec: list[tuple], prompts: int = 16, repeats: int = 3, seed: int = 0) -> list[dict]:
+    """Synthetic rows: (strategy, kind, bandwidth, rtt, tokens/s) cells, each over prompts × repeats
+    with prompt-to-prompt spread and noise."""
+    import random
+
+    rng = random.Random(seed)
+    prompt_effect = [rng.gauss(0, 2.0) for _ in range(prompts)]
+    rows = []
+    for strategy, kind, bw, rtt, tps in spec:
+        for p in range(prompts):
+            for rep in range(repeats):
+                value = tps + prompt_effect[p] + rng.gauss(0, 1.0)
+                rows.append({"experiment": "planted", "strategy": strategy, "kind": kind, "rtt_ms": rtt,
+                             "bandwidth_mbps": bw, "jitter_ms": 0, "loss_pct": 0, "link": "", "temperature": 0,
+                             "edges": 1, "drafter": "", "prompt_set": "", "prompt": p, "repeat": rep, "wall_s": 1.0,
+                             "new_tokens": 16, "tokens_per_s": value, "cloud_calls_per_token": 0.5,
+                             "bytes_per_token": 10})
+    return rows
+
+
+def test_a_planted_difference_is_found_and_no_difference_is_not():
+    rows = _rows([("a", "hybrid", 0, 0, 20.0), ("b", "hybrid", 0, 0, 21.5), ("c", "hybrid", 0, 0, 20.0)])
+    found = aggregate.paired_difference(rows, "b", "a")
+    assert found.excludes(0) and found.lo > 0 and found.value == pytest.approx(1.5, abs=0.6)
+    assert not aggregate.paired_difference(rows, "c", "a").excludes(0)
+
+
+def test_speedup_and_crossover_carry_intervals():
+    cells = [("cloud-only", "cloud_only", 0, rtt, 20.0) for rtt in (0, 50, 100, 150)] + \
+            [("hybrid", "hybrid", 0, rtt, 20.0 * s) for rtt, s in ((0, 1.6), (50, 1.3), (100, 0.9), (150, 0.6))]
+    (panel,) = aggregate.facets(_rows(cells))
+    speed = aggregate.speedups(panel)["hybrid"]
+    assert speed[0].lo > 1 > speed[150].hi
+    cross = aggregate.crossover(panel, "hybrid")
+    assert cross.verdict == "crosses" and cross.estimate.lo < 87.5 < cross.estimate.hi
+    assert cross.estimate.lo > 50 and cross.estimate.hi < 100
+
+
 def test_report_keeps_bandwidths_apart(tmp_path):
     """Regression: rows at different bandwidths were averaged together into one tokens/s per RTT."""
-    import json
-
     from hybridspec.lab.report import report
 
-    rows = [{"experiment": "bw", "strategy": s, "kind": k, "rtt_ms": 0, "bandwidth_mbps": bw, "temperature": 0,
-             "edges": 1, "wall_s": 1.0, "tokens_per_s": tps, "cloud_calls_per_token": 0.5, "bytes_per_token": 10}
-            for s, k, bw, tps in [("cloud-only", "cloud_only", 0, 20.0), ("cloud-only", "cloud_only", 1, 10.0),
-                                  ("hybrid", "hybrid", 0, 30.0), ("hybrid", "hybrid", 1, 5.0)]]
+    rows = _rows([("cloud-only", "cloud_only", 0, 0, 20.0), ("cloud-only", "cloud_only", 1, 0, 10.0),
+                  ("hybrid", "hybrid", 0, 0, 30.0), ("hybrid", "hybrid", 1, 0, 5.0)], prompts=4, repeats=1)
+    for r in rows:  # no noise: exact ratios
+        r["tokens_per_s"] = {("cloud-only", 0): 20.0, ("cloud-only", 1): 10.0, ("hybrid", 0): 30.0,
+                             ("hybrid", 1): 5.0}[r["strategy"], r["bandwidth_mbps"]]
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report(results, tmp_path / "out")
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert "unlimited bandwidth" in summary and "1 Mbit/s each way" in summary
-    assert "| hybrid | 1.50 |" in summary  # 30 / 20 on the unlimited link
-    assert "| hybrid | 0.50 |" in summary  # 5 / 10 at 1 Mbit/s; mixed together it would read 17.5 / 15
+    assert "## Mbit/s unlimited" in summary and "## Mbit/s 1" in summary
+    assert "| hybrid | 1.50 [1.50, 1.50] |" in summary  # 30 / 20 on the unlimited link
+    assert "| hybrid | 0.50 [0.50, 0.50] |" in summary  # 5 / 10 at 1 Mbit/s; pooled it would read 17.5 / 15

@@ -188,3 +188,40 @@ def test_the_cli_names_a_bad_value():
                         "--loss-pct", "150"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "loss_pct" in r.stderr
+
+
+def test_profiles_are_complete_and_cited():
+    from hybridspec.netem.profiles import PROFILES
+
+    assert set(PROFILES) >= {"lan", "metro-fibre", "lte", "5g", "satellite-geo", "wifi-lossy"}
+    for name, preset in PROFILES.items():
+        spec = preset.link_spec()  # valid for the shaper
+        assert spec.up.delay_ms + spec.down.delay_ms == pytest.approx(preset.rtt_ms), name
+        assert preset.source and ("illustrative" in preset.source or "physics" in preset.source
+                                  or any(c.isdigit() for c in preset.source)), name
+
+
+def test_the_cli_relays_a_profile_and_refuses_one_mixed_with_a_delay(echo):
+    import signal
+    import subprocess
+    import sys
+
+    from hybridspec.netem.profiles import PROFILES
+
+    r = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "netem", "--upstream", echo, "--profile", "lte",
+                        "--delay-ms", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "drop delay_ms" in r.stderr
+    # metro fibre: a 2 ms round trip, no loss, tight jitter; --up-delay-ms overrides one direction
+    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "netem", "--listen", "127.0.0.1:0",
+                             "--upstream", echo, "--profile", "metro-fibre", "--up-delay-ms", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("hybridspec netem relaying"), line + proc.stderr.read()
+        expected = 20 + PROFILES["metro-fibre"].rtt_ms / 2
+        assert abs(_median_rtt_ms(line.split()[3]) - expected) < RTT_TOLERANCE_MS
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
