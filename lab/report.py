@@ -23,7 +23,7 @@ from .stats import Estimate
 
 MAX_GAMMA = 8
 # Okabe & Ito, "Color Universal Design" (2008): eight colours told apart with any common colour-vision deficiency.
-OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7")
+OKABE_ITO = ("#000000", "#E69F00", "#56B4E9", "#009E73", "#0072B2", "#D55E00", "#CC79A7", "#F0E442")  # yellow, faint on white, last
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINES = ("-", "--", "-.", ":")
 
@@ -129,12 +129,16 @@ def _save(fig, path: Path, legend_axes=None) -> Path:
     for ax in legend_axes or fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
+    if fig._suptitle is not None:  # wrapped, and room kept for it above the panels
+        fig._suptitle.set_text(textwrap.fill(fig._suptitle.get_text(), 140))
+    height = fig.get_size_inches()[1]
+    top = 1 - 0.5 / height
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)), fontsize=8,
                    frameon=False)
-        fig.tight_layout(rect=(0, 0.04 + 0.025 * math.ceil(len(handles) / 4), 1, 1))
+        fig.tight_layout(rect=(0, (0.3 + 0.2 * math.ceil(len(handles) / 4)) / height, 1, top))
     else:
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=120)
     _plt().close(fig)
     return path

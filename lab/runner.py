@@ -89,7 +89,10 @@ class Lab:
         with tqdm(total=total, desc=f"experiment {spec.name}", unit="generation") as bar:
             linked = [(p, s) for p, s in todo if s.kind in LINKED and self._count(p, s)]
             if linked:
-                cloud_config = {"target": self.target_path, **({"torch_threads": 1} if self.pin else {}), **spec.cloud}
+                # Rounds must cross the emulated link: a replica's own endpoint (direct verify) would
+                # take them straight from the edge, around the relay.
+                cloud_config = {"target": self.target_path, **({"torch_threads": 1} if self.pin else {}),
+                                **spec.cloud, "direct_verify": False}
                 proc, address, log = start_cloud_process(cloud_config, self.cloud_cores if self.pin else None)
                 try:
                     for point in spec.points():

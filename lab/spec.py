@@ -134,6 +134,9 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     if len(set(names)) != len(names):
         raise ConfigError(f"{p}: strategy names must be unique")
     spec.prompt_texts()  # validates `prompts`
+    if spec.cloud.get("direct_verify"):
+        raise ConfigError(f"{p}: cloud.direct_verify would let rounds bypass the emulated link (the edge would "
+                          "stream them to the replica's own port); experiments always run with it off")
     if spec.repeats < 1:
         raise ConfigError(f"{p}: repeats must be >= 1, got {spec.repeats}")
     return spec

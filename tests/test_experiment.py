@@ -197,3 +197,27 @@ def test_report_keeps_bandwidths_apart(tmp_path):
     assert "## Mbit/s unlimited" in summary and "## Mbit/s 1" in summary
     assert "| hybrid | 1.50 [1.50, 1.50] |" in summary  # 30 / 20 on the unlimited link
     assert "| hybrid | 0.50 [0.50, 0.50] |" in summary  # 5 / 10 at 1 Mbit/s; pooled it would read 17.5 / 15
+
+
+def test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool(model_dirs, tmp_path):
+    """Regression: with the Ray pool's direct verify on (its default), an edge streamed its rounds to
+    the replica's own port and bypassed the emulated link: rows at RTT 60 ms measured about 2 ms."""
+    spec = {"target": str(model_dirs["target"]), "drafter": str(model_dirs["target"]), "chat": False,
+            "prompts": ["w5 w17 w33 w80"], "max_new_tokens": 12, "repeats": 1, "pin": False,
+            "cloud": {"replica_num_cpus": 0.5}, "grid": {"rtt_ms": [60]},
+            "strategies": [{"name": "fixed-g4", "kind": "hybrid",
+                            "edge": {"gamma_policy": "fixed", "max_draft": 4, "fallback_threshold": 0.0,
+                                     "cloud_only_switch": False, "pipeline": False}}]}
+    path = tmp_path / "linked.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    (row,) = read_rows(run_experiment(load_spec(path), tmp_path / "out"))
+    assert "error" not in row, row.get("error")
+    assert row["measured_rtt_ms"] >= 50 and row["step_ms_p50"] >= 50, row
+    assert row["same_as_target"] is True
+
+
+def test_direct_verify_in_an_experiment_is_refused(tmp_path):
+    path = tmp_path / "direct.yaml"
+    path.write_text("cloud: {direct_verify: true}\nstrategies: [{name: a, kind: cloud_only}]\n")
+    with pytest.raises(ConfigError, match="direct_verify.*bypass"):
+        load_spec(path)
