@@ -17,7 +17,7 @@ def rates(alpha: float, c: float, r: float, v: float = 1.0, gammas: int = 65) ->
                         verify_block_s=v * T, verify_per_draft_s=0.0, cloud_token_s=T)
 
 
-def brief_speedup(alpha: float, c: float, r: float, v: float, gamma: int) -> float:
+def analytic_speedup(alpha: float, c: float, r: float, v: float, gamma: int) -> float:
     """S = (1 − α^(γ+1)) / ((1 − α)(γc + r + v)), docs/design.md §2."""
     return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + r + v))
 
@@ -32,10 +32,10 @@ def test_expected_tokens_is_the_closed_form():
 @pytest.mark.parametrize("c", [0.02, 0.1, 0.3])
 @pytest.mark.parametrize("r", [0.0, 0.5, 2.0, 10.0])
 def test_gamma_chooser_picks_the_analytic_optimum(alpha, c, r):
-    best = max(range(1, 17), key=lambda g: brief_speedup(alpha, c, r, 1.0, g))
+    best = max(range(1, 17), key=lambda g: analytic_speedup(alpha, c, r, 1.0, g))
     assert policy.choose_gamma(rates(alpha, c, r), 16, pipelined=False) == best
     speedup = policy.hybrid_rate(rates(alpha, c, r), best, False) / policy.cloud_only_rate(rates(alpha, c, r))
-    assert speedup == pytest.approx(brief_speedup(alpha, c, r, 1.0, best))
+    assert speedup == pytest.approx(analytic_speedup(alpha, c, r, 1.0, best))
 
 
 def test_best_block_grows_with_rtt():
