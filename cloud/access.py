@@ -35,11 +35,6 @@ class Access:
         self.store = CredentialStore(spec.credentials) if spec.credentials else None
         self.limiter = RateLimiter(spec.client_tokens_per_s)
 
-    @property
-    def authenticates(self) -> bool:
-        """True when calls need a token from the credentials file."""
-        return self.store is not None
-
     def identify(self, authorization: str | None, peer: str) -> Identity:
         """The caller: the identity its token names (Unauthenticated if there is none or it is not
         known), or, on a server without credentials, the anonymous identity of its address."""

@@ -127,7 +127,7 @@ class Lab:
             os.sched_setaffinity(0, self.cloud_cores)
         try:
             target = self._target()
-            eos = list(self._verifier().info.eos_token_ids)
+            eos = list(target.eos_token_ids)
             for i, prompt in enumerate(tqdm(self.prompts, desc="reference (target alone, greedy)", unit="prompt")):
                 self.references[i] = baselines.target_greedy(target, prompt, self.spec.max_new_tokens, eos)
         finally:

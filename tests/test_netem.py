@@ -1,8 +1,12 @@
 """The link emulator: shaping maths exactly, and the relay's measured RTT and throughput within tolerance."""
+import contextlib
 import random
+import signal
 import socket
 import socketserver
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -159,31 +163,31 @@ def test_outage_cuts_connections_and_recovery_lets_new_ones_through(echo):
         assert _median_rtt_ms(link.address, n=3) < 50
 
 
-def test_the_cli_relays_with_the_configured_delay_and_stops_cleanly(echo):
-    import signal
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "netem", "--listen", "127.0.0.1:0",
-                             "--upstream", echo, "--delay-ms", "15", "--down-delay-ms", "5"],
+@contextlib.contextmanager
+def _cli_relay(*flags: str):
+    """`hybridspec netem` as a subprocess on a free port: (its address, the process). On leaving,
+    SIGTERM must stop it with exit 0; its stderr is then in proc.stderr_text."""
+    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "netem", "--listen", "127.0.0.1:0", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("hybridspec netem relaying"), line + proc.stderr.read()
-        address = line.split()[3]
-        assert abs(_median_rtt_ms(address) - 20) < RTT_TOLERANCE_MS  # 15 ms up + 5 ms down
+        yield line.split()[3], proc
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert "connections" in proc.stderr.read()
+        proc.stderr_text = proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
 
 
-def test_the_cli_names_a_bad_value():
-    import subprocess
-    import sys
+def test_the_cli_relays_with_the_configured_delay_and_stops_cleanly(echo):
+    with _cli_relay("--upstream", echo, "--delay-ms", "15", "--down-delay-ms", "5") as (address, proc):
+        assert abs(_median_rtt_ms(address) - 20) < RTT_TOLERANCE_MS  # 15 ms up + 5 ms down
+    assert "connections" in proc.stderr_text
 
+
+def test_the_cli_names_a_bad_value():
     r = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "netem", "--upstream", "127.0.0.1:9",
                         "--loss-pct", "150"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
@@ -202,26 +206,12 @@ def test_profiles_are_complete_and_cited():
 
 
 def test_the_cli_relays_a_profile_and_refuses_one_mixed_with_a_delay(echo):
-    import signal
-    import subprocess
-    import sys
-
     from hybridspec.netem.profiles import PROFILES
 
     r = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "netem", "--upstream", echo, "--profile", "lte",
                         "--delay-ms", "3"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "drop delay_ms" in r.stderr
     # metro fibre: a 2 ms round trip, no loss, tight jitter; --up-delay-ms overrides one direction
-    proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "netem", "--listen", "127.0.0.1:0",
-                             "--upstream", echo, "--profile", "metro-fibre", "--up-delay-ms", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("hybridspec netem relaying"), line + proc.stderr.read()
+    with _cli_relay("--upstream", echo, "--profile", "metro-fibre", "--up-delay-ms", "20") as (address, _):
         expected = 20 + PROFILES["metro-fibre"].rtt_ms / 2
-        assert abs(_median_rtt_ms(line.split()[3]) - expected) < RTT_TOLERANCE_MS
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        assert abs(_median_rtt_ms(address) - expected) < RTT_TOLERANCE_MS
