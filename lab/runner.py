@@ -29,12 +29,14 @@ from ..edge.config import EdgeConfig
 from ..edge.prompt import encode_prompt
 from ..edge.controller import DEFAULT_RATES
 from ..edge.worker import EdgeWorker
-from ..netem.relay import BackgroundLink
 from ..edge.state import EventKind
 from ..netem.profiles import profile
+from ..netem.relay import BackgroundLink
 from ..netem.shaping import LinkSpec
+from ..netem.tc import TcError, TcLink, probe
+from ..netem.trace import load_trace
 from . import baselines
-from .spec import LINKED, ExperimentSpec, GridPoint, Strategy
+from .spec import LINKED, TRACE_PREFIX, ExperimentSpec, GridPoint, Strategy
 
 CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "link", "temperature", "edges",
               "drafter", "drafter_used", "edge", "prompt_set", "prompt", "repeat", "new_tokens", "wall_s", "tokens_per_s",
@@ -51,6 +53,9 @@ class Lab:
     """One experiment's run: models, cores, the cloud process, and the results file."""
 
     def __init__(self, spec: ExperimentSpec, out: Path) -> None:
+        if spec.netem_backend == "tc" and (reason := probe()):  # before minutes of loading and references
+            raise TcError(f"netem_backend tc does not work here: {reason} (the kernel needs sch_prio and sch_netem, "
+                          "and tc needs root); use netem_backend: relay")
         self.spec = spec
         self.out = out
         self.target_path = resolve(spec.target, "target")
@@ -152,7 +157,7 @@ class Lab:
 
     def _run_linked(self, point: GridPoint, strategies: list[Strategy], address: str, bar) -> int:
         ran = 0
-        with BackgroundLink(link_spec(point), address, seed=self.spec.seed) as link:
+        with self._link(point, address) as link:
             for strategy in strategies:
                 # One edge per concurrent slot, kept across prompts: like a device serving many requests,
                 # it keeps its connection and its measured rates from one generation to the next.
@@ -172,6 +177,12 @@ class Lab:
                     for edge in edges:
                         edge.close()
         return ran
+
+    def _link(self, point: GridPoint, upstream: str) -> BackgroundLink | TcLink:
+        """The grid point's link to the cloud's front door, by the experiment's netem backend."""
+        if self.spec.netem_backend == "tc":
+            return TcLink(link_spec(point), upstream)
+        return BackgroundLink(link_spec(point), upstream, seed=self.spec.seed)
 
     def _concurrent(self, point: GridPoint, strategy: Strategy, edges: list[_Edge], first: int,
                     repeat: int) -> list[dict]:
@@ -416,7 +427,11 @@ class _Clock:
 
 
 def link_spec(point: GridPoint) -> LinkSpec:
-    """The emulated link of a grid point: its named profile, else its RTT, jitter, bandwidth and loss."""
+    """The emulated link of a grid point: its named profile, else its recorded trace (with the point's
+    bandwidth and loss), else its RTT, jitter, bandwidth and loss."""
+    if point.link and point.link.startswith(TRACE_PREFIX):
+        return LinkSpec.symmetric(trace=load_trace(point.link[len(TRACE_PREFIX):]),
+                                  bandwidth_mbps=point.bandwidth_mbps, loss_pct=point.loss_pct)
     if point.link:
         return profile(point.link).link_spec()
     return LinkSpec.symmetric(delay_ms=point.rtt_ms / 2, jitter_ms=point.jitter_ms,

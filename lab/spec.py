@@ -9,6 +9,7 @@ from typing import Any
 
 from ..common.config import ConfigError, read_mapping
 from ..edge.config import EdgeConfig
+from ..netem.config import BACKENDS
 
 KINDS = {
     "hybrid": "edge drafts, the cloud pool verifies, through the emulated link",
@@ -19,11 +20,13 @@ KINDS = {
 }
 LINKED = ("hybrid", "cloud_only")  # strategies that cross the link; the others run once, without it
 # The swept conditions and their values when a grid leaves them out. `link` names a preset of
-# netem/profiles.py (it sets RTT, jitter, bandwidth and loss; the other link keys then add nothing);
+# netem/profiles.py (it sets RTT, jitter, bandwidth and loss; the other link keys then add nothing)
+# or `trace:FILE`, a recorded latency trace (netem/trace.py) that sets RTT and jitter;
 # `drafter` replaces the experiment's drafter for strategies that do not name their own.
 GRID_DEFAULTS = {"rtt_ms": 0, "jitter_ms": 0, "bandwidth_mbps": 0, "loss_pct": 0, "link": "", "temperature": 0,
                  "edges": 1, "drafter": ""}
 GRID_KEYS = tuple(GRID_DEFAULTS)
+TRACE_PREFIX = "trace:"  # a `link` value that replays a recorded latency trace
 NETWORK_KEYS = ("rtt_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "link")  # meaningless without a link
 
 
@@ -76,6 +79,7 @@ class ExperimentSpec:
     pin: bool = True  # edge on one core, cloud on another, one torch thread each (needs 2 cores)
     cloud: dict[str, Any] = field(default_factory=dict)  # ServeConfig keys for the cloud side
     trace: bool = False  # write OUT/traces/*.jsonl: per-token times of one generation per strategy and point
+    netem_backend: str = "relay"  # relay: the user-space TCP relay; tc: the kernel's netem qdisc on loopback
 
     def points(self) -> list[GridPoint]:
         """Every grid point, in sweep order: the product of `grid`, then each `vary` value alone, the
@@ -137,14 +141,17 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     if spec.cloud.get("direct_verify"):
         raise ConfigError(f"{p}: cloud.direct_verify would let rounds bypass the emulated link (the edge would "
                           "stream them to the replica's own port); experiments always run with it off")
+    if spec.netem_backend not in BACKENDS:
+        raise ConfigError(f"{p}: netem_backend must be one of {', '.join(BACKENDS)}, got {spec.netem_backend!r}")
     if spec.repeats < 1:
         raise ConfigError(f"{p}: repeats must be >= 1, got {spec.repeats}")
     return spec
 
 
 def _grid_section(path: Path, section: dict, name: str) -> dict[str, list]:
-    """A `grid` or `vary` mapping checked: known keys, known link profiles, lists."""
+    """A `grid` or `vary` mapping checked: known keys, known link profiles, readable traces, lists."""
     from ..netem.profiles import PROFILES
+    from ..netem.trace import load_trace
 
     if not isinstance(section, dict):
         raise ConfigError(f"{path}: `{name}` must map grid keys to values")
@@ -153,6 +160,11 @@ def _grid_section(path: Path, section: dict, name: str) -> dict[str, list]:
         raise ConfigError(f"{path}: unknown {name} key(s) {', '.join(bad)}; known: {', '.join(GRID_KEYS)}")
     section = {k: v if isinstance(v, list) else [v] for k, v in section.items()}
     for link in section.get("link", []):
-        if link and link not in PROFILES:
-            raise ConfigError(f"{path}: unknown link profile {link!r}; known: {', '.join(PROFILES)}")
+        if str(link).startswith(TRACE_PREFIX):
+            try:
+                load_trace(link[len(TRACE_PREFIX):])
+            except ValueError as exc:
+                raise ConfigError(f"{path}: link {link!r}: {exc}") from None
+        elif link and link not in PROFILES:
+            raise ConfigError(f"{path}: unknown link {link!r}; known: {', '.join(PROFILES)} or {TRACE_PREFIX}FILE")
     return section

@@ -5,6 +5,9 @@ from dataclasses import dataclass, fields
 
 from .profiles import PROFILES, profile
 from .shaping import DirectionSpec, LinkSpec
+from .trace import load_trace
+
+BACKENDS = ("relay", "tc")  # netem/relay.py (anywhere) and netem/tc.py (where the kernel has sch_netem)
 
 SHAPING_KEYS = ("delay_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "stall_ms", "stall_every_s")
 
@@ -13,7 +16,8 @@ SHAPING_KEYS = ("delay_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "stall_ms
 class NetemConfig:
     """A relay from `listen` to `upstream`. Each shaping key applies to both directions unless an
     `up_`/`down_` key overrides it (up = edge → cloud, towards upstream; down = back). A `profile`
-    (netem/profiles.py) takes the place of the symmetric keys; `up_`/`down_` keys still override it."""
+    (netem/profiles.py) takes the place of the symmetric keys; `up_`/`down_` keys still override it.
+    A `trace` (netem/trace.py) takes the place of every delay key, and jitter is in the trace."""
 
     listen: str = "127.0.0.1:50052"  # HOST:PORT edges connect to
     upstream: str = "127.0.0.1:50051"  # HOST:PORT of the real server (the cloud front door)
@@ -37,8 +41,18 @@ class NetemConfig:
     down_stall_every_s: float | None = None
     seed: int | None = None  # seeds jitter and loss; None = different each run
     profile: str = ""  # a named preset (lan, metro-fibre, lte, 5g, satellite-geo, wifi-lossy); "" = none
+    trace: str = ""  # a recorded latency trace to replay (`ping -D` output or t_s,rtt_ms lines); "" = none
+    backend: str = "relay"  # relay: the user-space TCP relay; tc: the kernel's netem qdisc on `dev`
+    dev: str = "lo"  # the device the tc backend shapes (the relay ignores it; tc ignores `listen`)
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.trace:
+            delays = [k for k in ("profile", "delay_ms", "jitter_ms", "up_delay_ms", "up_jitter_ms", "down_delay_ms",
+                                  "down_jitter_ms") if getattr(self, k)]
+            if delays:
+                raise ValueError(f"a latency trace sets the delay and its jitter: drop {', '.join(delays)}")
         if self.profile:
             if self.profile not in PROFILES:
                 raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
@@ -55,6 +69,8 @@ class NetemConfig:
         for key in SHAPING_KEYS:
             override = getattr(self, f"{which}_{key}")
             values[key] = getattr(base, key) if override is None else override
+        if self.trace:
+            values["trace"] = load_trace(self.trace)
         try:
             return DirectionSpec(**values)
         except ValueError as exc:
@@ -74,6 +90,8 @@ def describe(spec: DirectionSpec) -> str:
         parts.append(f"{spec.bandwidth_mbps:g} Mbit/s")
     if spec.loss_pct:
         parts.append(f"{spec.loss_pct:g}% late by an RTO")
+    if spec.trace is not None:
+        parts[0] = f"half the RTT of {spec.trace.describe()}"
     if spec.stall_ms:
         parts.append(f"stalls {spec.stall_ms:g} ms every {spec.stall_every_s:g} s")
     return ", ".join(parts)

@@ -6,7 +6,8 @@ where serialised(t) is when a token-bucket link of the given bandwidth has finis
 Taking the max with the previous release keeps bytes in order (jitter without reordering), and a
 late chunk holds back the ones behind it, as head-of-line blocking does in TCP. TCP never loses
 bytes, so "loss" is what the application sees of it: the lost segment arrives one retransmission
-timeout late (Linux's minimum RTO is 200 ms). Stalls freeze the link for `stall_ms` every
+timeout late (Linux's minimum RTO is 200 ms). A recorded latency trace (netem/trace.py) may take the
+place of the fixed delay: a chunk then gets half the RTT in force when it entered. Stalls freeze the link for `stall_ms` every
 `stall_every_s` seconds: anything in flight then leaves when the stall ends.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+
+from .trace import LatencyTrace
 
 RTO_S = 0.2  # extra delay of a chunk whose segment was "lost": Linux's minimum retransmission timeout
 
@@ -28,8 +31,11 @@ class DirectionSpec:
     loss_pct: float = 0.0  # percentage of chunks delivered one RTO (200 ms) late, as a TCP retransmit would
     stall_ms: float = 0.0  # length of each periodic stall; 0 = none
     stall_every_s: float = 0.0  # period of the stalls
+    trace: LatencyTrace | None = None  # replayed RTTs; each chunk's delay is half the RTT in force
 
     def __post_init__(self) -> None:
+        if self.trace is not None and self.delay_ms:
+            raise ValueError("a latency trace sets the delay: drop delay_ms")
         for name in ("delay_ms", "jitter_ms", "bandwidth_mbps", "stall_ms", "stall_every_s"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -60,7 +66,7 @@ class Shaper:
         start = self._after_stall(start)
         done = start + (nbytes * 8 / (s.bandwidth_mbps * 1e6) if s.bandwidth_mbps else 0.0)
         self._link_free = done
-        delay = s.delay_ms / 1e3
+        delay = (s.trace.rtt_at(arrival - self.origin) / 2 if s.trace else s.delay_ms) / 1e3
         if s.jitter_ms:
             delay = max(0.0, delay + self.rng.uniform(-s.jitter_ms, s.jitter_ms) / 1e3)
         release = done + delay

@@ -121,12 +121,37 @@ def test_a_rerun_resumes_instead_of_repeating(smoke):
 @pytest.mark.parametrize("text, fragment", [("strategies: []", "strategies"),
                                             ("grid: {rtt: [1]}\nstrategies: [{name: a, kind: cloud_only}]", "rtt"),
                                             ("strategies: [{name: a, kind: teleport}]", "kind"),
-                                            ("strategies: [{name: a, kind: hybrid, edge: {gama: 3}}]", "gama")])
+                                            ("strategies: [{name: a, kind: hybrid, edge: {gama: 3}}]", "gama"),
+                                            ("grid: {link: [moon]}\nstrategies: [{name: a, kind: cloud_only}]", "moon"),
+                                            ("grid: {link: ['trace:/no/such.csv']}\nstrategies: [{name: a, kind: cloud_only}]",
+                                             "/no/such.csv"),
+                                            ("netem_backend: kernel\nstrategies: [{name: a, kind: cloud_only}]",
+                                             "netem_backend")])
 def test_bad_experiment_files_name_the_problem(tmp_path, text, fragment):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
     with pytest.raises(ConfigError, match=fragment):
         load_spec(bad)
+
+
+@pytest.mark.parametrize("path", sorted(SMOKE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_experiment_file_loads(path):
+    spec = load_spec(path)
+    assert spec.points() and spec.prompt_texts()
+
+
+def test_a_trace_link_replays_the_file_with_the_points_bandwidth(tmp_path):
+    from hybridspec.lab.runner import link_spec
+
+    trace = tmp_path / "drive.txt"
+    trace.write_text("0,80\n1,30\n")
+    path = tmp_path / "t.yaml"
+    path.write_text(f"grid: {{link: ['trace:{trace}', lte], bandwidth_mbps: [2]}}\n"
+                    "strategies: [{name: a, kind: cloud_only}]")
+    replayed, preset = load_spec(path).points()
+    spec = link_spec(replayed)
+    assert spec.up == spec.down and spec.up.trace.rtt_ms == (80.0, 30.0) and spec.up.bandwidth_mbps == 2
+    assert link_spec(preset).up.trace is None and link_spec(preset).down.bandwidth_mbps == 21.0  # lte: its own
 
 
 def test_crossovers():

@@ -215,3 +215,63 @@ def test_the_cli_relays_a_profile_and_refuses_one_mixed_with_a_delay(echo):
     with _cli_relay("--upstream", echo, "--profile", "metro-fibre", "--up-delay-ms", "20") as (address, _):
         expected = 20 + PROFILES["metro-fibre"].rtt_ms / 2
         assert abs(_median_rtt_ms(address) - expected) < RTT_TOLERANCE_MS
+
+
+# ---- recorded latency traces ----------------------------------------------------------------------
+
+PING_D = """PING edge.example (192.0.2.7) 56(84) bytes of data.
+[1700000000.000000] 64 bytes from 192.0.2.7: icmp_seq=1 ttl=57 time=40.0 ms
+[1700000000.500000] 64 bytes from 192.0.2.7: icmp_seq=2 ttl=57 time=41.5 ms
+[1700000001.000000] 64 bytes from 192.0.2.7: icmp_seq=4 ttl=57 time=160 ms
+
+--- edge.example ping statistics ---
+4 packets transmitted, 3 received, 25% packet loss, time 1500ms
+rtt min/avg/max/mdev = 40.0/80.5/160/56.2 ms
+"""
+
+
+def test_a_ping_trace_replays_as_a_step_function_that_loops():
+    from hybridspec.netem.trace import parse_trace
+
+    trace = parse_trace(PING_D, "ping.txt")
+    assert trace.times_s == (0.0, 0.5, 1.0) and trace.rtt_ms == (40.0, 41.5, 160.0)
+    assert trace.period_s == pytest.approx(1.5)  # the last sample holds for the median spacing
+    assert [trace.rtt_at(t) for t in (0.0, 0.49, 0.5, 1.2, 1.5, 2.1)] == [40.0, 40.0, 41.5, 160.0, 40.0, 41.5]
+    assert parse_trace("# t_s,rtt_ms\n0,10\n2.5,30\n", "x").rtt_at(3) == 30.0
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("64 bytes from 192.0.2.7: icmp_seq=1 ttl=57 time=40.0 ms\n", "ping -D"),
+    ("0,10\nhello\n", "x:2"),
+    ("1,10\n0,20\n", "never go back"),
+    ("0,-5\n", ">= 0"),
+    ("# nothing\n", "no RTT samples")])
+def test_bad_traces_name_the_line(text, fragment):
+    from hybridspec.netem.trace import parse_trace
+
+    with pytest.raises(ValueError, match=fragment):
+        parse_trace(text, "x")
+
+
+def test_a_trace_sets_half_the_rtt_in_force_each_way_and_keeps_bytes_in_order():
+    from hybridspec.netem.trace import parse_trace
+
+    shaper = Shaper(DirectionSpec(trace=parse_trace("0,200\n1,20\n", "x")), origin=0.0)
+    assert shaper.release_time(0.1, 10) == pytest.approx(0.2)
+    assert shaper.release_time(1.05, 10) == pytest.approx(1.06)
+    # A chunk that enters just after the RTT drops may not overtake the one before it.
+    slow = Shaper(DirectionSpec(trace=parse_trace("0,200\n1,20\n", "x")), origin=0.0)
+    assert slow.release_time(0.99, 10) == pytest.approx(1.09)
+    assert slow.release_time(1.0, 10) == pytest.approx(1.09)
+    with pytest.raises(ValueError, match="delay_ms"):
+        DirectionSpec(delay_ms=5, trace=parse_trace("0,10\n", "x"))
+
+
+def test_the_cli_replays_a_trace_file(echo, tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,60\n")  # one sample: 60 ms for as long as the link runs
+    r = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "netem", "--upstream", echo, "--trace",
+                        str(trace), "--delay-ms", "5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "drop delay_ms" in r.stderr
+    with _cli_relay("--upstream", echo, "--trace", str(trace)) as (address, _):
+        assert abs(_median_rtt_ms(address) - 60) < RTT_TOLERANCE_MS

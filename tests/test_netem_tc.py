@@ -1,0 +1,92 @@
+"""The tc netem backend: the commands it builds, and either a real shaped round trip (a kernel with
+sch_netem, inside a throwaway network namespace) or a one-line refusal (a kernel without it)."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from hybridspec.netem.shaping import DirectionSpec, LinkSpec
+from hybridspec.netem.tc import TcError, probe, tc_commands
+from hybridspec.netem.trace import parse_trace
+
+NETNS = os.geteuid() == 0 and shutil.which("unshare") and shutil.which("tc")
+REASON = probe() if NETNS else "needs root, unshare and tc"
+
+
+def test_commands_shape_only_the_port_each_way():
+    spec = LinkSpec(up=DirectionSpec(delay_ms=20, jitter_ms=4, bandwidth_mbps=6.3, loss_pct=0.1),
+                    down=DirectionSpec(delay_ms=30))
+    commands = [" ".join(c) for c in tc_commands(spec, 50051)]
+    assert commands[:3] == ["tc qdisc add dev lo root handle 1: prio bands 5",
+                            "tc qdisc add dev lo parent 1:4 handle 40: netem delay 20ms 4ms loss 0.1% rate 6.3mbit",
+                            "tc qdisc add dev lo parent 1:5 handle 50: netem delay 30ms"]
+    filters = commands[3:]
+    assert len(filters) == 4  # IPv4 and IPv6, each direction
+    assert sum("dport 50051 0xffff flowid 1:4" in f for f in filters) == 2  # to the cloud: up
+    assert sum("sport 50051 0xffff flowid 1:5" in f for f in filters) == 2  # from the cloud: down
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    (LinkSpec.symmetric(stall_ms=10, stall_every_s=1), "stall"),
+    (LinkSpec.symmetric(trace=parse_trace("0,10\n", "x")), "trace")])
+def test_what_netem_cannot_do_is_refused_before_touching_a_device(spec, fragment):
+    with pytest.raises(TcError, match=fragment):
+        tc_commands(spec, 50051)
+    with pytest.raises(TcError, match="port"):
+        tc_commands(LinkSpec(), 70000)
+
+
+ROUND_TRIP = textwrap.dedent("""
+    import socket, statistics, subprocess, sys, threading, time
+    from hybridspec.netem.shaping import LinkSpec
+    from hybridspec.netem.tc import TcLink
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    def echo():
+        conn, _ = server.accept()
+        while data := conn.recv(64):
+            conn.sendall(data)
+    threading.Thread(target=echo, daemon=True).start()
+    def rtt_ms(sock):
+        samples = []
+        for _ in range(10):
+            t0 = time.perf_counter(); sock.sendall(b"x"); sock.recv(64)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    with TcLink(LinkSpec.symmetric(delay_ms=25), f"127.0.0.1:{port}"):
+        sock = socket.create_connection(("127.0.0.1", port)); sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        shaped = rtt_ms(sock)
+    print(shaped, rtt_ms(sock))
+""")
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"tc netem unavailable here: {REASON}")
+def test_tc_netem_shapes_a_real_round_trip_and_comes_off_again():
+    r = subprocess.run(["unshare", "--net", sys.executable, "-c", ROUND_TRIP], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shaped, after = map(float, r.stdout.split())
+    assert 45 < shaped < 80  # 25 ms each way
+    assert after < 10
+
+
+@pytest.mark.skipif(not NETNS or REASON is None, reason="this kernel has tc netem (the other test runs)")
+def test_without_sch_netem_the_cli_and_an_experiment_refuse_in_one_line(tmp_path):
+    r = subprocess.run(["unshare", "--net", sys.executable, "-m", "hybridspec.cli.main", "netem", "--backend", "tc",
+                        "--upstream", "127.0.0.1:50051", "--delay-ms", "10"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "sch_netem" in r.stderr and "relay" in r.stderr
+    spec = tmp_path / "tc.yaml"
+    spec.write_text(yaml.safe_dump({"prompts": ["hi"], "netem_backend": "tc",
+                                    "strategies": [{"name": "c", "kind": "cloud_only"}]}))
+    r = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "experiment", "run", str(spec), "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "netem_backend tc" in r.stderr and "sch_netem" in r.stderr
+    assert not (tmp_path / "out" / "results.jsonl").exists()
