@@ -49,7 +49,7 @@ def run_netem(args) -> int:
     config = load_config(NetemConfig, args.config, {k: getattr(args, k) for k in CONFIG_KEYS})
     spec = config.link_spec()
     if config.backend == "tc":
-        return _shape_with_tc(config)
+        return _shape_with_tc(config, spec)
 
     async def serve() -> LinkEmulator:
         link = LinkEmulator(spec, config.upstream, config.listen, config.seed)
@@ -71,12 +71,11 @@ def run_netem(args) -> int:
     return 0
 
 
-def _shape_with_tc(config) -> int:
+def _shape_with_tc(config, spec) -> int:
     """Put netem on the device until SIGINT/SIGTERM, then take it off."""
     from ..netem.config import describe
     from ..netem.tc import TcLink
 
-    spec = config.link_spec()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

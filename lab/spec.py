@@ -143,6 +143,9 @@ def load_spec(path: str | Path) -> ExperimentSpec:
                           "stream them to the replica's own port); experiments always run with it off")
     if spec.netem_backend not in BACKENDS:
         raise ConfigError(f"{p}: netem_backend must be one of {', '.join(BACKENDS)}, got {spec.netem_backend!r}")
+    if spec.netem_backend == "tc" and any(str(link).startswith(TRACE_PREFIX) for section in (grid, vary)
+                                          for link in section.get("link", [])):
+        raise ConfigError(f"{p}: netem_backend tc cannot replay a latency trace; use the relay backend")
     if spec.repeats < 1:
         raise ConfigError(f"{p}: repeats must be >= 1, got {spec.repeats}")
     return spec

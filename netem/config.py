@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 from .profiles import PROFILES, profile
 from .shaping import DirectionSpec, LinkSpec
-from .trace import load_trace
+from .trace import LatencyTrace, load_trace
 
 BACKENDS = ("relay", "tc")  # netem/relay.py (anywhere) and netem/tc.py (where the kernel has sch_netem)
 
@@ -70,11 +71,15 @@ class NetemConfig:
             override = getattr(self, f"{which}_{key}")
             values[key] = getattr(base, key) if override is None else override
         if self.trace:
-            values["trace"] = load_trace(self.trace)
+            values["trace"] = self._trace
         try:
             return DirectionSpec(**values)
         except ValueError as exc:
             raise ValueError(f"{which}: {exc}") from None
+
+    @cached_property
+    def _trace(self) -> LatencyTrace:
+        return load_trace(self.trace)  # once per config: both directions and every caller share it
 
     def link_spec(self) -> LinkSpec:
         """Both directions."""

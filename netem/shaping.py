@@ -7,8 +7,9 @@ Taking the max with the previous release keeps bytes in order (jitter without re
 late chunk holds back the ones behind it, as head-of-line blocking does in TCP. TCP never loses
 bytes, so "loss" is what the application sees of it: the lost segment arrives one retransmission
 timeout late (Linux's minimum RTO is 200 ms). A recorded latency trace (netem/trace.py) may take the
-place of the fixed delay: a chunk then gets half the RTT in force when it entered. Stalls freeze the link for `stall_ms` every
-`stall_every_s` seconds: anything in flight then leaves when the stall ends.
+place of the fixed delay: a chunk then gets half the RTT in force when it entered. Stalls freeze
+the link for `stall_ms` every `stall_every_s` seconds: anything in flight then leaves when the stall
+ends.
 """
 from __future__ import annotations
 

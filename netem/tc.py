@@ -12,6 +12,7 @@ It cannot stall the link or replay a trace; those settings are refused.
 """
 from __future__ import annotations
 
+import ipaddress
 import shutil
 import subprocess
 
@@ -31,14 +32,19 @@ def netem_args(spec: DirectionSpec) -> list[str]:
         raise TcError("tc netem cannot stall a link: use the relay backend for stall_ms")
     if spec.trace is not None:
         raise TcError("tc netem cannot replay a latency trace: use the relay backend")
-    args = ["netem", "delay", f"{spec.delay_ms:g}ms"]
-    if spec.jitter_ms:
-        args.append(f"{spec.jitter_ms:g}ms")  # without a distribution netem draws uniformly in ± jitter
+    args = ["netem", "delay", f"{_num(spec.delay_ms)}ms"]
+    if spec.jitter_ms:  # without a distribution table the kernel draws uniformly in ± jitter
+        args.append(f"{_num(spec.jitter_ms)}ms")
     if spec.loss_pct:
-        args += ["loss", f"{spec.loss_pct:g}%"]
+        args += ["loss", f"{_num(spec.loss_pct)}%"]
     if spec.bandwidth_mbps:
-        args += ["rate", f"{spec.bandwidth_mbps:g}mbit"]
+        args += ["rate", f"{_num(spec.bandwidth_mbps)}mbit"]  # tc's mbit is 10^6 bit/s, as the relay's
     return args
+
+
+def _num(value: float) -> str:
+    """A number as tc reads it, without float noise and without losing digits."""
+    return f"{value:.12g}"
 
 
 def tc_commands(spec: LinkSpec, port: int, dev: str = "lo") -> list[list[str]]:
@@ -49,10 +55,13 @@ def tc_commands(spec: LinkSpec, port: int, dev: str = "lo") -> list[list[str]]:
     commands = [qdisc + ["root", "handle", "1:", "prio", "bands", str(BANDS)],
                 qdisc + ["parent", "1:4", "handle", "40:", *netem_args(spec.up)],
                 qdisc + ["parent", "1:5", "handle", "50:", *netem_args(spec.down)]]
+    # TCP only; u32's fixed offsets assume no IPv4 options or IPv6 extension headers, as TCP on
+    # loopback and ordinary routes has. One filter prio per protocol: a prio cannot mix them.
     for protocol, match, priority in (("ip", "ip", "1"), ("ipv6", "ip6", "2")):
         for field, band in (("dport", "1:4"), ("sport", "1:5")):
             commands.append(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", protocol, "prio", priority,
-                             "u32", "match", match, field, str(port), "0xffff", "flowid", band])
+                             "u32", "match", match, "protocol", "6", "0xff", "match", match, field, str(port),
+                             "0xffff", "flowid", band])
     return commands
 
 
@@ -66,8 +75,12 @@ def _run(command: list[str]) -> None:
     if result.returncode != 0:
         lines = [ln.strip() for ln in (result.stderr or result.stdout).splitlines() if ln.strip()]
         reason = lines[0] if lines else f"exit status {result.returncode}"
-        hint = " (this kernel lacks the qdisc: `modprobe sch_prio sch_netem`, or use the relay backend)" \
-            if "kind is unknown" in reason else ""
+        hint = ""
+        if "kind is unknown" in reason or "Unknown filter" in reason:
+            hint = " (this kernel lacks it: `modprobe -a sch_prio sch_netem cls_u32`, or use the relay backend)"
+        elif "Exclusivity" in reason or "File exists" in reason:
+            clear = " ".join(clear_command(command[4]))
+            hint = f" (the device already has a root qdisc; a killed run may have left ours: `{clear}`)"
         raise TcError(f"`{' '.join(command[:6])} ...` failed: {reason}{hint}")
 
 
@@ -78,23 +91,29 @@ class TcLink:
     def __init__(self, spec: LinkSpec, upstream: str, dev: str = "lo") -> None:
         if shutil.which("tc") is None:
             raise TcError("the tc backend needs `tc` (iproute2) on PATH")
-        _, _, port = upstream.rpartition(":")
+        host, _, port = upstream.rpartition(":")
         if not port.isdigit():
             raise TcError(f"upstream must be HOST:PORT, got {upstream!r}")
+        if dev == "lo" and not _is_loopback(host):
+            raise TcError(f"traffic to {upstream} does not cross lo: name the device it leaves by (--dev)")
         self.address = upstream
         self.dev = dev
         commands = tc_commands(spec, int(port), dev)  # refuses what netem cannot do before touching the device
+        self._applied = False
         for i, command in enumerate(commands):
             try:
                 _run(command)
-            except TcError:
-                if i:  # the root qdisc was ours: take it, and what hangs off it, back off
+            except BaseException:  # Ctrl-C half-way too: the root qdisc, once added, is ours to take off
+                if i:
                     subprocess.run(clear_command(dev), capture_output=True)
                 raise
+        self._applied = True
 
     def stop(self) -> None:
-        """Take the qdiscs (and filters) off the device."""
-        subprocess.run(clear_command(self.dev), capture_output=True)
+        """Take the qdiscs (and filters) off the device, once."""
+        if self._applied:
+            self._applied = False
+            subprocess.run(clear_command(self.dev), capture_output=True)
 
     def __enter__(self) -> TcLink:
         return self
@@ -103,13 +122,22 @@ class TcLink:
         self.stop()
 
 
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def probe() -> str | None:
-    """None if netem works here, else why not — tried in a throwaway network namespace, so the
-    host's devices are never touched."""
+    """None if everything TcLink does works here, else why not — tried in a throwaway network
+    namespace (which needs unshare and CAP_SYS_ADMIN), so the host's devices are never touched."""
     if shutil.which("tc") is None or shutil.which("unshare") is None:
         return "tc or unshare (util-linux) is not on PATH"
-    root, netem = tc_commands(LinkSpec.symmetric(delay_ms=1), 9)[:2]
-    script = f"ip link set lo up && {' '.join(root)} && {' '.join(netem)}"
+    commands = tc_commands(LinkSpec.symmetric(delay_ms=1, jitter_ms=0.5, bandwidth_mbps=100, loss_pct=0.1), 9)
+    script = " && ".join(["ip link set lo up"] + [" ".join(c) for c in commands])
     result = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True)
     if result.returncode == 0:
         return None

@@ -222,7 +222,10 @@ def test_the_cli_relays_a_profile_and_refuses_one_mixed_with_a_delay(echo):
 PING_D = """PING edge.example (192.0.2.7) 56(84) bytes of data.
 [1700000000.000000] 64 bytes from 192.0.2.7: icmp_seq=1 ttl=57 time=40.0 ms
 [1700000000.500000] 64 bytes from 192.0.2.7: icmp_seq=2 ttl=57 time=41.5 ms
+[1700000000.700000] From 192.0.2.1 icmp_seq=3 Destination Host Unreachable
+[1700000000.900000] no answer yet for icmp_seq=3
 [1700000001.000000] 64 bytes from 192.0.2.7: icmp_seq=4 ttl=57 time=160 ms
+[1700000001.500000] 64 bytes from 192.0.2.7: icmp_seq=5 ttl=57 time<1 ms
 
 --- edge.example ping statistics ---
 4 packets transmitted, 3 received, 25% packet loss, time 1500ms
@@ -234,17 +237,21 @@ def test_a_ping_trace_replays_as_a_step_function_that_loops():
     from hybridspec.netem.trace import parse_trace
 
     trace = parse_trace(PING_D, "ping.txt")
-    assert trace.times_s == (0.0, 0.5, 1.0) and trace.rtt_ms == (40.0, 41.5, 160.0)
-    assert trace.period_s == pytest.approx(1.5)  # the last sample holds for the median spacing
-    assert [trace.rtt_at(t) for t in (0.0, 0.49, 0.5, 1.2, 1.5, 2.1)] == [40.0, 40.0, 41.5, 160.0, 40.0, 41.5]
-    assert parse_trace("# t_s,rtt_ms\n0,10\n2.5,30\n", "x").rtt_at(3) == 30.0
+    # Lost and unreachable probes leave the last RTT in place; `time<1 ms` is the middle of [0, 1).
+    assert trace.times_s == (0.0, 0.5, 1.0, 1.5) and trace.rtt_ms == (40.0, 41.5, 160.0, 0.5)
+    assert trace.period_s == pytest.approx(2.0)  # the last sample holds for the median spacing
+    assert [trace.rtt_at(t) for t in (0.0, 0.49, 0.5, 0.8, 1.2, 1.7, 2.0, 2.6)] == \
+        [40.0, 40.0, 41.5, 41.5, 160.0, 0.5, 40.0, 41.5]
+    assert parse_trace("t_s,rtt_ms\n0,10\n2.5,30  # a comment\n", "x").rtt_at(3) == 30.0  # a header is skipped
 
 
 @pytest.mark.parametrize("text, fragment", [
     ("64 bytes from 192.0.2.7: icmp_seq=1 ttl=57 time=40.0 ms\n", "ping -D"),
     ("0,10\nhello\n", "x:2"),
-    ("1,10\n0,20\n", "never go back"),
-    ("0,-5\n", ">= 0"),
+    ("1,10\n0,20\n", "x:2: sample times must increase"),
+    ("0,10\n0,20\n", "x:2: sample times must increase"),  # else a zero-length loop
+    ("0,10\n1e999,20\n", "finite"),
+    ("0,-5\n", "x:1: .*>= 0"),
     ("# nothing\n", "no RTT samples")])
 def test_bad_traces_name_the_line(text, fragment):
     from hybridspec.netem.trace import parse_trace

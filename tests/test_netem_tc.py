@@ -9,8 +9,10 @@ import textwrap
 import pytest
 import yaml
 
+from hybridspec.common.config import ConfigError
+from hybridspec.lab.spec import load_spec
 from hybridspec.netem.shaping import DirectionSpec, LinkSpec
-from hybridspec.netem.tc import TcError, probe, tc_commands
+from hybridspec.netem.tc import TcError, TcLink, probe, tc_commands
 from hybridspec.netem.trace import parse_trace
 
 NETNS = os.geteuid() == 0 and shutil.which("unshare") and shutil.which("tc")
@@ -28,6 +30,7 @@ def test_commands_shape_only_the_port_each_way():
     assert len(filters) == 4  # IPv4 and IPv6, each direction
     assert sum("dport 50051 0xffff flowid 1:4" in f for f in filters) == 2  # to the cloud: up
     assert sum("sport 50051 0xffff flowid 1:5" in f for f in filters) == 2  # from the cloud: down
+    assert all(" protocol 6 0xff " in f for f in filters)  # TCP only
 
 
 @pytest.mark.parametrize("spec, fragment", [
@@ -38,6 +41,18 @@ def test_what_netem_cannot_do_is_refused_before_touching_a_device(spec, fragment
         tc_commands(spec, 50051)
     with pytest.raises(TcError, match="port"):
         tc_commands(LinkSpec(), 70000)
+
+
+def test_a_remote_upstream_on_loopback_and_a_trace_under_tc_are_refused(tmp_path):
+    with pytest.raises(TcError, match="--dev"):
+        TcLink(LinkSpec.symmetric(delay_ms=5), "10.0.0.2:50051")  # refused before any tc command runs
+    trace = tmp_path / "t.csv"
+    trace.write_text("0,10\n")
+    spec = tmp_path / "tc.yaml"
+    spec.write_text(yaml.safe_dump({"netem_backend": "tc", "grid": {"link": [f"trace:{trace}"]},
+                                    "strategies": [{"name": "c", "kind": "cloud_only"}]}))
+    with pytest.raises(ConfigError, match="cannot replay"):
+        load_spec(spec)
 
 
 ROUND_TRIP = textwrap.dedent("""
