@@ -40,8 +40,8 @@ class LinkEmulator:
 
     def __init__(self, spec: LinkSpec, upstream: str, listen: str = "127.0.0.1:0", seed: int | None = None) -> None:
         self.spec = spec
-        self.upstream = _split(upstream)
-        self.listen = _split(listen)
+        self.upstream = split_address(upstream)
+        self.listen = split_address(listen)
         self.counters = LinkCounters()
         self._rng = random.Random(seed)
         self._server: asyncio.Server | None = None
@@ -161,7 +161,8 @@ class BackgroundLink:
         self.stop()
 
 
-def _split(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT as (host, port), an empty host meaning 127.0.0.1; ValueError otherwise."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, got {address!r}")

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 
 from ..common.errors import HybridSpecError
+from .relay import split_address
 from .shaping import DirectionSpec, LinkSpec
 
 BANDS = 5  # prio's three default bands take all other traffic; band 4 is up, band 5 is down
@@ -70,11 +71,16 @@ def clear_command(dev: str = "lo") -> list[str]:
     return ["tc", "qdisc", "del", "dev", dev, "root"]
 
 
+def _first_line(result: subprocess.CompletedProcess) -> str:
+    """What a failed command said first, for a one-line error."""
+    lines = [ln.strip() for ln in (result.stderr or result.stdout).splitlines() if ln.strip()]
+    return lines[0] if lines else f"exit status {result.returncode}"
+
+
 def _run(command: list[str]) -> None:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        lines = [ln.strip() for ln in (result.stderr or result.stdout).splitlines() if ln.strip()]
-        reason = lines[0] if lines else f"exit status {result.returncode}"
+        reason = _first_line(result)
         hint = ""
         if "kind is unknown" in reason or "Unknown filter" in reason:
             hint = " (this kernel lacks it: `modprobe -a sch_prio sch_netem cls_u32`, or use the relay backend)"
@@ -91,14 +97,15 @@ class TcLink:
     def __init__(self, spec: LinkSpec, upstream: str, dev: str = "lo") -> None:
         if shutil.which("tc") is None:
             raise TcError("the tc backend needs `tc` (iproute2) on PATH")
-        host, _, port = upstream.rpartition(":")
-        if not port.isdigit():
-            raise TcError(f"upstream must be HOST:PORT, got {upstream!r}")
+        try:
+            host, port = split_address(upstream)
+        except ValueError as exc:
+            raise TcError(str(exc)) from None
         if dev == "lo" and not _is_loopback(host):
             raise TcError(f"traffic to {upstream} does not cross lo: name the device it leaves by (--dev)")
         self.address = upstream
         self.dev = dev
-        commands = tc_commands(spec, int(port), dev)  # refuses what netem cannot do before touching the device
+        commands = tc_commands(spec, port, dev)  # refuses what netem cannot do before touching the device
         self._applied = False
         for i, command in enumerate(commands):
             try:
@@ -123,7 +130,7 @@ class TcLink:
 
 
 def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -139,7 +146,4 @@ def probe() -> str | None:
     commands = tc_commands(LinkSpec.symmetric(delay_ms=1, jitter_ms=0.5, bandwidth_mbps=100, loss_pct=0.1), 9)
     script = " && ".join(["ip link set lo up"] + [" ".join(c) for c in commands])
     result = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True)
-    if result.returncode == 0:
-        return None
-    lines = [ln.strip() for ln in result.stderr.splitlines() if ln.strip()]
-    return lines[0] if lines else f"exit status {result.returncode}"
+    return None if result.returncode == 0 else _first_line(result)
