@@ -20,6 +20,7 @@ from .wire import SamplingParams
 __all__ = ["SamplingParams", "gumbel_max", "gumbel_noise", "gumbel_scores", "logits_to_probs", "penalize",
            "round_generator", "sample"]
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2^64 / golden ratio, odd
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
@@ -35,6 +36,10 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: Sequence[int
     l becomes l / r if l > 0, else l·r); only the tokens after the prompt count for the frequency and
     presence penalties (OpenAI: l −= f·count + p·[count > 0]). Returns float32 [n, V] on the logits'
     device; with every penalty neutral, `logits` itself, so nothing changes, not even a bit.
+
+    A repetition penalty close to 0 divides a positive logit past float32's range; such a logit is
+    held at float32's largest value instead of +inf (which softmax would turn into NaN), so every
+    accepted setting gives finite logits for finite ones: the tokens it favours share the mass.
     """
     if not params.penalized:
         return logits
@@ -55,30 +60,35 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: Sequence[int
     if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
         counts = torch.bincount(ctx[prompt_len:], minlength=vocab)[:vocab].float() + added
         x = x - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float())
-    return x
+    return x.clamp(max=_FLOAT32_MAX)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p, and return float32 probabilities.
 
-    logits: [..., V]. Returns [..., V], rows summing to 1. At temperature 0 no truncation is
-    applied and the temperature is 1: that is the distribution BiLD's confidence tests read,
-    while the tokens themselves are argmax.
+    logits: [..., V], finite or −inf (NaN stays NaN). Returns [..., V], rows summing to 1. At
+    temperature 0 no truncation is applied and the temperature is 1: that is the distribution BiLD's
+    confidence tests read, while the tokens themselves are argmax.
+
+    Each row is shifted to a maximum of 0 before dividing by the temperature (softmax does not
+    change under a shift): a small temperature can then only push logits down to −inf, never up to
+    +inf, and every row keeps one token of mass > 0.
     """
     x = logits.float()
     if params.greedy:
         return torch.softmax(x, dim=-1)
-    x = x / params.temperature
+    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         sorted_p = torch.softmax(sorted_x, dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p; the first token
-        # always survives.
+        # Drop a token when the mass strictly before it already reaches top_p. The first token
+        # always survives, also when top_p is below float32's smallest value and compares as 0.
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.softmax(x, dim=-1)

@@ -40,3 +40,25 @@ def test_embedded_pair_is_lossless_over_grpc(target, role):
     assert gen.stats.accepted > 0
     assert gen.token_ids == greedy_reference(target, prompt, 16)
     assert "Paris" in gen.text
+
+
+def test_the_reported_vanishing_repetition_penalty_is_served(target):
+    """The fuzzer's request (issue: INTERNAL on a setting the server accepts), on the real model."""
+    import grpc
+
+    from hybridspec.common.proto import verifier_pb2 as pb
+    from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+
+    server = BackgroundServer(Verifier(target))
+    ids = [1, 9690, 198, 3303, 314, 260, 6917, 2840, 47, 2]
+    sampling = pb.SamplingParams(temperature=1, repetition_penalty=1e-38)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            opened = stub.OpenSession(pb.OpenSessionRequest(committed_ids=ids, sampling=sampling, seed=1))
+            reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=0, committed_len=10))
+            tokens = [r.token_id for r in stub.Generate(pb.GenerateRequest(prompt_ids=ids, sampling=sampling,
+                                                                           max_new_tokens=3, seed=1))]
+    finally:
+        server.stop()
+    assert reply.committed_len == 11 and len(tokens) >= 1
