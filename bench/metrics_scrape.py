@@ -100,7 +100,8 @@ def main() -> None:
     per_replica = -(-args.sessions // args.replicas) + 8
     keys = {"target": target, "backend": "ray", "replicas": args.replicas, "replica_num_cpus": 0.5,
             "ray_num_cpus": 2, "device": "cpu", "torch_threads": 1, "direct_verify": False,
-            "max_context": MAX_CONTEXT, "max_sessions": per_replica, "max_sessions_per_client": args.sessions + 8,
+            "max_context": MAX_CONTEXT, "max_sessions": per_replica, "max_sessions_per_address": args.sessions + 8,
+            "max_calls_per_address": 2 * args.sessions + 8,
             "metrics_port": metrics_port}
     proc, address, log = start_cloud_process(keys, {cores[-1]})
     url = f"http://127.0.0.1:{metrics_port}/metrics"

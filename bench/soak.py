@@ -98,7 +98,8 @@ def main() -> int:
     # 1. The cloud on its own core; edges, link and chaos on the other.
     proc, address, log = start_cloud_process(
         {"torch_threads": 1, "replicas": args.replicas, "replica_num_cpus": 1.0 / args.replicas,
-         "max_sessions": 2 * args.edges, "max_sessions_per_client": 2 * args.edges},
+         "max_sessions": 2 * args.edges, "max_sessions_per_address": 2 * args.edges,
+         "max_calls_per_address": 4 * args.edges},
         cores={cores[0]} if len(cores) > 1 else None)
     if len(cores) > 1:
         os.sched_setaffinity(0, set(cores[1:]))

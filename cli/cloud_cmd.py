@@ -34,7 +34,14 @@ def register(sub) -> None:
     serve.add_argument("--max-wait-ms", type=float, help="how long a round waits for others to batch with")
     serve.add_argument("--max-sessions", type=int, help="sessions per replica")
     serve.add_argument("--max-sessions-per-client", type=int,
-                       help="sessions one identity (peer address without --credentials) may hold")
+                       help="sessions one token identity may hold over the pool (unless its entry sets its own)")
+    serve.add_argument("--max-sessions-per-address", type=int,
+                       help="sessions callers without a token may hold, per address (without --credentials)")
+    serve.add_argument("--max-calls-per-client", type=int,
+                       help="concurrent Verifier calls (streams included) one token identity may hold")
+    serve.add_argument("--max-calls-per-address", type=int,
+                       help="concurrent Verifier calls callers without a token may hold, per address")
+    serve.add_argument("--stream-idle-s", type=float, help="end a VerifyStream that sends nothing for this long")
     serve.add_argument("--max-context", type=int, help="committed + draft tokens per session")
     serve.add_argument("--max-draft", type=int, help="longest draft block accepted")
     serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
@@ -55,7 +62,7 @@ def serve_config(args):
 
     keys = ["target", "host", "port", "backend", "replicas", "ray_address", "direct_verify", "metrics_port", "device",
             "dtype", "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client",
-            "max_context", "max_draft", "tls_cert", "tls_key", "tls_client_ca", "credentials", "client_tokens_per_s",
+            "max_sessions_per_address", "max_calls_per_client", "max_calls_per_address", "stream_idle_s", "max_context", "max_draft", "tls_cert", "tls_key", "tls_client_ca", "credentials", "client_tokens_per_s",
             "insecure"]
     return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
 
@@ -152,5 +159,6 @@ def _backend(config):
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     verifier = Verifier(load_model(target, config.device, config.dtype), config.limits)
-    backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client)
+    backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client,
+                               config.max_sessions_per_address)
     return backend, f"{target}, in-process"

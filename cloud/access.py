@@ -1,7 +1,12 @@
-"""Who may call a verifier endpoint, as whom, and how fast: one gatekeeper per gRPC server (the front
-door and each replica's own endpoint build theirs from the same AccessSpec, so the rules are the same
-wherever an edge's calls land). No gRPC here: the servicer passes in the `authorization` value and
-the peer address.
+"""Who may call a verifier endpoint, as whom, how many calls at once and how fast: one gatekeeper per
+gRPC server (the front door and each replica's own endpoint build theirs from the same AccessSpec, so
+the rules are the same wherever an edge's calls land). No gRPC here: cloud/admission.py and the
+servicer pass in the `authorization` value and the peer address.
+
+Two kinds of caller, with limits of their own: an identity from the credentials file (its token's
+name), and, on a server without credentials, an anonymous caller named by its address. Every caller
+from one address is the same anonymous client (all local processes share 127.0.0.1), so the
+anonymous limits are per address and set apart from the per-token ones.
 """
 from __future__ import annotations
 
@@ -9,8 +14,12 @@ import time
 from dataclasses import dataclass
 
 from ..common.credentials import CredentialStore, Identity, anonymous, bearer
+from ..common.errors import ResourceExhausted
 from ..common.tls import ServerTLS
 from .quota import RateLimiter
+
+DEFAULT_MAX_CALLS = 64  # twice the default session limit: a stream per session plus the unary calls around it
+DEFAULT_STREAM_IDLE_S = 60.0  # an edge sends rounds back to back; a minute of silence is a stream left behind
 
 
 @dataclass(frozen=True)
@@ -20,10 +29,18 @@ class AccessSpec:
     tls: ServerTLS = ServerTLS()
     credentials: str = ""  # credentials file (common/credentials.py); "" = no tokens, callers named by address
     client_tokens_per_s: float = 0.0  # per identity without a rate of its own; 0 = no limit (credentials only)
+    max_calls_per_client: int = DEFAULT_MAX_CALLS  # Verifier calls (streams included) one token holds at once
+    max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per peer address
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a VerifyStream with no message for this long is ended
 
     def __post_init__(self) -> None:
         if self.client_tokens_per_s < 0:
             raise ValueError(f"client_tokens_per_s must be >= 0, got {self.client_tokens_per_s}")
+        for name in ("max_calls_per_client", "max_calls_per_address"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.stream_idle_s > 0:
+            raise ValueError(f"stream_idle_s must be > 0, got {self.stream_idle_s}")
 
 
 class Access:
@@ -34,6 +51,7 @@ class Access:
         self.spec = spec
         self.store = CredentialStore(spec.credentials) if spec.credentials else None
         self.limiter = RateLimiter(spec.client_tokens_per_s)
+        self._calls: dict[str, int] = {}  # identity name -> calls it holds open on this endpoint
 
     def identify(self, authorization: str | None, peer: str) -> Identity:
         """The caller: the identity its token names (Unauthenticated if there is none or it is not
@@ -48,3 +66,24 @@ class Access:
         if not caller.authenticated:
             return 0.0
         return self.limiter.charge(caller, tokens, time.monotonic())
+
+    def enter_call(self, caller: Identity) -> None:
+        """Count a call the caller starts; ResourceExhausted (counting nothing) if it already holds its
+        limit. Every call that entered must `leave_call` once."""
+        held = self._calls.get(caller.name, 0)
+        if caller.authenticated:
+            limit, who = self.spec.max_calls_per_client, f"{caller.name} already holds"
+        else:
+            limit, who = self.spec.max_calls_per_address, f"callers without a token from {caller.name} already hold"
+        if held >= limit:
+            raise ResourceExhausted(f"{who} {held} calls open (the limit is {limit}); end some or retry later")
+        self._calls[caller.name] = held + 1
+
+    def leave_call(self, caller: Identity) -> None:
+        """A call counted by `enter_call` ended."""
+        left = self._calls[caller.name] - 1
+        if left:
+            self._calls[caller.name] = left
+        else:
+            del self._calls[caller.name]
+

@@ -55,9 +55,10 @@ class ReplicaLost(FailedPrecondition):
 class Backend(ABC):
     """Session ids and routing over named replicas; subclasses make the calls to one replica."""
 
-    def __init__(self, max_sessions_per_client: int) -> None:
+    def __init__(self, max_sessions_per_client: int, max_sessions_per_address: int) -> None:
+        """The session limits over every replica: per token identity, and per address without a token."""
         self.info: ModelInfo | None = None  # set once the models are loaded
-        self.table = SessionTable(max_sessions_per_client)
+        self.table = SessionTable(max_sessions_per_client, max_sessions_per_address)
         self.routed_total: dict[str, int] = {}  # replica -> sessions ever routed there
 
     # ---- what a front door calls --------------------------------------------------------------
@@ -202,8 +203,10 @@ class InProcessBackend(Backend):
     NAME = "in-process"
 
     def __init__(self, verifier: Verifier, max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 max_sessions_per_client: int | None = None) -> None:
-        super().__init__(max_sessions_per_client or verifier.limits.max_sessions)
+                 max_sessions_per_client: int | None = None, max_sessions_per_address: int | None = None) -> None:
+        """Session limits left None: as many as the verifier holds."""
+        super().__init__(max_sessions_per_client or verifier.limits.max_sessions,
+                         max_sessions_per_address or verifier.limits.max_sessions)
         self.verifier = verifier
         self.info = verifier.info
         self._runner: VerifierRunner | None = None

@@ -4,11 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..common.tls import ServerTLS, check_plaintext
-from .access import AccessSpec
+from .access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
 from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
 from .pool import PoolSpec
 from .process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from .replica import ReplicaSpec
+from .routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
 from .verifier import VerifierLimits
 
 BACKENDS = ("ray", "inprocess")
@@ -38,7 +39,11 @@ class ServeConfig:
     max_draft: int = 32  # longest draft block accepted
     max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED
     kv_cache_tokens: int = VerifierLimits.kv_cache_tokens  # per replica KV pool, allocated once; when full, LRU sessions are evicted
-    max_sessions_per_client: int = 32  # per identity (peer address without credentials) over the whole pool; more get RESOURCE_EXHAUSTED
+    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per token identity over the whole pool; more get RESOURCE_EXHAUSTED
+    max_sessions_per_address: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # callers without a token share this per address
+    max_calls_per_client: int = DEFAULT_MAX_CALLS  # concurrent Verifier calls (streams included) per token identity
+    max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per address
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a VerifyStream that sends nothing for this long is ended
     prefill_chunk: int = 128  # prompt tokens per forward pass at most; rounds never wait behind more
     replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
     idle_timeout_s: int = 600  # idle sessions are dropped after this
@@ -60,7 +65,8 @@ class ServeConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s",
-                     "max_sessions_per_client", "prefill_chunk", "kv_cache_tokens"):
+                     "max_sessions_per_client", "max_sessions_per_address", "max_calls_per_client",
+                     "max_calls_per_address", "prefill_chunk", "kv_cache_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "ray_num_cpus",
@@ -69,13 +75,17 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.stream_idle_s > 0:
+            raise ValueError(f"stream_idle_s must be > 0, got {self.stream_idle_s}")
         check_plaintext(self.host, self.access.tls.enabled, self.insecure, "the gRPC front door")
 
     @property
     def access(self) -> AccessSpec:
         """TLS and credentials of every endpoint edges reach (the front door and replica endpoints)."""
         return AccessSpec(tls=ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca),
-                          credentials=self.credentials, client_tokens_per_s=self.client_tokens_per_s)
+                          credentials=self.credentials, client_tokens_per_s=self.client_tokens_per_s,
+                          max_calls_per_client=self.max_calls_per_client,
+                          max_calls_per_address=self.max_calls_per_address, stream_idle_s=self.stream_idle_s)
 
     @property
     def limits(self) -> VerifierLimits:
@@ -94,5 +104,6 @@ class ServeConfig:
         """The Ray pool this config describes."""
         return PoolSpec(replica=self.replica_spec(target), replicas=self.replicas, num_cpus=self.replica_num_cpus,
                         num_gpus=self.replica_num_gpus, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus,
-                        max_sessions_per_client=self.max_sessions_per_client, replica_wait_s=self.replica_wait_s,
+                        max_sessions_per_client=self.max_sessions_per_client,
+                        max_sessions_per_address=self.max_sessions_per_address, replica_wait_s=self.replica_wait_s,
                         ray_local_only=self.ray_local_only)

@@ -30,6 +30,7 @@ from .backend import Backend, ReplicaLost
 from .metrics import Tally
 from .reaper import start_reaper
 from .replica import ReplicaReady, ReplicaSpec, VerifierReplica
+from .routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
 from .verifier import VerifierStats
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class PoolSpec:
     ray_address: str = ""  # "" starts a local cluster; "auto" or "ray://HOST:10001" joins one
     ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
     name: str = "hybridspec"  # prefix of the replicas' actor names
-    max_sessions_per_client: int = 32  # over the whole pool
+    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per token identity, over the whole pool
+    max_sessions_per_address: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per address for callers without a token
     replica_wait_s: float = 30.0  # a new session waits this long for a restarting replica
     ray_local_only: bool = True  # a cluster the pool starts binds 127.0.0.1 and admits no other node
 
@@ -98,7 +100,7 @@ class RayPool(Backend):
     def __init__(self, spec: PoolSpec) -> None:
         if spec.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {spec.replicas}")
-        super().__init__(spec.max_sessions_per_client)
+        super().__init__(spec.max_sessions_per_client, spec.max_sessions_per_address)
         self.spec = spec
         self.replicas: dict[str, _Replica] = {}
         self._started_ray = False

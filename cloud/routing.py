@@ -7,7 +7,8 @@ a new session under a fresh id, so no client can choose, squat or take over anot
 
 Every client may hold at most `max_per_client` sessions (or its identity's own `max_sessions`), so
 one client cannot take every slot. A client is an identity from the credentials file, or, on a server
-without one, a peer address. With credentials a session also belongs to the identity that opened it:
+without one, a peer address: every caller from that address shares its `max_per_address` sessions
+(on one host, all local processes are 127.0.0.1), a limit set apart from the per-token one. With credentials a session also belongs to the identity that opened it:
 any other identity presenting its id gets PERMISSION_DENIED. The table is reconciled with what the
 replicas report they hold, so sessions a replica expired do not linger here.
 """
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 from ..common.credentials import Identity
 from ..common.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
+
+DEFAULT_MAX_SESSIONS_PER_CLIENT = 32  # per token identity, and per address for callers without one
 
 
 def new_session_id() -> str:
@@ -39,10 +42,14 @@ class Route:
 class SessionTable:
     """Session id -> Route, with per-client limits."""
 
-    def __init__(self, max_per_client: int) -> None:
-        if max_per_client < 1:
-            raise ValueError(f"max_per_client must be >= 1, got {max_per_client}")
+    def __init__(self, max_per_client: int, max_per_address: int) -> None:
+        """max_per_client: per token identity without a limit of its own; max_per_address: per peer
+        address, for callers without a token."""
+        if max_per_client < 1 or max_per_address < 1:
+            raise ValueError(f"max_per_client and max_per_address must be >= 1, got {max_per_client}, "
+                             f"{max_per_address}")
         self.max_per_client = max_per_client
+        self.max_per_address = max_per_address
         self._routes: dict[str, Route] = {}
         self._per_client: dict[str, int] = {}
 
@@ -72,11 +79,14 @@ class SessionTable:
         if route is not None:
             _check_owner(route, caller)
             return requested_id, route
-        limit = caller.max_sessions if caller.max_sessions is not None else self.max_per_client
         held = self._per_client.get(caller.name, 0)
+        if caller.authenticated:
+            limit = caller.max_sessions if caller.max_sessions is not None else self.max_per_client
+            who = "this client already holds"
+        else:
+            limit, who = self.max_per_address, f"callers without a token from {caller.name} already hold"
         if held >= limit:
-            raise ResourceExhausted(f"this client already holds {held} sessions (the limit is "
-                                    f"{limit}); close some or retry later")
+            raise ResourceExhausted(f"{who} {held} sessions (the limit is {limit}); close some or retry later")
         session_id = new_session_id()
         route = Route("", caller.name)
         self._routes[session_id] = route

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from ..common.channel import SHARED_OPTIONS
 from ..common.tls import ServerTLS
 from .access import Access, AccessSpec
+from .admission import Admission
 from .backend import Backend, InProcessBackend, ReplicaEndpointBackend
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .process import port_unavailable, probe_port
@@ -34,7 +35,8 @@ from .verifier import Verifier
 log = logging.getLogger(__name__)
 
 # Calls in flight at once (a stream counts for its lifetime); beyond it gRPC answers RESOURCE_EXHAUSTED,
-# which bounds the memory that request bodies and waiting calls can take.
+# which bounds the memory that request bodies and waiting calls can take. Calls are admitted per caller
+# well below it (cloud/admission.py), and refused ones end at once, so no one caller can reach it.
 MAX_CONCURRENT_RPCS = 1024
 SERVER_OPTIONS = [
     *SHARED_OPTIONS,
@@ -45,6 +47,12 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
 ]
 STATUS_REFRESH_S = 2.0  # how often replica gauges (sessions, evictions, liveness) are refreshed
+
+
+def _grpc_server(gate: Access, metrics: Metrics | EndpointTally) -> grpc.aio.Server:
+    """A gRPC server whose Verifier calls are admitted at call start (cloud/admission.py)."""
+    return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+                           interceptors=[Admission(gate, metrics)])
 
 
 def _bind_grpc(server: grpc.aio.Server, host: str, port: int, what: str, tls: ServerTLS) -> int:
@@ -100,8 +108,8 @@ async def start_server(backend: Backend, host: str, port: int, metrics_port: int
     or credentials file cannot be used."""
     gate = Access(access)
     access.tls.check_files()
-    server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     metrics = Metrics()
+    server = _grpc_server(gate, metrics)
     VerifierService(backend, metrics, gate).register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -146,9 +154,10 @@ async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, adve
     front door's TLS, credentials, rates, limits, validation and error handling (the same
     VerifierService); no other Verifier RPC: sessions are opened, closed and counted against their
     client only at the front door."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     tally = EndpointTally()
-    VerifierService(backend, tally, Access(access)).register(server, only=("VerifyStream",))
+    gate = Access(access)
+    server = _grpc_server(gate, tally)
+    VerifierService(backend, tally, gate).register(server, only=("VerifyStream",))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _bind_grpc(server, host, 0, "a replica's verify endpoint", access.tls)

@@ -207,14 +207,14 @@ def test_a_replay_is_answered_only_for_the_identical_request(server, stub_of):
 
 
 def test_one_client_cannot_take_every_session_slot(target, stub_of):
-    backend = InProcessBackend(Verifier(target, LIMITS), max_sessions_per_client=3)
+    backend = InProcessBackend(Verifier(target, LIMITS), max_sessions_per_address=3)
     srv = BackgroundServer(backend)
     try:
         stub = stub_of(srv)
         for _ in range(3):
             stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5]))
         code, text = details(stub.OpenSession, pb.OpenSessionRequest(committed_ids=[5]))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "this client already holds 3" in text
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "already hold 3 sessions" in text
         # Another client (a different peer address) still gets a session.
         spec = SessionSpec("", (5, 6))
         opened = srv.call(backend.open_session(spec, anonymous("ipv4:192.0.2.1")))
@@ -226,7 +226,7 @@ def test_one_client_cannot_take_every_session_slot(target, stub_of):
 def test_an_open_that_times_out_gives_the_client_its_slot_back(target, stub_of):
     """Found in review: a deadline (or a client gone) cancelled the open and kept its slot for good."""
     verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=16, prefill_chunk=1))
-    srv = BackgroundServer(InProcessBackend(verifier, max_sessions_per_client=1))
+    srv = BackgroundServer(InProcessBackend(verifier, max_sessions_per_address=1))
     try:
         stub = stub_of(srv)
         long_prompt = pb.OpenSessionRequest(committed_ids=list(range(4, 254)) * 2)  # 500 one-token chunks
@@ -243,7 +243,7 @@ def test_an_open_that_times_out_gives_the_client_its_slot_back(target, stub_of):
 
 def test_routes_of_sessions_a_replica_expired_are_dropped(target):
     backend = InProcessBackend(Verifier(target, VerifierLimits(max_context=512, idle_timeout_s=1)),
-                               max_sessions_per_client=4)
+                               max_sessions_per_address=4)
     srv = BackgroundServer(backend)
     try:
         with grpc.insecure_channel(srv.address) as channel:

@@ -19,7 +19,7 @@ def routed(table: SessionTable, client: str, replica: str, opening: bool = False
 
 
 def test_new_ids_are_fresh_and_a_live_id_reopens_in_place():
-    table = SessionTable(max_per_client=8)
+    table = SessionTable(max_per_client=8, max_per_address=8)
     sid, route = table.claim("", anonymous("a"))
     assert route.replica == "" and len(sid) == 24  # counted at once, placed later
     # Without credentials, presenting the id is holding the session.
@@ -31,8 +31,22 @@ def test_new_ids_are_fresh_and_a_live_id_reopens_in_place():
     assert "my-own-id" not in str(info.value)
 
 
+def test_anonymous_and_token_limits_are_apart():
+    """Callers without a token are limited per address, identities by their token's limit."""
+    table = SessionTable(max_per_client=1, max_per_address=3)
+    for _ in range(3):
+        table.claim("", anonymous("ipv4:127.0.0.1"))
+    with pytest.raises(ResourceExhausted, match="without a token from ipv4:127.0.0.1 already hold 3"):
+        table.claim("", anonymous("ipv4:127.0.0.1"))
+    table.claim("", Identity("alice", authenticated=True))
+    with pytest.raises(ResourceExhausted, match="limit is 1"):
+        table.claim("", Identity("alice", authenticated=True))
+    table.claim("", Identity("bob", authenticated=True, max_sessions=2))
+    table.claim("", Identity("bob", authenticated=True, max_sessions=2))
+
+
 def test_the_limit_counts_from_the_claim_and_is_freed_by_removal():
-    table = SessionTable(max_per_client=2)
+    table = SessionTable(max_per_client=9, max_per_address=2)
     first, _ = table.claim("", anonymous("a"))  # not placed yet (every replica down, say): it counts already
     routed(table, "a", "r1")
     with pytest.raises(ResourceExhausted):
@@ -44,7 +58,7 @@ def test_the_limit_counts_from_the_claim_and_is_freed_by_removal():
 
 
 def test_an_authenticated_session_belongs_to_its_identity():
-    table = SessionTable(max_per_client=8)
+    table = SessionTable(max_per_client=8, max_per_address=8)
     sid, route = table.claim("", ALICE)
     assert table.claim(sid, ALICE) == (sid, route) and table.get(sid, ALICE) is route
     for attempt in (lambda: table.claim(sid, BOB), lambda: table.get(sid, BOB)):
@@ -54,7 +68,7 @@ def test_an_authenticated_session_belongs_to_its_identity():
 
 
 def test_an_identity_may_carry_its_own_session_limit():
-    table = SessionTable(max_per_client=8)
+    table = SessionTable(max_per_client=8, max_per_address=8)
     small = Identity("small", authenticated=True, max_sessions=1)
     table.claim("", small)
     with pytest.raises(ResourceExhausted, match="the limit is 1"):
@@ -64,7 +78,7 @@ def test_an_identity_may_carry_its_own_session_limit():
 
 
 def test_reconcile_drops_only_settled_routes_the_replica_no_longer_holds():
-    table = SessionTable(max_per_client=8)
+    table = SessionTable(max_per_client=8, max_per_address=8)
     gone, kept = routed(table, "a", "r0"), routed(table, "a", "r0")
     opening = routed(table, "a", "r0", opening=True)  # the replica may not list it yet
     asked_at = time.monotonic()
