@@ -32,6 +32,9 @@ def register(sub) -> None:
     serve.add_argument("--torch-threads", type=int, help="CPU intra-op threads per replica (0 = torch default)")
     serve.add_argument("--max-batch-size", type=int, help="most rounds per forward pass (1 = no batching)")
     serve.add_argument("--max-wait-ms", type=float, help="how long a round waits for others to batch with")
+    serve.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward pass at most")
+    serve.add_argument("--prefill-budget-ms", type=float,
+                       help="while other sessions send rounds, a pass carrying a prompt chunk takes about this long")
     serve.add_argument("--max-sessions", type=int, help="sessions per replica")
     serve.add_argument("--max-sessions-per-client", type=int,
                        help="sessions one token identity may hold over the pool (unless its entry sets its own)")
@@ -62,8 +65,9 @@ def serve_config(args):
 
     keys = ["target", "host", "port", "backend", "replicas", "ray_address", "direct_verify", "metrics_port", "device",
             "dtype", "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client",
-            "max_sessions_per_address", "max_calls_per_client", "max_calls_per_address", "stream_idle_s", "max_context", "max_draft", "tls_cert", "tls_key", "tls_client_ca", "credentials", "client_tokens_per_s",
-            "insecure"]
+            "max_sessions_per_address", "max_calls_per_client", "max_calls_per_address", "stream_idle_s", "max_context",
+            "prefill_chunk", "prefill_budget_ms", "max_draft", "tls_cert", "tls_key", "tls_client_ca", "credentials",
+            "client_tokens_per_s", "insecure"]
     return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
 
 
@@ -160,5 +164,5 @@ def _backend(config):
         torch.set_num_threads(config.torch_threads)
     verifier = Verifier(load_model(target, config.device, config.dtype), config.limits)
     backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client,
-                               config.max_sessions_per_address)
+                               config.max_sessions_per_address, config.prefill_budget_ms)
     return backend, f"{target}, in-process"

@@ -24,7 +24,7 @@ from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhaust
 from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
 from .metrics import Tally
-from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .routing import SessionTable
 from .telemetry import ReplicaTelemetry
 from .runner import VerifierRunner
@@ -203,14 +203,15 @@ class InProcessBackend(Backend):
     NAME = "in-process"
 
     def __init__(self, verifier: Verifier, max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 max_sessions_per_client: int | None = None, max_sessions_per_address: int | None = None) -> None:
+                 max_sessions_per_client: int | None = None, max_sessions_per_address: int | None = None,
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS) -> None:
         """Session limits left None: as many as the verifier holds."""
         super().__init__(max_sessions_per_client or verifier.limits.max_sessions,
                          max_sessions_per_address or verifier.limits.max_sessions)
         self.verifier = verifier
         self.info = verifier.info
         self._runner: VerifierRunner | None = None
-        self._batching = (max_batch, max_wait_ms)
+        self._batching = (max_batch, max_wait_ms, prefill_budget_ms)
 
     async def start(self) -> None:
         """Nothing to load: the verifier came loaded."""

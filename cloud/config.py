@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..common.tls import ServerTLS, check_plaintext
 from .access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
-from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .pool import PoolSpec
 from .process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
 from .replica import ReplicaSpec
@@ -44,7 +44,8 @@ class ServeConfig:
     max_calls_per_client: int = DEFAULT_MAX_CALLS  # concurrent Verifier calls (streams included) per token identity
     max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per address
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a VerifyStream that sends nothing for this long is ended
-    prefill_chunk: int = 128  # prompt tokens per forward pass at most; rounds never wait behind more
+    prefill_chunk: int = 128  # prompt tokens per forward pass at most (when no other session is waiting)
+    prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # while others send rounds, a pass with a prompt chunk takes about this long
     replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
     idle_timeout_s: int = 600  # idle sessions are dropped after this
     metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics port; -1 = off, 0 = any free port
@@ -75,8 +76,9 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not self.stream_idle_s > 0:
-            raise ValueError(f"stream_idle_s must be > 0, got {self.stream_idle_s}")
+        for name in ("stream_idle_s", "prefill_budget_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_plaintext(self.host, self.access.tls.enabled, self.insecure, "the gRPC front door")
 
     @property
@@ -98,6 +100,7 @@ class ServeConfig:
         """What each replica loads (`target` already resolved to a path or hub id)."""
         return ReplicaSpec(target=target, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
                            limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms,
+                           prefill_budget_ms=self.prefill_budget_ms,
                            verify_host=self.host if self.direct_verify else "", access=self.access)
 
     def pool_spec(self, target: str) -> PoolSpec:

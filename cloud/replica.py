@@ -20,7 +20,7 @@ from ..common.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, Ver
 from .access import AccessSpec
 from .backend import ReplicaEndpointBackend
 from .metrics import Tally
-from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS
+from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .runner import VerifierRunner
 from .server import VerifyEndpoint, start_verify_endpoint
 from .verifier import Verifier, VerifierLimits, VerifierStats
@@ -41,6 +41,7 @@ class ReplicaSpec:
     limits: VerifierLimits = VerifierLimits()
     max_batch: int = DEFAULT_MAX_BATCH
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
+    prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # a step with a prompt chunk, while others wait
     verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
     access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
 
@@ -64,7 +65,7 @@ class VerifierReplica:
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
-        self.runner = VerifierRunner(verifier, spec.max_batch, spec.max_wait_ms)
+        self.runner = VerifierRunner(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
         self._verify_host = spec.verify_host
         self._access = spec.access
         self._endpoint: VerifyEndpoint | None = None

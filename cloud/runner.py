@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 from ..common.errors import HybridSpecError, incident
 from ..common.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
-from .scheduler import Scheduler
+from .scheduler import DEFAULT_PREFILL_BUDGET_MS, Scheduler
 from .verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
@@ -22,9 +22,10 @@ log = logging.getLogger(__name__)
 class VerifierRunner:
     """Async face of one Verifier."""
 
-    def __init__(self, verifier: Verifier, max_batch: int, max_wait_ms: float) -> None:
+    def __init__(self, verifier: Verifier, max_batch: int, max_wait_ms: float,
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS) -> None:
         self.verifier = verifier
-        self._scheduler = Scheduler(verifier, max_batch, max_wait_ms)
+        self._scheduler = Scheduler(verifier, max_batch, max_wait_ms, prefill_budget_ms)
 
     async def open_session(self, spec: SessionSpec) -> SessionOpened:
         """Open or re-open a session; returns its committed length and asked-for features.

@@ -1,15 +1,18 @@
 """Continuous batching: one thread decides what each forward pass of a replica carries (no tensors here).
 
-Every step carries every queued round (one per session, at most `max_batch` sessions) plus up to
-`prefill_chunk` tokens of the prompts being opened, oldest first (cloud/verifier.py `step`). Rounds
-come first because an edge is waiting on each one; a prompt is fed a chunk per step, so a long
-prompt delays other sessions' rounds by one chunk at most and is never starved by them. Verify
+Every step carries every queued round (one per session, at most `max_batch` sessions) plus a chunk
+of the prompts being opened, oldest first (cloud/verifier.py `step`). Rounds come first because an
+edge is waiting on each one; a prompt is fed a chunk per step, so it is never starved by them. Verify
 blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
 
-A lone round runs at once. Only while other sessions that sent rounds recently have none queued
-does a round wait for their company, and then at most `max_wait_ms` from the moment the model is
-free: under load the batch grows while the previous step runs, the sessions that step answered get
-a moment to rejoin, and a single edge never pays a batching delay.
+How long a chunk is depends on who is waiting. With nobody else active, a prompt is fed
+`prefill_chunk` tokens a step, the most efficient size. While other sessions are sending rounds, a
+step that carries their rounds carries no prompt, unless the step before carried none (so the prompt
+still advances at least every other step), and a step of prompt alone is sized by time: its chunk
+fills `prefill_budget_ms` at the cost per token measured on earlier prompt steps. A round then waits
+behind at most about one budget, however long the prompt and however slow the machine
+(`prefill_tokens`). The price is the prompt's: it advances in the gaps between rounds.
+
 """
 from __future__ import annotations
 
@@ -29,7 +32,47 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
+# A step with a prompt chunk takes about this long while others wait: about one round on a CPU core.
+DEFAULT_PREFILL_BUDGET_MS = 60.0
+MIN_PREFILL_CHUNK = 4  # a prompt step always carries this much, however tight the budget
 ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
+COST_SMOOTHING = 0.3  # weight of the newest step in the running cost per token
+
+
+def prefill_tokens(budget_ms: float, ms_per_token: float | None, round_tokens: int, max_chunk: int,
+                   others_waiting: bool, fed_last_step: bool) -> int:
+    """How many prompt tokens a step may carry beside `round_tokens` tokens of rounds.
+
+    Nobody else waiting: `max_chunk`. Otherwise none beside rounds if the last step fed the prompt,
+    and else what the rounds leave of the budget at the measured cost per token, within
+    [MIN_PREFILL_CHUNK, max_chunk]; before anything is measured, the least. The cost per token is a
+    prompt step's time over its tokens, fixed per-step costs included, so on a slow machine (or deep
+    in a long prompt, where each token attends to more) the chunk shrinks until a step fits the
+    budget or reaches the floor.
+    """
+    if not others_waiting and round_tokens == 0:
+        return max_chunk
+    if round_tokens and fed_last_step:
+        return 0
+    floor = min(MIN_PREFILL_CHUNK, max_chunk)
+    if ms_per_token is None:
+        return floor
+    return max(floor, min(max_chunk, int(budget_ms / ms_per_token) - round_tokens))
+
+
+class StepCost:
+    """The running cost of a step per token it feeds (ms), smoothed over the steps so far."""
+
+    def __init__(self) -> None:
+        self.ms_per_token: float | None = None
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One step that fed `tokens` tokens took `seconds`."""
+        if tokens <= 0:
+            return
+        sample = 1e3 * seconds / tokens
+        previous = self.ms_per_token
+        self.ms_per_token = sample if previous is None else previous + COST_SMOOTHING * (sample - previous)
 
 
 @dataclass
@@ -50,12 +93,16 @@ class Scheduler:
     """Owns the model thread of one Verifier; callers get concurrent futures."""
 
     def __init__(self, verifier: Verifier, max_batch: int = DEFAULT_MAX_BATCH,
-                 max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> None:
-        if max_batch < 1 or max_wait_ms < 0:
-            raise ValueError(f"max_batch must be >= 1 and max_wait_ms >= 0, got {max_batch}, {max_wait_ms}")
+                 max_wait_ms: float = DEFAULT_MAX_WAIT_MS, prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS) -> None:
+        if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
+            raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
+                             f"{max_wait_ms}, {prefill_budget_ms}")
         self.verifier = verifier
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1e3
+        self.prefill_budget_ms = prefill_budget_ms
+        self.cost = StepCost()  # of the steps that fed a prompt
+        self._fed_last_step = False
         self._cv = threading.Condition()
         self._rounds: deque[_Round] = deque()
         self._opens: deque[_Open] = deque()
@@ -119,9 +166,18 @@ class Scheduler:
             if not rounds and not feeding:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
                 continue
-            # 4. One step.
+            # 4. One step: the rounds, and as much prompt as the budget allows while others wait.
+            round_tokens = sum(len(r.block.draft_ids) + 1 for r in rounds)
+            chunk = min(sum(o.remaining for o in feeding),
+                        prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, round_tokens,
+                                       self.verifier.limits.prefill_chunk, self._others_active(feeding),
+                                       self._fed_last_step))
+            started = time.perf_counter()
             try:
-                results = self.verifier.step([r.block for r in rounds], feeding)
+                results = self.verifier.step([r.block for r in rounds], feeding, chunk)
+                if chunk:
+                    self.cost.observe(time.perf_counter() - started, round_tokens + chunk)
+                self._fed_last_step = chunk > 0
             except Exception as exc:  # a bug the verifier did not contain: fail this step, keep serving
                 error = incident(log, exc, "a verification step")
                 results = [error] * len(rounds)
@@ -152,6 +208,12 @@ class Scheduler:
             if len(queued) >= min(self.max_batch, len(self._recent | dict.fromkeys(queued))) or now >= deadline:
                 return
             self._cv.wait(deadline - now)
+
+    def _others_active(self, feeding: list[Opening]) -> bool:
+        """True if a session that is not being opened sent a round within ACTIVE_WINDOW_S."""
+        now = time.perf_counter()
+        opening = {o.spec.session_id for o in feeding}
+        return any(now - t <= ACTIVE_WINDOW_S and sid not in opening for sid, t in self._recent.items())
 
     def _take_rounds(self) -> list[_Round]:
         """Up to max_batch queued rounds of distinct sessions; a second round of a session waits (cv held)."""

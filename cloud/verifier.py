@@ -56,7 +56,7 @@ class VerifierLimits:
     max_sessions: int = 64  # sessions held at once; more get RESOURCE_EXHAUSTED
     idle_timeout_s: int = 600  # an idle session is dropped after this
     kv_cache_tokens: int = 65536  # the KV pool, allocated once; when full, LRU sessions are evicted
-    prefill_chunk: int = 128  # prompt tokens per step at most, so rounds never wait behind a long prompt
+    prefill_chunk: int = 128  # prompt tokens per step at most (the scheduler feeds less while others wait)
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,10 @@ class Verifier:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Opening]) -> list[VerifyResult | HybridSpecError]:
-        """Run rounds and up to `prefill_chunk` prompt tokens of `openings` (oldest first).
+    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Opening],
+             prefill_tokens: int | None = None) -> list[VerifyResult | HybridSpecError]:
+        """Run rounds and up to `prefill_tokens` (default and at most `prefill_chunk`) prompt tokens of
+        `openings` (oldest first).
 
         Returns, per block and in order, its result or the error it earned; one bad block never
         fails the others. Two rounds of one session are scored one after the other. An opening's
@@ -191,6 +193,8 @@ class Verifier:
         """
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
         pending = list(range(len(blocks)))
+        chunk = self.limits.prefill_chunk
+        budget = chunk if prefill_tokens is None else max(0, min(prefill_tokens, chunk))
         with self._lock:
             feeding = [o for o in openings if o.phase is OpenPhase.FEEDING]
             while True:
@@ -198,13 +202,14 @@ class Verifier:
                 for i in pending:
                     (later if blocks[i].session_id in seen else wave).append(i)
                     seen.add(blocks[i].session_id)
-                self._run_wave([(i, blocks[i]) for i in wave], feeding, results)
+                self._run_wave([(i, blocks[i]) for i in wave], feeding, results, budget)
                 feeding, pending = [], later
                 if not pending:
                     break
         return results  # type: ignore[return-value]
 
-    def _run_wave(self, items: list[tuple[int, DraftBlock]], openings: list[Opening], results: list) -> None:
+    def _run_wave(self, items: list[tuple[int, DraftBlock]], openings: list[Opening], results: list,
+                  prefill_tokens: int) -> None:
         """One forward pass for blocks of distinct sessions plus prompt chunks (lock held)."""
         # 1. Admit: identical replays are answered from memory, bad blocks get their error.
         admitted: list[tuple[int, DraftBlock, Session]] = []
@@ -223,7 +228,7 @@ class Verifier:
             except HybridSpecError as exc:
                 results[i] = exc
         # 2. Pages for every feed; a feed that cannot get them fails alone.
-        feeds, rounds, chunks = self._plan(admitted, openings, results)
+        feeds, rounds, chunks = self._plan(admitted, openings, results, prefill_tokens)
         if not feeds:
             return
         # 3. One pass over [last committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
@@ -278,8 +283,8 @@ class Verifier:
                 self._finish(opening)
 
     def _plan(self, admitted: list[tuple[int, DraftBlock, Session]], openings: list[Opening], results: list,
-              ) -> tuple[list[Feed], list[tuple[int, DraftBlock, Session]], list[tuple[Opening, int]]]:
-        """The step's feeds: every admitted round, then prompt chunks up to `prefill_chunk` tokens
+              prefill_tokens: int) -> tuple[list[Feed], list[tuple[int, DraftBlock, Session]], list[tuple[Opening, int]]]:
+        """The step's feeds: every admitted round, then prompt chunks up to `prefill_tokens` tokens
         (with, per chunk, its opening and the position of its first token)."""
         keep = {block.session_id for _, block, _ in admitted} | {o.spec.session_id for o in openings}
         feeds, rounds, chunks = [], [], []
@@ -292,7 +297,7 @@ class Verifier:
                 continue
             feeds.append(Feed(session.table, tokens, scored=True, features=_wants_features(session.spec)))
             rounds.append((i, block, session))
-        budget = self.limits.prefill_chunk
+        budget = prefill_tokens
         for opening in openings:
             if opening.remaining == 0:
                 self._finish(opening)  # a one-token prompt has nothing to prefill

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from hybridspec.cloud.scheduler import Scheduler
+from hybridspec.cloud.scheduler import (ACTIVE_WINDOW_S, COST_SMOOTHING, MIN_PREFILL_CHUNK, Scheduler, StepCost,
+                                        prefill_tokens)
 from hybridspec.cloud.verifier import Verifier, VerifierLimits
 from hybridspec.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from hybridspec.common.wire import DraftBlock, Mode, SamplingParams, SessionSpec, VerifyResult
@@ -197,9 +198,9 @@ def test_a_refused_open_leaves_the_scheduler_idle(target):
 class SlowSteps(Verifier):
     """A verifier whose steps take 150 ms, as a big target's would: the scheduler's timing is under test."""
 
-    def step(self, blocks, openings):
+    def step(self, blocks, openings, prefill_tokens=None):
         time.sleep(0.15)
-        return super().step(blocks, openings)
+        return super().step(blocks, openings, prefill_tokens)
 
 
 def test_sessions_answered_by_a_step_rejoin_the_next_one(target):
@@ -220,3 +221,48 @@ def test_sessions_answered_by_a_step_rejoin_the_next_one(target):
         assert [f.result(30).batch_size for f in again] == [3, 3]
     finally:
         scheduler.stop()
+
+
+def test_while_others_wait_a_long_prompt_is_fed_by_the_time_budget(target):
+    """Found by a prober: with 128-token chunks a 4,000-token prompt held every other session's round
+    for a whole chunk (1.6 s on a slow core). While others send rounds, a step now carries what the
+    time budget allows (here the floor, MIN_PREFILL_CHUNK); with nobody else, whole chunks."""
+    verifier = Verifier(target, VerifierLimits(max_context=1024, prefill_chunk=128))
+    scheduler = Scheduler(verifier, max_batch=8, max_wait_ms=0, prefill_budget_ms=1e-6)
+    try:
+        scheduler.submit_open(SessionSpec("short", (5, 6))).result(30)
+        long_open = scheduler.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens
+        for r in range(5):  # a few floor-sized steps of prompt between the rounds
+            assert scheduler.submit_round(DraftBlock("short", r, 2 + r, ())).result(30).committed_len == 3 + r
+        assert not long_open.done()  # 5 steps of 128 tokens would have fed it whole
+        assert long_open.result(60).committed_len == 500
+        started = time.perf_counter()
+        alone = scheduler.submit_open(SessionSpec("alone", tuple(range(4, 254)) * 2))
+        time.sleep(ACTIVE_WINDOW_S)  # "short" is no longer active: whole chunks again
+        assert alone.result(60).committed_len == 500 and time.perf_counter() - started < 60
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("budget_ms,ms_per_token,rounds,others,fed_last,want", [
+    (60.0, 2.0, 0, False, True, 128),  # nobody waits: a whole chunk
+    (60.0, 2.0, 5, True, True, 0),  # the prompt advanced last step: this one is the rounds'
+    (60.0, 2.0, 5, True, False, 25),  # its turn again: what the round leaves of the budget (30 - 5)
+    (60.0, 2.0, 0, True, True, 30),  # a step of prompt alone fills the budget
+    (60.0, None, 0, True, False, MIN_PREFILL_CHUNK),  # nothing measured yet: the floor
+    (60.0, 20.0, 0, True, False, MIN_PREFILL_CHUNK),  # a slow machine or a deep prompt: the floor, never 0
+    (1e4, 0.1, 0, True, False, 128),  # a fast machine: never past prefill_chunk
+])
+def test_prefill_tokens_fill_what_the_rounds_leave_of_the_budget(budget_ms, ms_per_token, rounds, others, fed_last,
+                                                                  want):
+    assert prefill_tokens(budget_ms, ms_per_token, rounds, 128, others, fed_last) == want
+
+
+def test_step_cost_is_a_running_mean_per_token():
+    cost = StepCost()
+    cost.observe(0.0, 0)
+    assert cost.ms_per_token is None
+    cost.observe(0.100, 50)
+    assert cost.ms_per_token == pytest.approx(2.0)
+    cost.observe(0.100, 25)
+    assert cost.ms_per_token == pytest.approx(2.0 + COST_SMOOTHING * 2.0)
