@@ -104,6 +104,9 @@ class Scheduler:
         self.cost = StepCost()  # of the steps that fed a prompt
         self._fed_last_step = False
         self._cv = threading.Condition()
+        # The queues are made once and only ever changed in place, under the lock: a submitter is
+        # handed the queue object before it takes the lock, so swapping in a new queue would drop
+        # its item into the old one, never to be answered.
         self._rounds: deque[_Round] = deque()
         self._opens: deque[_Open] = deque()
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
@@ -155,7 +158,8 @@ class Scheduler:
                 if self._stopped:
                     return
                 self._wait_for_company(free_since)
-                calls, self._calls = list(self._calls), deque()
+                calls = list(self._calls)
+                self._calls.clear()
                 rounds = self._take_rounds()
                 opens = list(self._opens)
             # 2. Bookkeeping first: a close or a stats call never waits behind a long queue.
@@ -227,7 +231,8 @@ class Scheduler:
                 self._recent[item.block.session_id] = item.arrived
             else:
                 rest.append(item)
-        self._rounds = rest
+        self._rounds.clear()
+        self._rounds.extend(rest)
         return taken
 
     def _admit_opens(self, opens: list[_Open]) -> list[Opening]:
@@ -263,7 +268,9 @@ class Scheduler:
             if item.future.done():
                 finished.add(id(item))
         with self._cv:
-            self._opens = deque(i for i in self._opens if id(i) not in finished)
+            kept = [i for i in self._opens if id(i) not in finished]
+            self._opens.clear()
+            self._opens.extend(kept)
 
 
 def _call(fn: Callable[[], object]) -> object:

@@ -1,6 +1,8 @@
 """Batched verification: many sessions in one pass give exactly the unbatched answers; the scheduler;
 the KV pool's bounds (LRU eviction, RESOURCE_EXHAUSTED)."""
 import random
+import threading
+from concurrent.futures import wait
 import time
 
 import pytest
@@ -266,3 +268,31 @@ def test_step_cost_is_a_running_mean_per_token():
     assert cost.ms_per_token == pytest.approx(2.0)
     cost.observe(0.100, 25)
     assert cost.ms_per_token == pytest.approx(2.0 + COST_SMOOTHING * 2.0)
+
+
+def test_no_submission_is_lost_while_the_scheduler_takes_its_queues(target):
+    """Found by bench/refusal_soak.py (a prober's one 30 s stall in 1,248 calls): `_put` was handed the
+    queue object before taking the lock, so a submission that waited for the lock while the model
+    thread swapped that queue for a new one went into the old queue and was never answered."""
+    scheduler = scheduler_of(target)
+    try:
+        scheduler.submit_open(SessionSpec("s", (5, 6))).result(30)
+        futures: list = []
+        lock = threading.Lock()
+
+        def submit(n: int) -> None:
+            mine = [scheduler.submit_call(lambda: 1) for _ in range(n)]
+            with lock:
+                futures.extend(mine)
+
+        threads = [threading.Thread(target=submit, args=(3000,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for r in range(30):  # rounds and closes swap the other queues meanwhile
+            assert scheduler.submit_round(DraftBlock("s", r, 2 + r, ())).result(30).round == r
+        for t in threads:
+            t.join()
+        done, lost = wait(futures, timeout=30)
+        assert len(lost) == 0 and all(f.result() == 1 for f in done)
+    finally:
+        scheduler.stop()

@@ -289,3 +289,51 @@ def test_undecodable_bodies_are_invalid_argument_and_counted(target):
         assert scrape(srv, 'hybridspec_errors_total{code="INVALID_ARGUMENT"}') == 5
     finally:
         srv.stop()
+
+
+# ---- 9. a refused message on a shared stream (probe: one 30 s stall in 1,248, not reproduced) --------
+
+@pytest.mark.parametrize("second", ["out_of_vocabulary", "undecodable", "nothing"])
+def test_a_refused_message_ends_its_stream_at_once_after_the_answered_rounds(server, stub_of, second):
+    """A valid round of one session, a wrong committed length for another, then more, on one stream
+    that the client keeps open: the valid round is answered, the refusal ends the call with its status
+    at once, and neither session changes because of the refusal (bench/refusal_soak.py runs this mix
+    for minutes)."""
+    stub = stub_of(server)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stream = channel.stream_stream("/hybridspec.v1.Verifier/VerifyStream", request_serializer=lambda b: b,
+                                       response_deserializer=pb.VerifyReply.FromString)
+        for _ in range(20):
+            a, b = (stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6, 7])).session_id for _ in range(2))
+            messages = [pb.VerifyRequest(session_id=a, round=0, committed_len=3, draft_ids=[9]).SerializeToString(),
+                        pb.VerifyRequest(session_id=b, round=0, committed_len=42).SerializeToString()]
+            if second == "out_of_vocabulary":
+                messages.append(pb.VerifyRequest(session_id=b, round=0, committed_len=3,
+                                                 draft_ids=[4, 999]).SerializeToString())
+            elif second == "undecodable":
+                messages.append(b"\x0a\xff\xff")
+            held = threading.Event()  # the client never half-closes until the call has ended
+
+            def requests():
+                yield from messages
+                held.wait(30)
+
+            started = time.perf_counter()
+            call = stream(requests(), timeout=30)
+            replies = []
+            with pytest.raises(grpc.RpcError) as info:
+                for reply in call:
+                    replies.append(reply)
+            held.set()
+            assert time.perf_counter() - started < 5
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "committed_len 42" in info.value.details()
+            assert [r.round for r in replies] == [0]
+            # Both sessions go on from where the answered round left them.
+            after_a = stub.Verify(pb.VerifyRequest(session_id=a, round=1, committed_len=replies[0].committed_len))
+            assert after_a.round == 1
+            assert stub.Verify(pb.VerifyRequest(session_id=b, round=0, committed_len=3)).round == 0
+            for sid in (a, b):
+                stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    finally:
+        channel.close()
