@@ -2,8 +2,8 @@
 
 Every step carries every queued round (one per session, at most `max_batch` sessions) plus a chunk
 of the prompts being opened, oldest first (cloud/verifier.py `step`). Rounds come first because an
-edge is waiting on each one; a prompt is fed a chunk per step, so it is never starved by them. Verify
-blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
+edge is waiting on each one; a prompt advances at least every other step, so it is never starved by
+them. Verify blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
 
 How long a chunk is depends on who is waiting. With nobody else active, a prompt is fed
 `prefill_chunk` tokens a step, the most efficient size. While other sessions are sending rounds, a
@@ -13,6 +13,10 @@ fills `prefill_budget_ms` at the cost per token measured on earlier prompt steps
 behind at most about one budget, however long the prompt and however slow the machine
 (`prefill_tokens`). The price is the prompt's: it advances in the gaps between rounds.
 
+A lone round runs at once. Only while other sessions that sent rounds recently have none queued
+does a round wait for their company, and then at most `max_wait_ms` from the moment the model is
+free: under load the batch grows while the previous step runs, the sessions that step answered get
+a moment to rejoin, and a single edge never pays a batching delay.
 """
 from __future__ import annotations
 
