@@ -9,7 +9,7 @@ compute them (sampling transform, then q truncated to the edge's default wire_to
 position the acceptance of a draft token is then, given the prefix:
     standard  sum_v min(p(v), q(v))                         (rejection sampling, exact expectation)
     coupled   P[x = y], x = argmax(log q + G), y = argmax(log p + G), G the coupled rule's own noise
-              (common/sampling.py gumbel_noise), measured over --seeds seeds; its exact expectation
+              (common/maths/sampling.py gumbel_noise), measured over --seeds seeds; its exact expectation
               sum_v 1 / sum_u max(p(u)/p(v), q(u)/q(v)) (the exponential race) is reported beside it.
 Intervals are 95 % bootstrap intervals over prompts. The cost of each rule per verify round (γ = 8,
 the target's vocabulary, one thread) is timed too, since coupled sampling hashes noise for every token.
@@ -25,18 +25,18 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hybridspec.common import verification as rules
-from hybridspec.common.embedded import resolve
-from hybridspec.common.models import LoadedModel, load_model
-from hybridspec.common.sampling import (
+from hybridspec.common.maths import verification as rules
+from hybridspec.common.models.embedded import resolve
+from hybridspec.common.models.loading import LoadedModel, load_model
+from hybridspec.common.maths.sampling import (
     gumbel_max,
     gumbel_noise,
     gumbel_scores,
     logits_to_probs,
     round_generator,
 )
-from hybridspec.common.sparse import truncate
-from hybridspec.common.wire import SamplingParams
+from hybridspec.common.maths.sparse import truncate
+from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt

@@ -20,9 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt

@@ -29,9 +29,9 @@ import torch
 from transformers import DynamicCache
 
 from hybridspec.distill.student import build_student
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import FeatureFormat
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import FeatureFormat
 from hybridspec.distill.data import generate_samples, generate_with_features
 from hybridspec.distill.evaluate import eagle_report, evaluate
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts

@@ -23,11 +23,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import DraftBlock, GenerateSpec, SessionSpec
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.prompt import encode_prompt

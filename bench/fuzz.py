@@ -31,8 +31,8 @@ from tqdm import tqdm
 from fuzzing import Fuzzer, calls  # noqa: E402  (tests/ is on the path above)
 from soak import references  # noqa: E402  (bench/, this script's folder, is on the path)
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt

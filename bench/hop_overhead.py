@@ -7,7 +7,7 @@ Paths, each a real gRPC client (edge/client.py) on localhost sending one round a
     direct      the edge streams to the replica's own endpoint, named in OpenSessionReply (direct_verify on)
     in-process  the front door runs the verifier itself (InProcessBackend, no Ray): the floor
 overhead = client round trip (submit → reply) − the verifier's forward time (VerifyResult.verify_ms −
-queue_ms, cloud/scheduler.py), with the configured batching wait (a lone session's round never waits
+queue_ms, cloud/core/scheduler.py), with the configured batching wait (a lone session's round never waits
 for company): what is left is gRPC, the front door, Ray and the event-loop and thread hand-offs.
 The paths take turns round by round, so load from other work on the machine hits all of them alike.
 --target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py);
@@ -28,14 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.backend import InProcessBackend
-from hybridspec.cloud.pool import WORKER_ENV, PoolSpec, RayPool, init_ray
-from hybridspec.cloud.replica import ReplicaSpec
-from hybridspec.cloud.scheduler import DEFAULT_MAX_WAIT_MS
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool, init_ray
+from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.cloud.core.scheduler import DEFAULT_MAX_WAIT_MS
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)

@@ -26,9 +26,9 @@ from pathlib import Path
 import grpc
 
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.common.credentials import add_identity
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.security.credentials import add_identity
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 
 PROMPT = [1, 9690, 198, 3303, 314, 260, 6917, 2840, 47, 2]
 DRAFT = [30, 31, 32, 33]

@@ -25,7 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)

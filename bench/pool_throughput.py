@@ -27,10 +27,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.data import generate_samples
 from hybridspec.distill.prompts import heldout_prompts
 
@@ -159,9 +159,9 @@ def _pool_runs(args, target, refs, cores):
     """Batched and unbatched Ray pools behind real front doors; also the per-round hop latency."""
     import ray
 
-    from hybridspec.cloud.pool import WORKER_ENV, PoolSpec, RayPool, init_ray
-    from hybridspec.cloud.replica import ReplicaSpec
-    from hybridspec.cloud.server import BackgroundServer
+    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool, init_ray
+    from hybridspec.cloud.pool.replica import ReplicaSpec
+    from hybridspec.cloud.api.server import BackgroundServer
 
     if cores:
         os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core

@@ -23,11 +23,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, Scheduler
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.cloud.core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, Scheduler
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 
 VICTIM_PROMPT = tuple(range(1000, 1200))  # 200 tokens of context
 DRAFT = (30, 31, 32, 33)

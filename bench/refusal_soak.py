@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tinymodels import VOCAB, make_model, save_model  # noqa: E402
 
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process  # noqa: E402
-from hybridspec.common.proto import verifier_pb2 as pb  # noqa: E402
+from hybridspec.common.protocol.proto import verifier_pb2 as pb  # noqa: E402
 
 METHOD = "/hybridspec.v1.Verifier/VerifyStream"
 PROMPT = [5, 6, 7, 8]

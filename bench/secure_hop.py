@@ -32,9 +32,9 @@ import trustme
 from scipy import stats
 
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.common.credentials import add_identity
-from hybridspec.common.tls import ClientTLS
-from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.common.security.credentials import add_identity
+from hybridspec.common.security.tls import ClientTLS
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess
 

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import openai
 from hybridspec.cli.serve_cmd import parse_ready_line
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.common.embedded import resolve
+from hybridspec.common.models.embedded import resolve
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from scipy import stats
 

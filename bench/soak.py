@@ -32,8 +32,8 @@ import torch
 from tqdm import tqdm
 
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig

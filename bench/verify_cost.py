@@ -24,12 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hybridspec.cloud.engine import Engine, Feed
-from hybridspec.cloud.kvpool import PageTable
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.embedded import default_paths
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import DraftBlock, SessionSpec
+from hybridspec.cloud.engine.torch_engine import Engine, Feed
+from hybridspec.cloud.engine.kvpool import PageTable
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.prompt import encode_prompt
 

@@ -86,7 +86,7 @@ def run_serve(args) -> int:
         metrics = f", metrics on {config.metrics_host}:{running.metrics_port}" if running.metrics_port else ""
         print(f"{READY_PREFIX}{config.host}:{running.port} ({what}{metrics})", flush=True)
 
-    from ..cloud.server import serve_forever
+    from ..cloud.api.server import serve_forever
 
     metrics_port = None if config.metrics_port < 0 else config.metrics_port
     asyncio.run(serve_forever(backend, config.host, config.port, config.grace_s, metrics_port, config.metrics_host,
@@ -128,8 +128,8 @@ def _check_ports(ports: dict) -> None:
 def _check_access(config) -> None:
     """ConfigError now, before anything slow starts, for a TLS or credentials file that cannot be used;
     warnings for a server reachable from the network without TLS or without tokens."""
-    from ..cloud.access import Access
-    from ..common.tls import check_plaintext, is_loopback
+    from ..cloud.api.access import Access
+    from ..common.security.tls import check_plaintext, is_loopback
 
     config.access.tls.check_files()
     Access(config.access)
@@ -144,21 +144,21 @@ def _check_access(config) -> None:
 
 def _backend(config):
     """The backend the config asks for, and a few words describing it."""
-    from ..common.embedded import resolve
+    from ..common.models.embedded import resolve
 
-    from ..common.models import classify_model
+    from ..common.models.loading import classify_model
 
     target = resolve(config.target, "target")
     classify_model(target)  # fail here, in one line, before Ray replicas try to load it
     if config.backend == "ray":
-        from ..cloud.pool import RayPool
+        from ..cloud.pool.ray_pool import RayPool
 
         return RayPool(config.pool_spec(target)), f"{target}, {config.replicas} Ray replica(s)"
     import torch
 
-    from ..cloud.backend import InProcessBackend
-    from ..cloud.verifier import Verifier
-    from ..common.models import load_model
+    from ..cloud.pool.backend import InProcessBackend
+    from ..cloud.core.verifier import Verifier
+    from ..common.models.loading import load_model
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -132,7 +132,7 @@ def prompt_ids(codec, text: str, chat: bool) -> list[int]:
 def run_generate(args) -> int:
     """Generate and print text, JSON, or a live stream. If the cloud is lost mid-way without
     --allow-unverified, what was committed is still printed, then the error (exit 2)."""
-    from ..common.errors import HybridSpecError
+    from ..common.protocol.errors import HybridSpecError
 
     config = edge_config(args)
     worker = build_worker(config, background=True)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, run, and turn every failure into one line on stderr and a non-zero exit."""
     args = build_parser().parse_args(argv)
     from ..common.config import ConfigError
-    from ..common.errors import HybridSpecError
+    from ..common.protocol.errors import HybridSpecError
 
     try:
         return int(args.run(args) or 0)

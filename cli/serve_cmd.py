@@ -82,8 +82,8 @@ def run_serve(args) -> int:
 def _check_access(options):
     """The API-key store (None without --api-keys), the TLS files checked now; a warning for plain HTTP
     on the network or an open /v1/ there. ConfigError for a file that cannot be used."""
-    from ..common.credentials import CredentialStore
-    from ..common.tls import check_plaintext, is_loopback, read_pem
+    from ..common.security.credentials import CredentialStore
+    from ..common.security.tls import check_plaintext, is_loopback, read_pem
 
     if options.tls:
         read_pem(options.http_tls_cert, "http_tls_cert")

@@ -1,4 +1,4 @@
-"""`hybridspec token`: issue and revoke the per-edge tokens a credentials file holds (common/credentials.py).
+"""`hybridspec token`: issue and revoke the per-edge tokens a credentials file holds (common/security/credentials.py).
 The same file serves `cloud serve --credentials` (gRPC) and `edge serve --api-keys` (HTTP)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def run_add(args) -> int:
     """Issue the token; it is shown once and only its digest is kept."""
     import os
 
-    from ..common.credentials import add_identity
+    from ..common.security.credentials import add_identity
 
     token = add_identity(args.file, args.name, args.max_sessions, args.tokens_per_s)
     if args.token_out:
@@ -45,7 +45,7 @@ def run_add(args) -> int:
 
 def run_remove(args) -> int:
     """Revoke; exit 1 if the identity was not there."""
-    from ..common.credentials import remove_identity
+    from ..common.security.credentials import remove_identity
 
     if not remove_identity(args.file, args.name):
         print(f"hybridspec: error: {args.file} has no identity {args.name!r}", file=sys.stderr)
@@ -55,7 +55,7 @@ def run_remove(args) -> int:
 
 def run_list(args) -> int:
     """One line per identity."""
-    from ..common.credentials import list_identities
+    from ..common.security.credentials import list_identities
 
     for identity in list_identities(args.file):
         limits = [f"max_sessions={identity.max_sessions}" if identity.max_sessions is not None else "",

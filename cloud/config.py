@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.tls import ServerTLS, check_plaintext
-from .access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
-from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
-from .pool import PoolSpec
+from ..common.security.tls import ServerTLS, check_plaintext
+from .api.access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
+from .core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
+from .pool.ray_pool import PoolSpec
 from .process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
-from .replica import ReplicaSpec
-from .routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
-from .verifier import VerifierLimits
+from .pool.replica import ReplicaSpec
+from .pool.routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
+from .core.verifier import VerifierLimits
 
 BACKENDS = ("ray", "inprocess")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ..common.errors import HybridSpecError, Unavailable
+from ..common.protocol.errors import HybridSpecError, Unavailable
 
 # Where `cloud serve` listens by default (ServeConfig's defaults, kept here because the CLI checks the
 # ports before it imports anything heavy).

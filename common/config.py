@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from .errors import HybridSpecError
+from .protocol.errors import HybridSpecError
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..common.models import LoadedModel
+from ..common.models.loading import LoadedModel
 from ..edge.prompt import encode_prompt
 from .prompts import clean_request, self_instruct_meta_prompts
 

@@ -1,4 +1,4 @@
-"""Training an EAGLE head (common/eagle.py) on the target's own features (`distill --kind eagle`).
+"""Training an EAGLE head (common/models/eagle.py) on the target's own features (`distill --kind eagle`).
 
 For a sample t_0..t_{L-1} with target features f_0..f_{L-2}, the head reads (f_j, t_{j+1}) at
 position j+1 and is trained to match the target's distribution of t_{j+2} over the head's rows
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..common.eagle import EagleHead
-from ..common.models import LoadedModel
+from ..common.models.eagle import EagleHead
+from ..common.models.loading import LoadedModel
 from .data import Sample
 from .optim import pick, warmup_cosine
 from .optim import step as step_

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..common.features import encode_features
-from ..common.models import LoadedModel
-from ..common.wire import FeatureFormat, SamplingParams
+from ..common.maths.features import encode_features
+from ..common.models.loading import LoadedModel
+from ..common.protocol.wire import FeatureFormat, SamplingParams
 from .data import Sample
 
 

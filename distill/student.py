@@ -1,4 +1,4 @@
-"""Building and writing compact drafters (the reading side is common/compact.py): a student
+"""Building and writing compact drafters (the reading side is common/models/compact.py): a student
 initialised from the target, the weights it owns, and their storage in fp16 or int8."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ..common.compact import MANIFEST, SCALE_SUFFIX, WEIGHTS, Manifest, dequantize
+from ..common.models.compact import MANIFEST, SCALE_SUFFIX, WEIGHTS, Manifest, dequantize
 
 STORES = ("float16", "int8")  # how a checkpoint stores matrices
 

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..common.compact import Manifest
-from ..common.eagle import EAGLE_KIND
-from ..common.embedded import resolve
-from ..common.models import LoadedModel, load_model, tokenizer_fingerprint
+from ..common.models.compact import Manifest
+from ..common.models.eagle import EAGLE_KIND
+from ..common.models.embedded import resolve
+from ..common.models.loading import LoadedModel, load_model, tokenizer_fingerprint
 from .data import (
     Sample,
     corpus_samples,

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ..common import codec
-from ..common.channel import SHARED_OPTIONS
-from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable, error_for_code
-from ..common.proto import verifier_pb2 as pb
-from ..common.proto import verifier_pb2_grpc as pb_grpc
-from ..common.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ..common.protocol import codec
+from ..common.protocol.channel import SHARED_OPTIONS
+from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable, error_for_code
+from ..common.protocol.proto import verifier_pb2 as pb
+from ..common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from ..common.protocol.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 from .config import CloudAccess
 
 CHANNEL_OPTIONS = [

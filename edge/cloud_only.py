@@ -9,8 +9,8 @@ import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
-from ..common.errors import HybridSpecError, Unavailable
-from ..common.wire import GenerateSpec
+from ..common.protocol.errors import HybridSpecError, Unavailable
+from ..common.protocol.wire import GenerateSpec
 from .controller import Phase
 from .state import Event, Origin
 

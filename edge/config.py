@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..common.config import ConfigError
-from ..common.credentials import MAX_TOKEN_CHARS
-from ..common.tls import ClientTLS, is_loopback
-from ..common.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
+from ..common.security.credentials import MAX_TOKEN_CHARS
+from ..common.security.tls import ClientTLS, is_loopback
+from ..common.protocol.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
 from .proposal import DRAFTER_KINDS
 
 if TYPE_CHECKING:

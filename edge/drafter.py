@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from ..common.bild import should_fall_back
-from ..common.models import LoadedModel, truncate_cache
-from ..common.sampling import gumbel_max, logits_to_probs, penalize, round_generator
-from ..common.sparse import SparseDist, truncate
-from ..common.wire import SamplingParams
+from ..common.maths.bild import should_fall_back
+from ..common.models.loading import LoadedModel, truncate_cache
+from ..common.maths.sampling import gumbel_max, logits_to_probs, penalize, round_generator
+from ..common.maths.sparse import SparseDist, truncate
+from ..common.protocol.wire import SamplingParams
 from .proposal import DRAFTER_KINDS, Drafter, Interrupt, Proposal
 
 

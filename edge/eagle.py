@@ -1,4 +1,4 @@
-"""Drafting with an EAGLE head (common/eagle.py) from the target's own features.
+"""Drafting with an EAGLE head (common/models/eagle.py) from the target's own features.
 
 The verifier sends the target's final hidden states for every committed position but the newest
 (docs/eagle.md); `FeatureLog` keeps them. To draft after a context of L tokens the head needs, at
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..common.features import decode_features
-from ..common.models import LoadedModel, truncate_cache
-from ..common.wire import FeatureBlock
+from ..common.maths.features import decode_features
+from ..common.models.loading import LoadedModel, truncate_cache
+from ..common.protocol.wire import FeatureBlock
 from .drafter import DraftSettings, ModelDrafter
 from .proposal import Drafter, Interrupt, Proposal
 

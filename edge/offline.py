@@ -9,7 +9,7 @@ import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
-from ..common.errors import Unavailable
+from ..common.protocol.errors import Unavailable
 from .controller import Phase
 from .state import Event
 

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..common.wire import DraftBlock
+from ..common.protocol.wire import DraftBlock
 
 if TYPE_CHECKING:
-    from ..common.sparse import SparseDist
+    from ..common.maths.sparse import SparseDist
 
 DRAFTER_KINDS = ("model", "ngram")  # "model" drafts with whatever the drafter checkpoint is (LM or eagle head)
 Interrupt = Callable[[], bool]

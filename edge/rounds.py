@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from ..common.wire import DraftBlock, FeatureBlock, VerifyResult
+from ..common.protocol.wire import DraftBlock, FeatureBlock, VerifyResult
 from .proposal import Drafter, Proposal
 from .state import Event, EventKind, GenerationState
 from .stats import Stats

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
+from ..common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
 from .client import PendingRound, ReplicaUnreachable, VerifierClient
 from .estimates import Estimates
 from .rounds import FeatureSink

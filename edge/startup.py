@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from ..common.embedded import resolve
+from ..common.models.embedded import resolve
 from .config import EdgeConfig
 from .textcodec import TextCodec, tokenizer_dir
 
 if TYPE_CHECKING:
-    from ..common.models import LoadedModel
+    from ..common.models.loading import LoadedModel
 
 
 class DrafterLoad:
@@ -59,7 +59,7 @@ class DrafterLoad:
         try:
             import torch
 
-            from ..common.models import load_model
+            from ..common.models.loading import load_model
 
             if config.torch_threads:
                 torch.set_num_threads(config.torch_threads)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .proposal import Proposal
 
 if TYPE_CHECKING:
-    from ..common.sparse import SparseDist
+    from ..common.maths.sparse import SparseDist
     from .stops import TextTracker
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ..common.fingerprints import fingerprint
+from ..common.protocol.fingerprints import fingerprint
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -129,7 +129,7 @@ def _compile(template: str):
 def tokenizer_dir(spec: str | Path) -> Path | None:
     """The directory whose tokenizer a drafter spec uses (a compact drafter's is its target's), or
     None when it is not a local directory with a tokenizer.json (a .gguf file, a hub id)."""
-    from ..common.manifest import MANIFEST, Manifest, resolve_base
+    from ..common.models.manifest import MANIFEST, Manifest, resolve_base
 
     path = Path(spec).expanduser()
     if not path.is_dir():

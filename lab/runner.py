@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from ..cloud.process import start_cloud_process, stop_cloud_process
-from ..common.embedded import resolve
-from ..common.models import LoadedModel, load_model
-from ..common.wire import GenerateSpec
+from ..common.models.embedded import resolve
+from ..common.models.loading import LoadedModel, load_model
+from ..common.protocol.wire import GenerateSpec
 from ..edge.client import VerifierClient
 from ..edge.config import EdgeConfig
 from ..edge.prompt import encode_prompt
@@ -259,7 +259,7 @@ class Lab:
         return self._local["target"]
 
     def _verifier(self):
-        from ..cloud.verifier import Verifier, VerifierLimits
+        from ..cloud.core.verifier import Verifier, VerifierLimits
 
         if "verifier" not in self._local:
             self._local["verifier"] = Verifier(self._target(), VerifierLimits(max_context=8192))
@@ -267,8 +267,8 @@ class Lab:
 
     def _assistant(self):
         """The drafter as a full-vocabulary model, as transformers' assisted generation needs."""
-        from ..common import compact
-        from ..common.manifest import is_compact
+        from ..common.models import compact
+        from ..common.models.manifest import is_compact
 
         if "assistant" not in self._local:
             path = Path(self.drafter_path if not self.drafter.is_eagle else resolve("", "plain"))

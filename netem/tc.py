@@ -16,7 +16,7 @@ import ipaddress
 import shutil
 import subprocess
 
-from ..common.errors import HybridSpecError
+from ..common.protocol.errors import HybridSpecError
 from .relay import split_address
 from .shaping import DirectionSpec, LinkSpec
 

@@ -1,4 +1,4 @@
-"""Regenerate the Python gRPC code in common/proto/ from protos/ (the only contract).
+"""Regenerate the Python gRPC code in common/protocol/proto/ from protos/ (the only contract).
 
 Usage: python scripts/gen_protos.py [--check]
 --check regenerates into a temporary directory and exits 1 when the committed files differ.
@@ -32,7 +32,7 @@ def generate(out: Path) -> list[Path]:
         for src in sorted(Path(tmp).rglob("*_pb2*.py*")):
             text = src.read_text()
             # protoc writes absolute imports (`from hybridspec.v1 import x_pb2`) that only resolve
-            # when the proto tree is a top-level package; ours lives inside hybridspec.common.proto.
+            # when the proto tree is a top-level package; ours lives inside hybridspec.common.protocol.proto.
             text = re.sub(r"^from hybridspec\.v1 import (\w+)", r"from . import \1", text, flags=re.M)
             dst = out / src.name
             dst.write_text(HEADER + text)
@@ -42,7 +42,7 @@ def generate(out: Path) -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if common/proto/ is stale")
+    parser.add_argument("--check", action="store_true", help="fail if common/protocol/proto/ is stale")
     args = parser.parse_args()
     if not args.check:
         for f in generate(OUT):

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.models import LoadedModel, load_model
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.loading import LoadedModel, load_model
 
 from tinymodels import make_model, save_model
 
@@ -55,7 +55,7 @@ def ray_cluster():
     """A local Ray cluster for the pool tests; replicas ask for fractions of its CPUs."""
     import ray
 
-    from hybridspec.cloud.pool import WORKER_ENV, init_ray
+    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, init_ray
 
     init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
     yield

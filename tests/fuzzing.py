@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 from hypothesis import strategies as st
 
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 
 # What a bad or unlucky request may earn. UNKNOWN and INTERNAL never: they mean a server bug.
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,

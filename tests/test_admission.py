@@ -1,5 +1,5 @@
 """Who gets a call at all: authentication at call start, concurrent-call bounds per identity and per
-address, silent streams ended, and anonymous limits kept apart from token limits (cloud/admission.py).
+address, silent streams ended, and anonymous limits kept apart from token limits (cloud/api/admission.py).
 
 The defect: with --credentials, ~1,100 idle VerifyStream calls that never sent a message used up the
 front door's concurrent-RPC limit before any token was read (the token was checked on the first
@@ -14,13 +14,13 @@ import time
 import grpc
 import pytest
 
-from hybridspec.cloud.access import AccessSpec
-from hybridspec.cloud.backend import InProcessBackend
-from hybridspec.cloud.server import MAX_CONCURRENT_RPCS, BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.credentials import add_identity
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.cloud.api.access import AccessSpec
+from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.api.server import MAX_CONCURRENT_RPCS, BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.security.credentials import add_identity
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=16)
 PROMPT = [7, 19, 40, 81]

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from hybridspec.cloud.scheduler import (ACTIVE_WINDOW_S, COST_SMOOTHING, MIN_PREFILL_CHUNK, Scheduler, StepCost,
+from hybridspec.cloud.core.scheduler import (ACTIVE_WINDOW_S, COST_SMOOTHING, MIN_PREFILL_CHUNK, Scheduler, StepCost,
                                         prefill_tokens)
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from hybridspec.common.wire import DraftBlock, Mode, SamplingParams, SessionSpec, VerifyResult
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.protocol.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hybridspec.common.protocol.wire import DraftBlock, Mode, SamplingParams, SessionSpec, VerifyResult
 
 
 def sessions(rng: random.Random, n: int) -> list[SessionSpec]:

@@ -1,6 +1,6 @@
 """Wire dataclasses survive the protobuf round trip unchanged."""
-from hybridspec.common import codec
-from hybridspec.common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionSpec,
+from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SamplingParams, SessionSpec,
                                     VerifyResult)
 
 

@@ -4,14 +4,14 @@ import math
 
 import pytest
 import torch
-from hybridspec.common import verification as rules
-from hybridspec.common.sampling import (
+from hybridspec.common.maths import verification as rules
+from hybridspec.common.maths.sampling import (
     gumbel_max,
     gumbel_noise,
     gumbel_scores,
     logits_to_probs,
 )
-from hybridspec.common.wire import SamplingParams
+from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
@@ -270,7 +270,7 @@ def test_without_a_seed_each_sampled_run_draws_its_own(server, random_drafter):
 
 
 def test_coupled_needs_no_q_on_the_wire():
-    from hybridspec.common.wire import Mode
+    from hybridspec.common.protocol.wire import Mode
 
     assert not Mode.COUPLED.uses_draft_probs
     with pytest.raises(Exception, match="temperature > 0"):

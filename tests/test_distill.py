@@ -6,8 +6,8 @@ import pytest
 
 from safetensors import safe_open
 
-from hybridspec.common.compact import MANIFEST, WEIGHTS
-from hybridspec.common.models import load_model
+from hybridspec.common.models.compact import MANIFEST, WEIGHTS
+from hybridspec.common.models.loading import load_model
 from hybridspec.distill.train import DistillConfig, distill
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -60,7 +60,7 @@ def test_distilled_drafter_drafts_through_the_edge_path(distilled, server, targe
 def test_int8_storage_halves_the_weights_and_keeps_the_predictions(model_dirs, target, tmp_path):
     import torch
 
-    from hybridspec.common.compact import Manifest
+    from hybridspec.common.models.compact import Manifest
     from hybridspec.distill.student import build_student, own_state, save_compact
 
     student = build_student(target.model, 2, torch.arange(200))

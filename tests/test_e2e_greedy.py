@@ -1,7 +1,7 @@
 """Greedy edge→gRPC→verifier output is token-for-token the target's own greedy decoding."""
 import pytest
 
-from hybridspec.common.wire import GenerateSpec
+from hybridspec.common.protocol.wire import GenerateSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.state import Origin

@@ -8,11 +8,11 @@ import torch
 from safetensors import safe_open
 from scipy.stats import chisquare
 
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.compact import MANIFEST, WEIGHTS
-from hybridspec.common.features import encode_features
-from hybridspec.common.models import load_model
-from hybridspec.common.wire import FeatureFormat, SamplingParams
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.models.compact import MANIFEST, WEIGHTS
+from hybridspec.common.maths.features import encode_features
+from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.wire import FeatureFormat, SamplingParams
 from hybridspec.distill.train import DistillConfig, distill
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -141,7 +141,7 @@ def test_sampling_with_the_eagle_drafter_is_distributed_as_the_target(target, ea
 def test_a_head_warm_started_from_a_plain_drafter_predicts_what_it_does(model_dirs, target, tmp_path):
     """fc = [0 | I] over the plain drafter's layers: whatever the features, the head's logits are the
     plain drafter's on the same tokens (which is where `--init` training starts from)."""
-    from hybridspec.common.compact import Manifest
+    from hybridspec.common.models.compact import Manifest
     from hybridspec.distill.eagle import build_head
     from hybridspec.distill.student import build_student, own_state, save_compact
 

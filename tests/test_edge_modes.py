@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from hybridspec.common.errors import Unavailable
+from hybridspec.common.protocol.errors import Unavailable
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.state import EventKind, Origin

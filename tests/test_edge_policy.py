@@ -3,7 +3,7 @@ BiLD fallback, prompt lookup, and the running estimates."""
 import pytest
 import torch
 
-from hybridspec.common.wire import SamplingParams
+from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge import policy
 from hybridspec.edge.drafter import DraftSettings, ModelDrafter, NgramDrafter
 from hybridspec.edge.estimates import Estimates

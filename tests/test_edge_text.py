@@ -5,10 +5,10 @@ import threading
 import pytest
 from transformers import AutoTokenizer
 
-from hybridspec.common.embedded import default_paths
+from hybridspec.common.models.embedded import default_paths
 from hybridspec.fetch.embedded import is_pulled
 
-from hybridspec.common.models import tokenizer_fingerprint
+from hybridspec.common.models.loading import tokenizer_fingerprint
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.startup import DrafterLoad

@@ -1,11 +1,11 @@
 """One end-to-end run on the real embedded SmolLM2-135M-Instruct pair."""
 import pytest
 
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier
-from hybridspec.common.embedded import default_paths, models_home
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier
+from hybridspec.common.models.embedded import default_paths, models_home
 from hybridspec.fetch.embedded import is_pulled
-from hybridspec.common.models import load_model
+from hybridspec.common.models.loading import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
@@ -46,8 +46,8 @@ def test_the_reported_vanishing_repetition_penalty_is_served(target):
     """The fuzzer's request (issue: INTERNAL on a setting the server accepts), on the real model."""
     import grpc
 
-    from hybridspec.common.proto import verifier_pb2 as pb
-    from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+    from hybridspec.common.protocol.proto import verifier_pb2 as pb
+    from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 
     server = BackgroundServer(Verifier(target))
     ids = [1, 9690, 198, 3303, 314, 260, 6917, 2840, 47, 2]

@@ -4,16 +4,16 @@ import grpc
 import pytest
 import torch
 
-from hybridspec.cloud.engine import Feed
-from hybridspec.cloud.kvpool import PageTable
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common import codec
-from hybridspec.common.errors import InvalidArgument
-from hybridspec.common.features import decode_features, encode_features, join_blocks
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.wire import (DraftBlock, FeatureBlock, FeatureFormat, SessionOpened, SessionSpec,
+from hybridspec.cloud.engine.torch_engine import Feed
+from hybridspec.cloud.engine.kvpool import PageTable
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.errors import InvalidArgument
+from hybridspec.common.maths.features import decode_features, encode_features, join_blocks
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, SessionOpened, SessionSpec,
                                     VerifyResult)
 
 from tinymodels import VOCAB, greedy_reference

@@ -8,9 +8,9 @@ import threading
 import grpc
 from hypothesis import HealthCheck, given, settings
 
-from hybridspec.cloud.backend import InProcessBackend
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker

@@ -12,15 +12,15 @@ import grpc
 import pytest
 import torch
 
-from hybridspec.cloud.backend import InProcessBackend
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.credentials import anonymous
-from hybridspec.common.errors import Internal
-from hybridspec.common.models import LoadedModel
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.wire import DraftBlock, Mode, SamplingParams, SessionSpec
+from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.security.credentials import anonymous
+from hybridspec.common.protocol.errors import Internal
+from hybridspec.common.models.loading import LoadedModel
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.protocol.wire import DraftBlock, Mode, SamplingParams, SessionSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker

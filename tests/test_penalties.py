@@ -3,10 +3,10 @@ and cloud-only decoding, so greedy output equals the penalised target's and samp
 (docs/design.md §2.1)."""
 import pytest
 import torch
-from hybridspec.common import codec
-from hybridspec.common.errors import InvalidArgument
-from hybridspec.common.sampling import gumbel_max, logits_to_probs, penalize
-from hybridspec.common.wire import GenerateSpec, Mode, SamplingParams, SessionSpec
+from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.errors import InvalidArgument
+from hybridspec.common.maths.sampling import gumbel_max, logits_to_probs, penalize
+from hybridspec.common.protocol.wire import GenerateSpec, Mode, SamplingParams, SessionSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker

@@ -7,13 +7,13 @@ import grpc
 import pytest
 import ray
 
-from hybridspec.cloud.pool import PoolSpec, RayPool
-from hybridspec.cloud.replica import ReplicaSpec
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import VerifierLimits
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.wire import GenerateSpec
+from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
+from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import VerifierLimits
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.protocol.wire import GenerateSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker

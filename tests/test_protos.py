@@ -1,4 +1,4 @@
-"""The generated gRPC code in common/proto/ matches protos/."""
+"""The generated gRPC code in common/protocol/proto/ matches protos/."""
 import subprocess
 import sys
 from pathlib import Path

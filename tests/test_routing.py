@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from hybridspec.cloud.routing import SessionTable
-from hybridspec.common.credentials import Identity, anonymous
-from hybridspec.common.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
+from hybridspec.cloud.pool.routing import SessionTable
+from hybridspec.common.security.credentials import Identity, anonymous
+from hybridspec.common.protocol.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 
 ALICE, BOB = Identity("alice", authenticated=True), Identity("bob", authenticated=True)
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from hybridspec.common.errors import InvalidArgument
-from hybridspec.common.sampling import SamplingParams, logits_to_probs
+from hybridspec.common.protocol.errors import InvalidArgument
+from hybridspec.common.maths.sampling import SamplingParams, logits_to_probs
 
 
 def brute_force(logits: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:

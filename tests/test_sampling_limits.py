@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridspec.cloud.verifier import _apply_rule
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.sampling import logits_to_probs, penalize, sample
-from hybridspec.common.sparse import truncate
-from hybridspec.common.wire import (MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_TEMPERATURE,
+from hybridspec.cloud.core.verifier import _apply_rule
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.maths.sampling import logits_to_probs, penalize, sample
+from hybridspec.common.maths.sparse import truncate
+from hybridspec.common.protocol.wire import (MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_TEMPERATURE,
                                     DraftBlock, Mode, SamplingParams, SessionSpec)
 
 VOCAB = 12
@@ -75,7 +75,7 @@ def test_the_transform_is_a_distribution_for_every_accepted_setting(case):
        st.integers(0, 2**63 - 1))
 def test_drafting_and_every_rule_run_for_every_accepted_setting(target_case, draft_case, mode, seed):
     """The edge drafts as edge/drafter.py does (penalise, transform, truncate, sample); the cloud
-    applies the session's rule to its own logits (cloud/verifier.py)."""
+    applies the session's rule to its own logits (cloud/core/verifier.py)."""
     params, target_logits, context, prompt_len, _ = target_case
     draft_logits = draft_case[1]
     if params.greedy:

@@ -13,18 +13,18 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hybridspec.cloud.access import AccessSpec
-from hybridspec.cloud.backend import InProcessBackend
-from hybridspec.cloud.pool import PoolSpec, RayPool
-from hybridspec.cloud.replica import ReplicaSpec
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
+from hybridspec.cloud.api.access import AccessSpec
+from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
+from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.config import ConfigError
-from hybridspec.common.credentials import add_identity, remove_identity
-from hybridspec.common.errors import Unauthenticated, Unavailable
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.tls import ClientTLS, ServerTLS
+from hybridspec.common.security.credentials import add_identity, remove_identity
+from hybridspec.common.protocol.errors import Unauthenticated, Unavailable
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.security.tls import ClientTLS, ServerTLS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess, EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
@@ -389,8 +389,8 @@ def test_edge_serve_over_https_with_api_keys(secure_server, pki, tokens, target,
     import openai
     import uvicorn
 
-    from hybridspec.common.credentials import CredentialStore
-    from hybridspec.common.models import load_model
+    from hybridspec.common.security.credentials import CredentialStore
+    from hybridspec.common.models.loading import load_model
     from hybridspec.edge.serve.app import create_app
     from hybridspec.edge.serve.config import ServeOptions
 

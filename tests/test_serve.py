@@ -17,10 +17,10 @@ import openai
 import pytest
 import uvicorn
 from hybridspec.cli.serve_cmd import parse_ready_line
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.common.errors import HybridSpecError
-from hybridspec.common.wire import SessionSpec
-from hybridspec.common.models import load_model
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.common.protocol.errors import HybridSpecError
+from hybridspec.common.protocol.wire import SessionSpec
+from hybridspec.common.models.loading import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_messages
@@ -355,9 +355,9 @@ def test_the_cli_serves_and_drains_on_sigterm(server, model_dirs):
 
 @pytest.mark.embedded
 def test_embedded_pair_answers_a_chat_completion_exactly():
-    from hybridspec.cloud.server import BackgroundServer
-    from hybridspec.cloud.verifier import Verifier
-    from hybridspec.common.embedded import default_paths, models_home
+    from hybridspec.cloud.api.server import BackgroundServer
+    from hybridspec.cloud.core.verifier import Verifier
+    from hybridspec.common.models.embedded import default_paths, models_home
     from hybridspec.fetch.embedded import is_pulled
 
     if not is_pulled():

@@ -1,7 +1,7 @@
 """The exact sparse wire form of q."""
 import torch
 
-from hybridspec.common.sparse import truncate
+from hybridspec.common.maths.sparse import truncate
 
 
 def test_truncate_keeps_the_most_likely_and_renormalises():

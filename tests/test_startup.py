@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from hybridspec.cloud.backend import InProcessBackend
+from hybridspec.cloud.pool.backend import InProcessBackend
 from hybridspec.cloud.process import PortUnavailable
-from hybridspec.cloud.server import BackgroundServer, start_server
+from hybridspec.cloud.api.server import BackgroundServer, start_server
 
 from test_cli import ENV
 

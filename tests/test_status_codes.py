@@ -2,10 +2,10 @@
 import grpc
 import pytest
 
-from hybridspec.cloud.server import BackgroundServer
-from hybridspec.cloud.verifier import Verifier, VerifierLimits
-from hybridspec.common.proto import verifier_pb2 as pb
-from hybridspec.common.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION

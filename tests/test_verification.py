@@ -5,9 +5,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from hybridspec.common import verification as rules
-from hybridspec.common.bild import first_rollback_index, should_fall_back
-from hybridspec.common.sampling import sample
+from hybridspec.common.maths import verification as rules
+from hybridspec.common.maths.bild import first_rollback_index, should_fall_back
+from hybridspec.common.maths.sampling import sample
 
 FALSE_ALARM = 1e-4  # per chi-square test; with < 10 such tests the suite's false-alarm rate is < 1e-3
 DRAWS = 100_000

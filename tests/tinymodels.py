@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hybridspec.common.models import LoadedModel
+from hybridspec.common.models.loading import LoadedModel
 
 VOCAB = 256
 EOS_ID = 2

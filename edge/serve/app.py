@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ...common.credentials import CredentialStore
-from ...common.errors import HybridSpecError, Unavailable
-from ...common.wire import ModelInfo
+from ...common.security.credentials import CredentialStore
+from ...common.protocol.errors import HybridSpecError, Unavailable
+from ...common.protocol.wire import ModelInfo
 from ..config import EdgeConfig
 from ..prompt import encode_messages, encode_prompt
 from ..worker import EdgeWorker

@@ -8,8 +8,8 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ...common.credentials import CredentialStore, bearer
-from ...common.errors import Unauthenticated
+from ...common.security.credentials import CredentialStore, bearer
+from ...common.protocol.errors import Unauthenticated
 from .errors import APIError
 
 PROTECTED_PREFIX = "/v1/"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...common.tls import check_plaintext
+from ...common.security.tls import check_plaintext
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ...common.errors import (
+from ...common.protocol.errors import (
     HybridSpecError,
     InvalidArgument,
     PermissionDenied,

@@ -1,9 +1,9 @@
 """The verifier core: the target model, its sessions' KV pages and the verification rules.
 
-No gRPC and no Ray here: requests and replies are the plain dataclasses of common/wire.py, errors
-are the domain errors of common/errors.py. Work happens in steps (`step`): one forward pass carries
-the rounds of many sessions and chunks of prompts being opened (cloud/engine.py). The scheduler
-(cloud/scheduler.py) decides what goes into each step; `verify_batch` and `open_session` are the
+No gRPC and no Ray here: requests and replies are the plain dataclasses of common/protocol/wire.py, errors
+are the domain errors of common/protocol/errors.py. Work happens in steps (`step`): one forward pass carries
+the rounds of many sessions and chunks of prompts being opened (cloud/engine/torch_engine.py). The scheduler
+(cloud/core/scheduler.py) decides what goes into each step; `verify_batch` and `open_session` are the
 same steps driven directly.
 
 Integrity rules, enforced here for every caller:
@@ -31,17 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common import verification as rules
-from ..common.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, PermissionDenied, ResourceExhausted,
+from ...common.maths import verification as rules
+from ...common.protocol.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, PermissionDenied, ResourceExhausted,
                              incident)
-from ..common.features import encode_features, join_blocks
-from ..common.models import LoadedModel, model_fingerprint, tokenizer_fingerprint
-from ..common.sampling import logits_to_probs, penalize, round_generator
-from ..common.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
+from ...common.maths.features import encode_features, join_blocks
+from ...common.models.loading import LoadedModel, model_fingerprint, tokenizer_fingerprint
+from ...common.maths.sampling import logits_to_probs, penalize, round_generator
+from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
-from .engine import Engine, Feed
-from .kvpool import PageTable
-from .sessions import Session, SessionStore
+from ..engine.torch_engine import Engine, Feed
+from ..engine.kvpool import PageTable
+from .session import Session, SessionStore
 from .telemetry import ReplicaTelemetry, Telemetry
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A backend speaks the wire dataclasses (never protobuf) and raises the domain errors. `Backend` holds
 what every backend shares — issuing session ids, routing each session to the replica holding its
-cache, per-client limits (cloud/routing.py) — and leaves the calls to one replica to subclasses:
+cache, per-client limits (cloud/pool/routing.py) — and leaves the calls to one replica to subclasses:
 `InProcessBackend` here (one Verifier in the front door's process: tests, single-box use, and the
 baseline for the Ray hop's cost) and `RayPool` in pool.py (the production pool). A backend may name,
 per replica, a direct Verify endpoint that the session's rounds can go to instead of the front door
@@ -19,16 +19,16 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from ..common.credentials import Identity
-from ..common.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
-from ..common.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
+from ...common.security.credentials import Identity
+from ...common.protocol.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
+from ...common.protocol.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
-from .metrics import Tally
-from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
+from ..api.metrics import Tally
+from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .routing import SessionTable
-from .telemetry import ReplicaTelemetry
-from .runner import VerifierRunner
-from .verifier import Verifier, VerifierStats
+from ..core.telemetry import ReplicaTelemetry
+from ..core.runner import VerifierRunner
+from ..core.verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class InProcessBackend(Backend):
 
 
 class ReplicaEndpointBackend(InProcessBackend):
-    """A replica's own runner, as its direct Verify endpoint serves it (cloud/server.py).
+    """A replica's own runner, as its direct Verify endpoint serves it (cloud/api/server.py).
 
     Sessions reach that runner only through the front door, which issued their ids and routed them
     there; so no second routing table is kept: the runner's verifier is the authority, answering

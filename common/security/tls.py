@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.errors import ResourceExhausted
+from ...common.protocol.errors import ResourceExhausted
 
 PAGE_TOKENS = 16  # tokens per page: small enough to waste little, large enough to keep tables short
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError
-from .errors import Unauthenticated
+from ..config import ConfigError
+from ..protocol.errors import Unauthenticated
 
 log = logging.getLogger(__name__)
 

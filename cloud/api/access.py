@@ -1,6 +1,6 @@
 """Who may call a verifier endpoint, as whom, how many calls at once and how fast: one gatekeeper per
 gRPC server (the front door and each replica's own endpoint build theirs from the same AccessSpec, so
-the rules are the same wherever an edge's calls land). No gRPC here: cloud/admission.py and the
+the rules are the same wherever an edge's calls land). No gRPC here: cloud/api/admission.py and the
 servicer pass in the `authorization` value and the peer address.
 
 Two kinds of caller, with limits of their own: an identity from the credentials file (its token's
@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..common.credentials import CredentialStore, Identity, anonymous, bearer
-from ..common.errors import ResourceExhausted
-from ..common.tls import ServerTLS
+from ...common.security.credentials import CredentialStore, Identity, anonymous, bearer
+from ...common.protocol.errors import ResourceExhausted
+from ...common.security.tls import ServerTLS
 from .quota import RateLimiter
 
 DEFAULT_MAX_CALLS = 64  # twice the default session limit: a stream per session plus the unary calls around it
@@ -27,7 +27,7 @@ class AccessSpec:
     """Transport security and credentials of a verifier endpoint (ServeConfig builds it)."""
 
     tls: ServerTLS = ServerTLS()
-    credentials: str = ""  # credentials file (common/credentials.py); "" = no tokens, callers named by address
+    credentials: str = ""  # credentials file (common/security/credentials.py); "" = no tokens, callers named by address
     client_tokens_per_s: float = 0.0  # per identity without a rate of its own; 0 = no limit (credentials only)
     max_calls_per_client: int = DEFAULT_MAX_CALLS  # Verifier calls (streams included) one token holds at once
     max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per peer address

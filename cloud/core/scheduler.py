@@ -1,7 +1,7 @@
 """Continuous batching: one thread decides what each forward pass of a replica carries (no tensors here).
 
 Every step carries every queued round (one per session, at most `max_batch` sessions) plus a chunk
-of the prompts being opened, oldest first (cloud/verifier.py `step`). Rounds come first because an
+of the prompts being opened, oldest first (cloud/core/verifier.py `step`). Rounds come first because an
 edge is waiting on each one; a prompt advances at least every other step, so it is never starved by
 them. Verify blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
 
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from ..common.errors import HybridSpecError, Unavailable, incident
-from ..common.wire import DraftBlock, SessionSpec, VerifyResult
+from ...common.protocol.errors import HybridSpecError, Unavailable, incident
+from ...common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
 from .verifier import Opening, OpenPhase, Verifier
 
 log = logging.getLogger(__name__)

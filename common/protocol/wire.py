@@ -1,6 +1,6 @@
 """The messages edge and cloud exchange, as plain frozen dataclasses (no protobuf, no torch).
 
-The gRPC layer converts protobuf to these (common/codec.py); the verifier core and, later, the Ray
+The gRPC layer converts protobuf to these (common/protocol/codec.py); the verifier core and, later, the Ray
 layer only ever see these. `validate` methods turn malformed input into InvalidArgument errors that
 name the field.
 """
@@ -60,7 +60,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy: tokens are argmax, confidence tests use temperature 1
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 keeps all
-    # Penalties act on the logits before everything above (common/sampling.py `penalize`).
+    # Penalties act on the logits before everything above (common/maths/sampling.py `penalize`).
     repetition_penalty: float = 1.0  # HF/vLLM: every token of the context, prompt included; 1 = off
     frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens; 0 = off
     presence_penalty: float = 0.0  # OpenAI: minus this once if the token was generated at all; 0 = off

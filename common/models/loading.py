@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import compact
-from .fingerprints import fingerprint
+from ..protocol.fingerprints import fingerprint
 from .manifest import is_compact
 
 
@@ -69,7 +69,7 @@ class SourceKind(Enum):
     """What a model option names."""
 
     GGUF = "gguf"  # a .gguf file
-    COMPACT = "compact"  # a compact drafter directory (common/compact.py)
+    COMPACT = "compact"  # a compact drafter directory (common/models/compact.py)
     DIRECTORY = "directory"  # a Hugging Face checkpoint directory
     HUB_ID = "hub id"  # an id already in the local Hugging Face cache
 

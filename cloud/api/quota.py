@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from ..common.credentials import Identity
-from ..common.errors import ResourceExhausted
+from ...common.security.credentials import Identity
+from ...common.protocol.errors import ResourceExhausted
 
 BURST_S = 2.0  # seconds of an identity's rate it may spend at once after being idle
 MAX_DELAY_S = 2.0  # the longest a request is held to pace its identity; beyond: RESOURCE_EXHAUSTED

@@ -1,6 +1,6 @@
 """gRPC servicer: decode -> call the backend -> encode. No tensors, no verification logic, no Ray.
 
-Every request is untrusted. Each call is first identified (cloud/access.py: its bearer token, or its
+Every request is untrusted. Each call is first identified (cloud/api/access.py: its bearer token, or its
 address on a server without credentials; UNAUTHENTICATED before anything else is read), then paced
 by its identity's rate. Bodies are parsed by deserializers that never raise, so an undecodable one
 is INVALID_ARGUMENT (and counted) rather than gRPC's UNKNOWN; session ids are length-checked before
@@ -20,13 +20,13 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from ..common import codec
-from ..common.credentials import Identity
-from ..common.errors import HybridSpecError, InvalidArgument, incident
-from ..common.proto import verifier_pb2 as pb
-from ..common.wire import check_session_id
+from ...common.protocol import codec
+from ...common.security.credentials import Identity
+from ...common.protocol.errors import HybridSpecError, InvalidArgument, incident
+from ...common.protocol.proto import verifier_pb2 as pb
+from ...common.protocol.wire import check_session_id
 from .access import Access, AccessSpec
-from .backend import Backend, generate_tokens
+from ..pool.backend import Backend, generate_tokens
 from .metrics import EndpointTally, Metrics
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ The actor speaks the wire dataclasses (Ray pickles them); it never sees protobuf
 returned as values rather than raised, so the pool gets the error itself instead of Ray's wrapped
 traceback, and a raised exception always means the replica itself failed.
 
-With a `verify_host`, the actor also hosts its own small gRPC endpoint (cloud/server.py,
+With a `verify_host`, the actor also hosts its own small gRPC endpoint (cloud/api/server.py,
 `start_verify_endpoint`) on its event loop, beside the Ray calls: edges stream their rounds to it
 directly, saving the front door's hop and the Ray call per round. Protobuf stays in service.py.
 """
@@ -15,15 +15,15 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..common.errors import HybridSpecError
-from ..common.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
-from .access import AccessSpec
+from ...common.protocol.errors import HybridSpecError
+from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ..api.access import AccessSpec
 from .backend import ReplicaEndpointBackend
-from .metrics import Tally
-from .scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
-from .runner import VerifierRunner
-from .server import VerifyEndpoint, start_verify_endpoint
-from .verifier import Verifier, VerifierLimits, VerifierStats
+from ..api.metrics import Tally
+from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
+from ..core.runner import VerifierRunner
+from ..api.server import VerifyEndpoint, start_verify_endpoint
+from ..core.verifier import Verifier, VerifierLimits, VerifierStats
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bound on every interface: advertise the node's address
 
@@ -60,7 +60,7 @@ class VerifierReplica:
     def __init__(self, spec: ReplicaSpec) -> None:
         import torch
 
-        from ..common.models import load_model
+        from ...common.models.loading import load_model
 
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)

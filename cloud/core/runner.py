@@ -1,6 +1,6 @@
 """One Verifier driven from an event loop: what a Ray replica and the in-process backend both run.
 
-All model work goes through the replica's scheduler (cloud/scheduler.py), one thread that runs the
+All model work goes through the replica's scheduler (cloud/core/scheduler.py), one thread that runs the
 forward passes; this class only turns its futures into awaitables. Any exception that is not a
 domain error becomes an Internal error carrying a logged incident id: a caller only ever sees a
 HybridSpecError.
@@ -11,8 +11,8 @@ import asyncio
 import logging
 from concurrent.futures import Future
 
-from ..common.errors import HybridSpecError, incident
-from ..common.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.errors import HybridSpecError, incident
+from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .scheduler import DEFAULT_PREFILL_BUDGET_MS, Scheduler
 from .verifier import Verifier, VerifierStats
 

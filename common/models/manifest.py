@@ -1,4 +1,4 @@
-"""A compact drafter directory's manifest (common/compact.py): what it declares and where its target
+"""A compact drafter directory's manifest (common/models/compact.py): what it declares and where its target
 lies. Free of torch, so the edge can find the tokenizer before loading any model."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Manifest:
     base_tokenizer_fingerprint: str  # the drafter only makes sense with this tokenizer
     format: int = 1
     store: str = "float16"  # how matrices are stored: float16, or int8 with one fp16 scale per row
-    kind: str = "model"  # model: a small causal LM; eagle: an EAGLE feature head (common/eagle.py)
+    kind: str = "model"  # model: a small causal LM; eagle: an EAGLE feature head (common/models/eagle.py)
 
 
 def is_compact(path: Path) -> bool:

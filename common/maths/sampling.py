@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .wire import SamplingParams
+from ..protocol.wire import SamplingParams
 
 __all__ = ["SamplingParams", "gumbel_max", "gumbel_noise", "gumbel_scores", "logits_to_probs", "penalize",
            "round_generator", "sample"]

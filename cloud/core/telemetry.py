@@ -1,5 +1,5 @@
 """What a replica measures about its own steps and sessions, as plain numbers: no Prometheus here (the
-replica may live in another process; the front door exports the snapshots, cloud/metrics.py).
+replica may live in another process; the front door exports the snapshots, cloud/api/metrics.py).
 
 - time to first token: from the replica taking a new generation's open to its first answered round
   (prefill, the edge's first draft, the round trip and the round itself);

@@ -29,11 +29,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from ..common.wire import SessionOpened, VerifyResult
-from .telemetry import HistogramSnapshot, ReplicaTelemetry
+from ...common.protocol.wire import SessionOpened, VerifyResult
+from ..core.telemetry import HistogramSnapshot, ReplicaTelemetry
 
 if TYPE_CHECKING:  # backend.py imports this module for Tally
-    from .backend import ReplicaStatus
+    from ..pool.backend import ReplicaStatus
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

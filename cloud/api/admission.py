@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from ..common.credentials import Identity
-from ..common.errors import HybridSpecError
+from ...common.security.credentials import Identity
+from ...common.protocol.errors import HybridSpecError
 from .access import Access
 from .metrics import EndpointTally, Metrics
 from .service import SERVICE_NAME, authorization_of, peer_of

@@ -24,14 +24,14 @@ from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV
 from ray._private.authentication.authentication_token_setup import _enable_token_auth as enable_token_auth
 from ray.exceptions import RayActorError
 
-from ..common.errors import HybridSpecError, Unavailable, incident
-from ..common.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.errors import HybridSpecError, Unavailable, incident
+from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .backend import Backend, ReplicaLost
-from .metrics import Tally
+from ..api.metrics import Tally
 from .reaper import start_reaper
 from .replica import ReplicaReady, ReplicaSpec, VerifierReplica
 from .routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
-from .verifier import VerifierStats
+from ..core.verifier import VerifierStats
 
 log = logging.getLogger(__name__)
 

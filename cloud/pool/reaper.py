@@ -6,7 +6,7 @@ reaper is a small separate process: it keeps a list of the front door's descenda
 second) and, the moment the pipe from the front door closes — normal exit, crash or SIGKILL alike —
 terminates whatever on that list is still running.
 
-    python -m hybridspec.cloud.reaper PID     (stdin: the read end of a pipe the front door holds)
+    python -m hybridspec.cloud.pool.reaper PID     (stdin: the read end of a pipe the front door holds)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ GRACE_S = 2.0  # SIGTERM, then SIGKILL for what is still running after this
 def start_reaper() -> subprocess.Popen:
     """Start a reaper for this process; it acts when this process's end of the pipe closes."""
     read_end, write_end = os.pipe()  # both non-inheritable: Ray's children never hold the write end
-    reaper = subprocess.Popen([sys.executable, "-m", "hybridspec.cloud.reaper", str(os.getpid())], stdin=read_end,
+    reaper = subprocess.Popen([sys.executable, "-m", "hybridspec.cloud.pool.reaper", str(os.getpid())], stdin=read_end,
                               start_new_session=True)  # a Ctrl-C to the front door's group spares it
     os.close(read_end)
     _held.append(write_end)  # closed by the kernel when this process ends, however it ends

@@ -6,7 +6,7 @@ start; the server reports SERVING once the backend is ready and NOT_SERVING agai
 A port that is taken (gRPC or metrics) fails the start before the backend starts, with one line
 naming it: the gRPC port is bound without SO_REUSEPORT, so a second server can never share it.
 Both kinds of endpoint speak TLS when the AccessSpec has a certificate, and take Verifier calls only
-from the identities in its credentials file when it names one (cloud/access.py).
+from the identities in its credentials file when it names one (cloud/api/access.py).
 """
 from __future__ import annotations
 
@@ -22,21 +22,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..common.channel import SHARED_OPTIONS
-from ..common.tls import ServerTLS
+from ...common.protocol.channel import SHARED_OPTIONS
+from ...common.security.tls import ServerTLS
 from .access import Access, AccessSpec
 from .admission import Admission
-from .backend import Backend, InProcessBackend, ReplicaEndpointBackend
+from ..pool.backend import Backend, InProcessBackend, ReplicaEndpointBackend
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
-from .process import port_unavailable, probe_port
+from ..process import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
-from .verifier import Verifier
+from ..core.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 # Calls in flight at once (a stream counts for its lifetime); beyond it gRPC answers RESOURCE_EXHAUSTED,
 # which bounds the memory that request bodies and waiting calls can take. Calls are admitted per caller
-# well below it (cloud/admission.py), and refused ones end at once, so no one caller can reach it.
+# well below it (cloud/api/admission.py), and refused ones end at once, so no one caller can reach it.
 MAX_CONCURRENT_RPCS = 1024
 SERVER_OPTIONS = [
     *SHARED_OPTIONS,
@@ -50,7 +50,7 @@ STATUS_REFRESH_S = 2.0  # how often replica gauges (sessions, evictions, livenes
 
 
 def _grpc_server(gate: Access, metrics: Metrics | EndpointTally) -> grpc.aio.Server:
-    """A gRPC server whose Verifier calls are admitted at call start (cloud/admission.py)."""
+    """A gRPC server whose Verifier calls are admitted at call start (cloud/api/admission.py)."""
     return grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
                            interceptors=[Admission(gate, metrics)])
 

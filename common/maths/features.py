@@ -1,6 +1,6 @@
 """The target's final hidden states as wire bytes and back (pure functions on tensors).
 
-The verifier encodes the features an eagle drafter asked for (cloud/verifier.py); the edge decodes
+The verifier encodes the features an eagle drafter asked for (cloud/core/verifier.py); the edge decodes
 them (edge/eagle.py). int8 stores each vector as int8 values with one fp16 scale, symmetric around
 zero (scale = max |value| / 127): a vector of H values costs H + 2 bytes instead of 2H for fp16.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .wire import FeatureBlock, FeatureFormat
+from ..protocol.wire import FeatureBlock, FeatureFormat
 
 
 def encode_features(hidden: torch.Tensor, start: int, fmt: FeatureFormat) -> FeatureBlock:

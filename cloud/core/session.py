@@ -11,9 +11,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..common.errors import FailedPrecondition, ResourceExhausted
-from ..common.wire import DraftBlock, SessionSpec, VerifyResult
-from .kvpool import KVPool, PageTable
+from ...common.protocol.errors import FailedPrecondition, ResourceExhausted
+from ...common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
+from ..engine.kvpool import KVPool, PageTable
 
 
 @dataclass

@@ -18,8 +18,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from ..common.credentials import Identity
-from ..common.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
+from ...common.security.credentials import Identity
+from ...common.protocol.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 
 DEFAULT_MAX_SESSIONS_PER_CLIENT = 32  # per token identity, and per address for callers without one
 
