@@ -24,8 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hybridspec.cloud.engine.torch_engine import Engine, Feed
-from hybridspec.cloud.engine.kvpool import PageTable
+from hybridspec.cloud.engine.base import Engine, Feed
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
@@ -41,22 +40,22 @@ NEW_TOKENS = 64
 def forward_ms(engine: Engine, model, context: list[int], n: int, repeats: int) -> tuple[float, float]:
     """Median times of feeding n scored tokens after `context`: (engine step, Hugging Face forward
     with its DynamicCache). The two alternate, so drifting load on the machine hits both alike."""
-    table = PageTable(engine.pool)
-    table.grow(len(context))
-    engine.forward([Feed(table, context, scored=False)])
+    kv = engine.new_sequence()
+    engine.reserve(kv, len(context))
+    engine.forward([Feed(kv, context, scored=False)])
     ours, theirs = [], []
     for _ in range(repeats):
-        table.grow(n)
+        engine.reserve(kv, n)
         t0 = time.perf_counter()
-        engine.forward([Feed(table, context[-n:], scored=True)])
+        engine.forward([Feed(kv, context[-n:], scored=True)])
         ours.append(time.perf_counter() - t0)
-        table.truncate(len(context))
+        engine.truncate(kv, len(context))
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         t0 = time.perf_counter()
         model(input_ids=torch.tensor([context[-n:]]), past_key_values=cache, use_cache=True)
         theirs.append(time.perf_counter() - t0)
-    table.release()
+    engine.release(kv)
     return 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
 
 

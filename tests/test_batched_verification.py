@@ -296,3 +296,23 @@ def test_no_submission_is_lost_while_the_scheduler_takes_its_queues(target):
         assert len(lost) == 0 and all(f.result() == 1 for f in done)
     finally:
         scheduler.stop()
+
+
+def test_a_one_token_reopen_in_a_round_step_fails_no_round(target):
+    """A re-open of a session whose prompt is one token (nothing to prefill), in the same step as a
+    round of that session: the round still scores against the session it was admitted for, and the
+    other sessions' rounds in the step are untouched. (It used to replace the session, freeing the
+    KV pages the round's feed was about to read, before the forward pass: INTERNAL for every round.)"""
+    verifier = Verifier(target, VerifierLimits(max_context=512))
+    verifier.open_session(SessionSpec("victim", (6, 7, 8)))
+    verifier.open_session(SessionSpec("x", (5,)))
+    alone = Verifier(target, VerifierLimits(max_context=512))
+    alone.open_session(SessionSpec("victim", (6, 7, 8)))
+    expected = alone.verify(DraftBlock("victim", 0, 3, (10,)))
+    reopen = verifier.begin_open(SessionSpec("x", (5,)))
+    x_round, victim_round = verifier.step([DraftBlock("x", 0, 1, (9,)), DraftBlock("victim", 0, 3, (10,))], [reopen])
+    assert isinstance(x_round, VerifyResult), x_round
+    assert (victim_round.num_accepted, victim_round.next_token) == (expected.num_accepted, expected.next_token)
+    assert verifier.stats().sessions == 2
+    # The re-open replaced x: its next round is round 0 again, on the one-token prompt.
+    assert verifier.verify(DraftBlock("x", 0, 1, ())).committed_len == 2

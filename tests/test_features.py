@@ -4,8 +4,7 @@ import grpc
 import pytest
 import torch
 
-from hybridspec.cloud.engine.torch_engine import Feed
-from hybridspec.cloud.engine.kvpool import PageTable
+from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.protocol import codec
@@ -209,7 +208,7 @@ def test_features_are_each_sessions_own_in_a_shared_pass(target):
             committed[block.session_id] += [*block.draft_ids[:result.num_accepted], result.next_token]
         assert results[0].features is None
         blocks.append(results[1].features)
-    assert late.phase.value == "open" and late.opened().features.count == 9
+    assert late.phase.value == "live" and late.opened().features.count == 9
     for ids, block in ((committed["eagle"], join_blocks(blocks)), (list(range(60, 70)), late.opened().features)):
         torch.testing.assert_close(decode_features(block), teacher_forced(target, ids)[:-1], rtol=2e-3, atol=2e-3)
 
@@ -219,9 +218,9 @@ def test_asking_for_features_leaves_the_logits_bit_identical(target):
     tokens = [5, 9, 13, 200, 31]
     out = []
     for features in (False, True):
-        table = PageTable(engine.pool)
-        table.grow(len(tokens))
-        out.append(engine.forward([Feed(table, tokens, scored=True, features=features)])[0])
-        table.release()
+        kv = engine.new_sequence()
+        engine.reserve(kv, len(tokens))
+        out.append(engine.forward([Feed(kv, tokens, scored=True, features=features)])[0])
+        engine.release(kv)
     assert out[0].hidden is None and out[1].hidden.shape == (len(tokens), target.model.config.hidden_size)
     assert torch.equal(out[0].logits, out[1].logits)

@@ -108,8 +108,8 @@ def test_failed_rounds_leave_the_cache_at_the_committed_length(broken_target):
         (result,) = verifier.verify_batch([DraftBlock("sampled", 0, 3, (POISON_TOKEN,) * 16, *q)])
         assert isinstance(result, Internal)
     session = verifier._sessions.get("sampled")
-    assert session.table.length == len(session.committed) - 1 == 2
-    assert len(session.table.pages) == 1  # the pages the failed blocks took went back to the pool
+    assert session.kv.length == len(session.committed) - 1 == 2
+    assert len(session.kv.pages) == 1  # the pages the failed blocks took went back to the pool
 
 
 def test_internal_errors_reach_the_client_as_an_incident_id_only(broken_target, stub_of):

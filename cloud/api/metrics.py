@@ -20,9 +20,7 @@ from __future__ import annotations
 import collections
 import socket
 import threading
-from dataclasses import dataclass
 from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
@@ -30,10 +28,8 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from ...common.protocol.wire import SessionOpened, VerifyResult
-from ..core.telemetry import HistogramSnapshot, ReplicaTelemetry
-
-if TYPE_CHECKING:  # backend.py imports this module for Tally
-    from ..pool.backend import ReplicaStatus
+from ..core.telemetry import HistogramSnapshot, ReplicaTelemetry, RoundSample, Tally
+from ..pool.backend import ReplicaStatus
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -42,26 +38,6 @@ TALLY_KEEP = 100_000  # rounds a replica keeps for the front door; older ones ar
 # Counters and histograms export no `<name>_created` series: it doubles every series for a timestamp no
 # dashboard uses. Process-wide in prometheus_client, so it is set once, when this module loads.
 disable_created_metrics()
-
-
-@dataclass(frozen=True)
-class RoundSample:
-    """One answered round, as the round metrics count it."""
-
-    gamma: int  # draft tokens
-    num_accepted: int
-    batch_size: int
-    seconds: float  # time the serving endpoint spent on it
-    queue_ms: float
-    feature_bytes: int = 0  # features sent with the reply (sessions of an EAGLE drafter)
-
-
-@dataclass(frozen=True)
-class Tally:
-    """What a replica's own endpoint answered since the front door last asked."""
-
-    rounds: tuple[RoundSample, ...] = ()
-    errors: tuple[tuple[str, int], ...] = ()  # (status code, calls)
 
 
 def _sample(gamma: int, result: VerifyResult, seconds: float) -> RoundSample:

@@ -67,7 +67,7 @@ def authorization_of(context: grpc.aio.ServicerContext) -> str | None:
 
 class VerifierService:
     """Serves one backend: the front door's (an in-process verifier or the Ray pool), or a replica's
-    own runner behind its direct Verify endpoint (which registers VerifyStream only)."""
+    own scheduler behind its direct Verify endpoint (which registers VerifyStream only)."""
 
     def __init__(self, backend: Backend, metrics: Metrics | EndpointTally, access: Access | None = None) -> None:
         """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds and errors.

@@ -1,4 +1,6 @@
-"""Continuous batching: one thread decides what each forward pass of a replica carries (no tensors here).
+"""Continuous batching: what each forward pass of a replica carries, and the thread that runs them
+(no tensors here). `Scheduler.schedule` is the one place every scheduling rule is applied; the
+model thread loops wait → schedule → step → answer, and callers on an event loop await the answers.
 
 Every step carries every queued round (one per session, at most `max_batch` sessions) plus a chunk
 of the prompts being opened, oldest first (cloud/core/verifier.py `step`). Rounds come first because an
@@ -20,17 +22,19 @@ a moment to rejoin, and a single edge never pays a batching delay.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
-from ...common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
-from .verifier import Opening, OpenPhase, Verifier
+from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
+from .session import Phase, Session, one_per_session
+from .verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +94,28 @@ class _Round:
 class _Open:
     spec: SessionSpec
     future: Future
-    opening: Opening | None = None  # set once the scheduler thread has admitted it
+    session: Session | None = None  # set once the scheduler thread has admitted it
+
+
+@dataclass
+class Pass:
+    """What one step carries: rounds of distinct sessions, the sessions being prefilled, and how
+    many prompt tokens they may have."""
+
+    calls: list[tuple[Callable[[], object], Future]] = field(default_factory=list)
+    rounds: list[_Round] = field(default_factory=list)
+    opens: list[_Open] = field(default_factory=list)  # every open in the queue, to settle after the step
+    feeding: list[Session] = field(default_factory=list)
+    prefill_tokens: int = 0
+
+    @property
+    def round_tokens(self) -> int:
+        """Tokens the rounds feed: the newest committed token and the drafts, per round."""
+        return sum(len(r.block.draft_ids) + 1 for r in self.rounds)
 
 
 class Scheduler:
-    """Owns the model thread of one Verifier; callers get concurrent futures."""
+    """Owns the model thread of one Verifier; callers get futures, or await the async methods."""
 
     def __init__(self, verifier: Verifier, max_batch: int = DEFAULT_MAX_BATCH,
                  max_wait_ms: float = DEFAULT_MAX_WAIT_MS, prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS) -> None:
@@ -119,6 +140,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="verifier-steps", daemon=True)
         self._thread.start()
 
+    # ---- submitting work (any thread) ----------------------------------------------------------
+
     def submit_round(self, block: DraftBlock) -> Future:
         """Verify one round in the next step; resolves to a VerifyResult or a HybridSpecError."""
         return self._put(self._rounds, _Round(block, Future(), time.perf_counter()))
@@ -131,6 +154,29 @@ class Scheduler:
     def submit_call(self, fn: Callable[[], object]) -> Future:
         """Run bookkeeping (close, stats) between steps."""
         return self._put(self._calls, (fn, Future()))
+
+    # ---- the same, awaited (an event loop: a Ray replica, the in-process backend) --------------
+
+    async def open_session(self, spec: SessionSpec) -> SessionOpened:
+        """Open or re-open a session; returns its committed length and asked-for features.
+        Cancelling abandons the open."""
+        return await _wait("OpenSession", self.submit_open(spec))
+
+    async def verify(self, block: DraftBlock) -> VerifyResult:
+        """Verify one round in the next step."""
+        return await _wait("Verify", self.submit_round(block))
+
+    async def close_session(self, session_id: str) -> bool:
+        """Free a session; True if it existed."""
+        return await _wait("CloseSession", self.submit_call(lambda: self.verifier.close_session(session_id)))
+
+    async def stats(self) -> VerifierStats:
+        """Sessions, cached tokens, evictions, held ids, KV cache size."""
+        return await _wait("stats", self.submit_call(self.verifier.stats))
+
+    async def aclose(self) -> None:
+        """`stop`, without blocking the event loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self.stop)
 
     def stop(self) -> None:
         """Stop after the current step; queued work fails with Unavailable."""
@@ -152,6 +198,8 @@ class Scheduler:
             self._cv.notify()
         return item[1] if isinstance(item, tuple) else item.future
 
+    # ---- the model thread ----------------------------------------------------------------------
+
     def _loop(self) -> None:
         while True:
             # 1. Wait for work, and briefly for the company of recently active sessions.
@@ -162,44 +210,57 @@ class Scheduler:
                 if self._stopped:
                     return
                 self._wait_for_company(free_since)
-                calls = list(self._calls)
-                self._calls.clear()
-                rounds = self._take_rounds()
-                opens = list(self._opens)
+                step = self.schedule()
             # 2. Bookkeeping first: a close or a stats call never waits behind a long queue.
-            for fn, future in calls:
+            for fn, future in step.calls:
                 _resolve(future, _call(fn))
-            # 3. Admit new opens; drop those whose caller went away.
-            feeding = self._admit_opens(opens)
-            if not rounds and not feeding:
-                self._settle_opens(opens)  # opens refused at admission leave the queue
+            if not step.rounds and not step.feeding:
+                self._settle_opens(step.opens)  # opens refused at admission leave the queue
                 continue
-            # 4. One step: the rounds, and as much prompt as the budget allows while others wait.
-            round_tokens = sum(len(r.block.draft_ids) + 1 for r in rounds)
-            chunk = min(sum(o.remaining for o in feeding),
-                        prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, round_tokens,
-                                       self.verifier.limits.prefill_chunk, self._others_active(feeding),
-                                       self._fed_last_step))
+            # 3. One step: the rounds, and as much prompt as the schedule allows.
             started = time.perf_counter()
             try:
-                results = self.verifier.step([r.block for r in rounds], feeding, chunk)
-                if chunk:
-                    self.cost.observe(time.perf_counter() - started, round_tokens + chunk)
-                self._fed_last_step = chunk > 0
+                results = self.verifier.step([r.block for r in step.rounds], step.feeding, step.prefill_tokens)
+                if step.prefill_tokens:
+                    self.cost.observe(time.perf_counter() - started, step.round_tokens + step.prefill_tokens)
+                self._fed_last_step = step.prefill_tokens > 0
             except Exception as exc:  # a bug the verifier did not contain: fail this step, keep serving
                 error = incident(log, exc, "a verification step")
-                results = [error] * len(rounds)
-                for opening in feeding:
-                    opening.fail(error)
-            # 5. Answer.
+                results = [error] * len(step.rounds)
+                for session in step.feeding:
+                    session.fail(error, self.verifier.engine.release)
+            # 4. Answer.
             done = time.perf_counter()
-            for item, result in zip(rounds, results):
+            for item, result in zip(step.rounds, results):
                 if isinstance(result, VerifyResult):
                     # The verifier reported its forward time; the rest of the wait was queueing.
                     total_ms = (done - item.arrived) * 1e3
                     result = replace(result, verify_ms=total_ms, queue_ms=max(0.0, total_ms - result.verify_ms))
                 _resolve(item.future, result)
-            self._settle_opens(opens)
+            self._settle_opens(step.opens)
+
+    def schedule(self) -> Pass:
+        """Turn the queues into one step (cv held): every bookkeeping call; up to max_batch queued
+        rounds, one per session (a second round of a session waits for the next step); the opens,
+        admitted (validated, room checked) on first sight; and the prompt tokens the step may carry
+        beside the rounds (`prefill_tokens`)."""
+        step = Pass(calls=list(self._calls), opens=list(self._opens))
+        self._calls.clear()
+        live = [r for r in self._rounds if not r.future.cancelled()]
+        first, _ = one_per_session(live, lambda r: r.block.session_id)
+        step.rounds = first[:self.max_batch]
+        taken = {id(r) for r in step.rounds}
+        rest = [r for r in live if id(r) not in taken]
+        self._rounds.clear()
+        self._rounds.extend(rest)
+        for r in step.rounds:
+            self._recent[r.block.session_id] = r.arrived
+        step.feeding = self._admit_opens(step.opens)
+        step.prefill_tokens = min(sum(s.remaining for s in step.feeding),
+                                  prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, step.round_tokens,
+                                                 self.verifier.limits.prefill_chunk,
+                                                 self._others_active(step.feeding), self._fed_last_step))
+        return step
 
     def _wait_for_company(self, free_since: float) -> None:
         """Hold queued rounds while recently active sessions have none queued (cv held): at most
@@ -217,58 +278,42 @@ class Scheduler:
                 return
             self._cv.wait(deadline - now)
 
-    def _others_active(self, feeding: list[Opening]) -> bool:
+    def _others_active(self, feeding: list[Session]) -> bool:
         """True if a session that is not being opened sent a round within ACTIVE_WINDOW_S."""
         now = time.perf_counter()
-        opening = {o.spec.session_id for o in feeding}
+        opening = {s.spec.session_id for s in feeding}
         return any(now - t <= ACTIVE_WINDOW_S and sid not in opening for sid, t in self._recent.items())
 
-    def _take_rounds(self) -> list[_Round]:
-        """Up to max_batch queued rounds of distinct sessions; a second round of a session waits (cv held)."""
-        taken, rest, sessions = [], deque(), set()
-        for item in self._rounds:
-            if item.future.cancelled():
-                continue
-            if len(taken) < self.max_batch and item.block.session_id not in sessions:
-                taken.append(item)
-                sessions.add(item.block.session_id)
-                self._recent[item.block.session_id] = item.arrived
-            else:
-                rest.append(item)
-        self._rounds.clear()
-        self._rounds.extend(rest)
-        return taken
-
-    def _admit_opens(self, opens: list[_Open]) -> list[Opening]:
-        """The openings to feed this step, admitting new ones (validation, room)."""
+    def _admit_opens(self, opens: list[_Open]) -> list[Session]:
+        """The sessions to prefill this step, admitting new opens (validation, room)."""
         feeding = []
         for item in opens:
             if item.future.done():  # cancelled: _settle_opens frees it
                 continue
-            if item.opening is None:
+            if item.session is None:
                 try:
-                    item.opening = self.verifier.begin_open(item.spec)
+                    item.session = self.verifier.begin_open(item.spec)
                 except HybridSpecError as exc:
                     _resolve(item.future, exc)
                     continue
                 except Exception as exc:
                     _resolve(item.future, incident(log, exc, "an open"))
                     continue
-            if item.opening.phase is OpenPhase.FEEDING:
-                feeding.append(item.opening)
+            if item.session.phase is Phase.PREFILLING:
+                feeding.append(item.session)
         return feeding
 
     def _settle_opens(self, opens: list[_Open]) -> None:
         """Answer the opens that finished or failed and drop them (and the cancelled) from the queue."""
         finished = set()
         for item in opens:
-            opening = item.opening
-            if item.future.cancelled() and opening is not None:
-                self.verifier.abandon(opening)
-            elif opening is not None and opening.phase is OpenPhase.OPEN:
-                _resolve(item.future, opening.opened())
-            elif opening is not None and opening.phase is OpenPhase.FAILED:
-                _resolve(item.future, opening.error)
+            session = item.session
+            if item.future.cancelled() and session is not None:
+                self.verifier.abandon(session)
+            elif session is not None and session.phase is Phase.LIVE:
+                _resolve(item.future, session.opened())
+            elif session is not None and session.phase is Phase.FAILED:
+                _resolve(item.future, session.error)
             if item.future.done():
                 finished.add(id(item))
         with self._cv:
@@ -290,3 +335,19 @@ def _resolve(future: Future, value: object) -> None:
     """Set a result unless the caller cancelled or it is answered already."""
     if not future.done() and future.set_running_or_notify_cancel():
         future.set_result(value)
+
+
+async def _wait(what: str, future: Future):
+    """Await a scheduler future from an event loop; cancelling the await cancels the work. Any
+    exception that is not a domain error becomes an Internal error with a logged incident id, so a
+    caller only ever sees a HybridSpecError."""
+    try:
+        result = await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    except Exception as exc:
+        raise incident(log, exc, what) from None
+    if isinstance(result, HybridSpecError):
+        raise result
+    return result

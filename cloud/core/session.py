@@ -1,43 +1,122 @@
-"""Per-session verifier state and the store that bounds it (docs/design.md §3).
+"""One session's whole state on the replica that owns it, and the store that bounds how many it holds.
 
-The KV cache is a soft cache: the store drops sessions that sit idle too long, and evicts the least
-recently used ones when the replica's KV pool has no free pages for a step. A dropped session's next
-round gets FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The
+A `Session` is born PREFILLING when an OpenSession is admitted: its prompt is fed chunk by chunk and
+nobody can send it rounds yet. Once the whole prompt is cached it becomes LIVE in the store (replacing
+a session of the same id: a re-open). A session that cannot be opened is FAILED and keeps its error
+for the caller. Everything that changes a session is a method here; the verifier only decides when.
+
+The KV cache is a soft cache (docs/design.md §3): the store drops sessions that sit idle too long,
+and evicts the least recently used ones when the engine has no room for a pass. A dropped session's
+next round gets FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The
 session count itself is a hard limit: past it, new sessions get RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
-from ...common.protocol.errors import FailedPrecondition, ResourceExhausted
-from ...common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
-from ..engine.kvpool import KVPool, PageTable
+from ...common.maths.features import join_blocks
+from ...common.maths.verification import Outcome
+from ...common.protocol.errors import FailedPrecondition, HybridSpecError, PermissionDenied, ResourceExhausted
+from ...common.protocol.wire import DraftBlock, FeatureBlock, SessionOpened, SessionSpec, VerifyResult
+from ..engine.base import KVSequence
+
+REMEMBERED_EVICTIONS = 4096  # ids of recently evicted sessions, so their next round can say so
 
 
-@dataclass
+class Phase(enum.Enum):
+    """Where a session stands."""
+
+    PREFILLING = "prefilling"  # prompt chunks still to run; not visible to rounds
+    LIVE = "live"  # its prompt is cached; it takes rounds
+    FAILED = "failed"  # its open failed; the error is in `error`, its cache is released
+
+
 class Session:
-    """One generation's state on the replica that owns it."""
+    """Everything about one generation on its replica: spec, committed ids, KV cache, round state."""
 
-    spec: SessionSpec
-    committed: list[int]  # prompt + every committed token
-    table: PageTable  # the target's KV for committed[:-1]; the last token is fed with the next draft
-    next_round: int
-    last_block: DraftBlock | None = None  # the last answered block: only this exact block is a replay
-    last_result: VerifyResult | None = None  # replayed verbatim when last_block comes again
-    last_used: float = field(default_factory=time.monotonic)
-    opened_at: float = field(default_factory=time.monotonic)  # when the replica took its (re-)open
-    answered_at: float = 0.0  # when its last round was answered; 0 = none since it was (re-)opened
+    def __init__(self, spec: SessionSpec, kv: KVSequence) -> None:
+        self.spec = spec
+        self.kv = kv  # the target's cache of committed[:-1]; the newest token is fed with the next block
+        self.committed = list(spec.committed_ids)  # prompt + every committed token
+        self.phase = Phase.PREFILLING
+        self.error: HybridSpecError | None = None
+        self.next_round = spec.next_round
+        self.last_block: DraftBlock | None = None  # only this exact block is a replay
+        self.last_result: VerifyResult | None = None  # replayed verbatim when last_block comes again
+        self.prefill_features: list[FeatureBlock] = []  # asked-for features of the prompt chunks so far
+        self.opened_at = self.last_used = time.monotonic()
+        self.answered_at = 0.0  # when its last round was answered; 0 = none since it was (re-)opened
+
+    # ---- opening -------------------------------------------------------------------------------
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to cache (all committed tokens but the newest)."""
+        return len(self.committed) - 1 - self.kv.length
+
+    def next_chunk(self, budget: int) -> list[int]:
+        """The next at most `budget` prompt tokens to feed."""
+        start = self.kv.length
+        return self.committed[start:start + min(budget, self.remaining)]
+
+    def opened(self) -> SessionOpened:
+        """The answer to the open: its length and the features of its context, if it asked."""
+        features = join_blocks(self.prefill_features) if self.prefill_features else None
+        return SessionOpened(self.spec.session_id, len(self.committed), features=features)
+
+    def fail(self, error: HybridSpecError, release: Callable[[KVSequence], None]) -> None:
+        """Give up an open: free its cache and keep the error for the caller."""
+        release(self.kv)
+        self.phase, self.error = Phase.FAILED, error
+
+    # ---- rounds --------------------------------------------------------------------------------
+
+    def admit(self, block: DraftBlock, max_context: int) -> bool:
+        """Check a validated block against this session: True if it is the exact replay of the last
+        answered round (answer with `last_result`), False if it is the next round; else raise the
+        error it deserves (messages name only what the request said)."""
+        if block.owner != self.spec.owner:
+            raise PermissionDenied("this session belongs to another identity")
+        if self.last_block is not None and block.round == self.next_round - 1:
+            if block != self.last_block:
+                raise FailedPrecondition(f"round {block.round} was already answered for a different block; "
+                                         "send the next round")
+            return True
+        if block.round != self.next_round:
+            raise FailedPrecondition(f"round {block.round} is not this session's next round")
+        if block.committed_len != len(self.committed):
+            raise FailedPrecondition(f"committed_len {block.committed_len} disagrees with this session's "
+                                     "committed length")
+        if len(self.committed) + len(block.draft_ids) + 1 > max_context:
+            raise ResourceExhausted(f"the block would grow the session past max_context {max_context}")
+        return False
+
+    def round_tokens(self, block: DraftBlock) -> list[int]:
+        """What a round feeds: the newest committed token, then the drafts."""
+        return [self.committed[-1], *block.draft_ids]
+
+    def commit(self, block: DraftBlock, outcome: Outcome, result: VerifyResult) -> None:
+        """Record an answered round: its accepted drafts and new token are committed for good."""
+        self.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
+        self.next_round = block.round + 1
+        self.last_block, self.last_result = block, result
+
+    def roll_back(self, truncate: Callable[[KVSequence, int], None]) -> None:
+        """Cut the cache back to the committed tokens (all but the newest), after a failed round."""
+        truncate(self.kv, min(self.kv.length, len(self.committed) - 1))
 
 
 class SessionStore:
-    """Sessions by id, least recently used first."""
+    """LIVE sessions by id, least recently used first."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float) -> None:
+    def __init__(self, max_sessions: int, idle_timeout_s: float, release: Callable[[KVSequence], None]) -> None:
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
-        self.evictions = 0  # sessions dropped for idleness or the token budget, not by CloseSession
+        self.evictions = 0  # sessions dropped for idleness or room in the cache, not by CloseSession
+        self._release = release
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._evicted: OrderedDict[str, None] = OrderedDict()  # recent evictions, to say so in errors
 
@@ -70,24 +149,32 @@ class SessionStore:
         if session_id not in self._sessions and len(self._sessions) >= self.max_sessions:
             raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions; retry later")
 
-    def put(self, session: Session) -> None:
-        """Insert or replace a session (call reserve first); a replaced session's pages are freed."""
+    def go_live(self, session: Session) -> None:
+        """Make a fully prefilled session LIVE, replacing (and freeing) one of the same id; a session
+        count filled meanwhile fails it instead."""
+        try:
+            self.reserve(session.spec.session_id)
+        except HybridSpecError as exc:
+            session.fail(exc, self._release)
+            return
         old = self._sessions.pop(session.spec.session_id, None)
         if old is not None:
-            old.table.release()
+            self._release(old.kv)
+        session.phase = Phase.LIVE
         self._sessions[session.spec.session_id] = session
 
     def pop(self, session_id: str) -> bool:
-        """Drop a session and free its pages; True if it existed."""
+        """Drop a session and free its cache; True if it existed."""
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.table.release()
+            self._release(session.kv)
         return session is not None
 
-    def make_room(self, pool: KVPool, pages: int, keep: set[str]) -> None:
-        """Evict least recently used sessions (never those in `keep`) until `pages` pages are free."""
+    def make_room(self, fits: Callable[[], bool], keep: Iterable[str]) -> None:
+        """Evict least recently used sessions (never those in `keep`) until `fits()`."""
+        keep = set(keep)
         for sid in list(self._sessions):
-            if pool.free_pages >= pages:
+            if fits():
                 return
             if sid not in keep:
                 self._evict(sid)
@@ -101,8 +188,20 @@ class SessionStore:
         return len(stale)
 
     def _evict(self, session_id: str) -> None:
-        self._sessions.pop(session_id).table.release()
+        self._release(self._sessions.pop(session_id).kv)
         self.evictions += 1
         self._evicted[session_id] = None
-        while len(self._evicted) > 4096:
+        while len(self._evicted) > REMEMBERED_EVICTIONS:
             self._evicted.popitem(last=False)
+
+
+def one_per_session(items: Iterable, session_of: Callable[[object], str]) -> tuple[list, list]:
+    """Split work into what may share a pass (the first item of each session, in order) and what
+    must wait for a later one: a session's rounds are scored one after the other, never together.
+    The single place this rule lives; the scheduler and the verifier both apply it."""
+    now, later, seen = [], [], set()
+    for item in items:
+        sid = session_of(item)
+        (later if sid in seen else now).append(item)
+        seen.add(sid)
+    return now, later

@@ -73,3 +73,23 @@ class Telemetry:
     def snapshot(self, kv_usage: float) -> ReplicaTelemetry:
         """Everything, frozen, with the KV pool's fill."""
         return ReplicaTelemetry(self.ttft.snapshot(), self.itl.snapshot(), self.iteration_tokens.snapshot(), kv_usage)
+
+
+@dataclass(frozen=True)
+class RoundSample:
+    """One answered round, as the round metrics count it."""
+
+    gamma: int  # draft tokens
+    num_accepted: int
+    batch_size: int
+    seconds: float  # time the serving endpoint spent on it
+    queue_ms: float
+    feature_bytes: int = 0  # features sent with the reply (sessions of an EAGLE drafter)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a replica's own endpoint answered since the front door last asked."""
+
+    rounds: tuple[RoundSample, ...] = ()
+    errors: tuple[tuple[str, int], ...] = ()  # (status code, calls)

@@ -22,7 +22,6 @@ each round's those of [last committed token, accepted drafts]; a replay returns 
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -32,16 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from ...common.maths import verification as rules
-from ...common.protocol.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, PermissionDenied, ResourceExhausted,
-                             incident)
-from ...common.maths.features import encode_features, join_blocks
-from ...common.models.loading import LoadedModel, model_fingerprint, tokenizer_fingerprint
+from ...common.maths.features import encode_features
 from ...common.maths.sampling import logits_to_probs, penalize, round_generator
+from ...common.models.loading import LoadedModel, model_fingerprint, tokenizer_fingerprint
+from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
-                           VerifyResult)
-from ..engine.torch_engine import Engine, Feed
-from ..engine.kvpool import PageTable
-from .session import Session, SessionStore
+                                     VerifyResult)
+from ..engine.base import Engine, Feed, KVSequence, Scores
+from ..engine.torch_engine import TorchEngine
+from .session import Phase, Session, SessionStore, one_per_session
 from .telemetry import ReplicaTelemetry, Telemetry
 
 log = logging.getLogger(__name__)
@@ -71,103 +69,72 @@ class VerifierStats:
     telemetry: ReplicaTelemetry | None = None  # time to first token, inter-token latency, step sizes, KV fill
 
 
-class OpenPhase(enum.Enum):
-    """Where an opening session stands."""
-
-    FEEDING = "feeding"  # prompt chunks still to run
-    OPEN = "open"  # cached and visible
-    FAILED = "failed"  # its error is in `error`; its pages are freed
-
-
-class Opening:
-    """A session being opened: its prompt is fed chunk by chunk; it is visible only when complete."""
-
-    def __init__(self, spec: SessionSpec, table: PageTable) -> None:
-        self.spec = spec
-        self.table = table
-        self.context = spec.committed_ids[:-1]  # the last token is fed with the first block
-        self.phase = OpenPhase.FEEDING
-        self.error: HybridSpecError | None = None
-        self.features: list[FeatureBlock] = []  # asked-for features of the chunks cached so far
-        self.started = time.monotonic()
-
-    def opened(self) -> SessionOpened:
-        """The answer to the open, once it is OPEN: its length and the features of its context."""
-        return SessionOpened(self.spec.session_id, len(self.spec.committed_ids),
-                             features=join_blocks(self.features) if self.features else None)
-
-    @property
-    def remaining(self) -> int:
-        """Prompt tokens not yet cached."""
-        return len(self.context) - self.table.length
-
-    def fail(self, error: HybridSpecError) -> None:
-        """Give up: free the pages and keep the error for the caller."""
-        self.table.release()
-        self.phase, self.error = OpenPhase.FAILED, error
+Round = tuple[int, DraftBlock, Session]  # (index in the step's blocks, the block, its session)
 
 
 class Verifier:
-    """Owns one target model, its KV pool and the sessions verified against it."""
+    """Owns one engine (the target and its KV cache) and the sessions verified against it."""
 
-    def __init__(self, target: LoadedModel, limits: VerifierLimits | None = None) -> None:
+    def __init__(self, target: LoadedModel, limits: VerifierLimits | None = None, engine: Engine | None = None) -> None:
+        """`engine` defaults to the torch engine over `target`'s model."""
         self.target = target
         self.limits = limits if limits is not None else VerifierLimits()
-        self.engine = Engine(target.model, self.limits.kv_cache_tokens)
+        self.engine: Engine = engine if engine is not None else TorchEngine(target.model, self.limits.kv_cache_tokens)
+        caps = self.engine.capabilities
         self.info = ModelInfo(
             model_name=target.name, vocab_size=target.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
             model_fingerprint=model_fingerprint(target.model), max_context=self.limits.max_context,
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
-            device=str(target.device), dtype=str(target.model.dtype).removeprefix("torch."),
-            feature_dim=target.model.config.hidden_size)
-        self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s)
+            device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim)
+        self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release)
         self.telemetry = Telemetry()
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def stats(self) -> VerifierStats:
-        """Sessions held, their cached tokens, evictions so far, and the KV pool's size."""
+        """Sessions held, their cached tokens, evictions so far, and the KV cache's size."""
         with self._lock:
             self._sessions.expire_idle()
-            pool = self.engine.pool
             return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
-                                 self._sessions.ids(), pool.capacity_tokens,
-                                 self.telemetry.snapshot(1.0 - pool.free_pages / pool.pages))
+                                 self._sessions.ids(), self.engine.capacity_tokens,
+                                 self.telemetry.snapshot(self.engine.fill()))
 
     def close_session(self, session_id: str) -> bool:
-        """Free a session's pages; True if it existed."""
+        """Free a session's cache; True if it existed."""
         with self._lock:
             return self._sessions.pop(session_id)
 
-    def begin_open(self, spec: SessionSpec) -> Opening:
-        """Validate an open and check there is room; its prompt is then fed by `step`."""
+    def begin_open(self, spec: SessionSpec) -> Session:
+        """Validate an open and check there is room; the new session (PREFILLING) is then fed by `step`."""
         spec.check_against(self.info)
         if not isinstance(spec.features, FeatureFormat):
             raise InvalidArgument(f"features {spec.features!r} is not a FeatureFormat")
+        if spec.features is not FeatureFormat.NONE and not self.engine.capabilities.feature_dim:
+            raise InvalidArgument(f"the {self.engine.capabilities.name} engine cannot return features")
         with self._lock:
             self._sessions.reserve(spec.session_id)
-        return Opening(spec, PageTable(self.engine.pool))
+        return Session(spec, self.engine.new_sequence())
 
-    def abandon(self, opening: Opening) -> None:
-        """The caller went away: free what the open holds."""
+    def abandon(self, session: Session) -> None:
+        """The opener went away: free what the open holds."""
         with self._lock:
-            if opening.phase is OpenPhase.FEEDING:
-                opening.fail(FailedPrecondition("the open was abandoned"))
+            if session.phase is Phase.PREFILLING:
+                session.fail(FailedPrecondition("the open was abandoned"), self.engine.release)
 
     # ---- driving steps directly ----------------------------------------------------------------
 
     def open_session(self, spec: SessionSpec) -> SessionOpened:
         """Open (or re-open, replacing) a session from its committed tokens; returns its length and
         the features it asked for."""
-        opening = self.begin_open(spec)
-        while opening.phase is OpenPhase.FEEDING:
-            self.step([], [opening])
-        if opening.error is not None:
-            raise opening.error
-        return opening.opened()
+        session = self.begin_open(spec)
+        while session.phase is Phase.PREFILLING:
+            self.step([], [session])
+        if session.error is not None:
+            raise session.error
+        return session.opened()
 
     def verify(self, block: DraftBlock) -> VerifyResult:
         """Score one block in one forward pass over its session's cached context."""
@@ -182,139 +149,146 @@ class Verifier:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Opening],
+    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Session],
              prefill_tokens: int | None = None) -> list[VerifyResult | HybridSpecError]:
         """Run rounds and up to `prefill_tokens` (default and at most `prefill_chunk`) prompt tokens of
         `openings` (oldest first).
 
         Returns, per block and in order, its result or the error it earned; one bad block never
-        fails the others. Two rounds of one session are scored one after the other. An opening's
-        progress is in its phase.
+        fails the others. A second round of a session waits for a second pass. An opening's progress
+        is in its phase.
         """
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
-        pending = list(range(len(blocks)))
         chunk = self.limits.prefill_chunk
         budget = chunk if prefill_tokens is None else max(0, min(prefill_tokens, chunk))
+        pending = list(enumerate(blocks))
         with self._lock:
-            feeding = [o for o in openings if o.phase is OpenPhase.FEEDING]
+            feeding = [s for s in openings if s.phase is Phase.PREFILLING]
             while True:
-                wave, later, seen = [], [], set()
-                for i in pending:
-                    (later if blocks[i].session_id in seen else wave).append(i)
-                    seen.add(blocks[i].session_id)
-                self._run_wave([(i, blocks[i]) for i in wave], feeding, results, budget)
-                feeding, pending = [], later
+                now, pending = one_per_session(pending, lambda item: item[1].session_id)
+                self._run_pass(now, feeding, results, budget)
+                feeding = []
                 if not pending:
                     break
         return results  # type: ignore[return-value]
 
-    def _run_wave(self, items: list[tuple[int, DraftBlock]], openings: list[Opening], results: list,
+    def _run_pass(self, items: list[tuple[int, DraftBlock]], openings: list[Session], results: list,
                   prefill_tokens: int) -> None:
-        """One forward pass for blocks of distinct sessions plus prompt chunks (lock held)."""
+        """One verify round for blocks of distinct sessions, plus prompt chunks, in one pass (lock held)."""
         # 1. Admit: identical replays are answered from memory, bad blocks get their error.
-        admitted: list[tuple[int, DraftBlock, Session]] = []
+        rounds = self._admit(items, results)
+        # 2. Room in the cache for every feed; a feed that cannot get it fails alone.
+        feeds, rounds, chunks = self._plan(rounds, openings, results, prefill_tokens)
+        # 3. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
+        scores, forward_ms = self._forward(feeds, rounds, openings, results)
+        if scores is not None:
+            # 4. Each round's rule; its session commits the accepted drafts and the new token.
+            answered = time.monotonic()
+            for (i, block, session), round_scores in zip(rounds, scores):
+                results[i] = self._conclude(block, session, round_scores, forward_ms, len(rounds), answered)
+            # 5. Prompt chunks keep the features their session asked for.
+            for (session, position), chunk_scores in zip(chunks, scores[len(rounds):]):
+                self._keep_prefill_features(session, chunk_scores, position)
+        # 6. Sessions whose prompt is now cached go live. Only now: a re-open replaces (and frees) the
+        #    session of its id, whose cache a round of this very pass may have read.
+        for session in openings:
+            if session.phase is Phase.PREFILLING and session.remaining == 0:
+                self._sessions.go_live(session)
+
+    def _admit(self, items: list[tuple[int, DraftBlock]], results: list) -> list[Round]:
+        """The rounds to score; replays get their stored answer, bad blocks their error."""
+        admitted = []
         for i, block in items:
             try:
                 session = self._sessions.get(block.session_id)
-                if block.owner != session.spec.owner:
-                    raise PermissionDenied("this session belongs to another identity")
                 block.validate(self.info.vocab_size, self.limits.max_draft,
                                needs_probs=session.spec.mode.uses_draft_probs)
-                if session.last_block is not None and block.round == session.next_round - 1:
-                    results[i] = self._replay(block, session)
-                    continue
-                self._admit(block, session)
-                admitted.append((i, block, session))
+                if session.admit(block, self.limits.max_context):
+                    results[i] = session.last_result
+                else:
+                    admitted.append((i, block, session))
             except HybridSpecError as exc:
                 results[i] = exc
-        # 2. Pages for every feed; a feed that cannot get them fails alone.
-        feeds, rounds, chunks = self._plan(admitted, openings, results, prefill_tokens)
+        return admitted
+
+    def _plan(self, admitted: list[Round], openings: list[Session], results: list,
+              prefill_tokens: int) -> tuple[list[Feed], list[Round], list[tuple[Session, int]]]:
+        """The pass's feeds: every admitted round that gets room, then prompt chunks up to
+        `prefill_tokens` tokens (with, per chunk, its session and the position of its first token)."""
+        keep = [block.session_id for _, block, _ in admitted] + [s.spec.session_id for s in openings]
+        feeds, rounds, chunks = [], [], []
+        for i, block, session in admitted:
+            tokens = session.round_tokens(block)
+            try:
+                self._reserve(session.kv, len(tokens), keep)
+            except HybridSpecError as exc:
+                results[i] = exc
+                continue
+            feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec)))
+            rounds.append((i, block, session))
+        budget = prefill_tokens
+        for session in openings:
+            if budget == 0 or session.remaining == 0:  # a one-token prompt has nothing to prefill
+                continue
+            start, chunk = session.kv.length, session.next_chunk(budget)
+            try:
+                self._reserve(session.kv, len(chunk), keep)
+            except HybridSpecError as exc:
+                session.fail(exc, self.engine.release)
+                continue
+            feeds.append(Feed(session.kv, chunk, scored=False, features=_wants_features(session.spec)))
+            chunks.append((session, start))
+            budget -= len(chunk)
+        return feeds, rounds, chunks
+
+    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: list[Session],
+                 results: list) -> tuple[list[Scores] | None, float]:
+        """The engine's pass and its time (ms); on failure every fed session is left as it was and the
+        pass's rounds and opens get the incident."""
         if not feeds:
-            return
-        # 3. One pass over [last committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
+            return None, 0.0
         start = time.perf_counter()
         try:
             scores = self.engine.forward(feeds)
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
             for i, _, session in rounds:
-                self._roll_back(session)
+                session.roll_back(self.engine.truncate)
                 results[i] = error
-            for opening in openings:
-                if opening.phase is OpenPhase.FEEDING:
-                    opening.fail(error)
-            return
-        forward_ms = (time.perf_counter() - start) * 1e3
+            for session in openings:
+                if session.phase is Phase.PREFILLING:
+                    session.fail(error, self.engine.release)
+            return None, 0.0
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
-        answered = time.monotonic()
-        # 4. Apply each session's rule; keep the KV of committed + accepted draft (the new token is
-        #    fed at the head of the next block). A failure here is the failing session's alone.
-        for (i, block, session), round_scores in zip(rounds, scores):
-            try:
-                outcome = _apply_rule(session.spec, block, round_scores.logits, session.committed)
-                # Features of the tokens now committed context: the last committed one and the accepted.
-                features = _features(session.spec, round_scores.hidden, len(session.committed) - 1,
-                                     outcome.num_accepted + 1)
-                session.table.truncate(len(session.committed) + outcome.num_accepted)
-            except Exception as exc:
-                self._roll_back(session)
-                results[i] = incident(log, exc, "a verification rule")
-                continue
-            self._observe_latency(session, outcome.num_accepted + 1, answered)
-            session.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
-            session.next_round = block.round + 1
-            session.last_block = block
-            session.last_result = VerifyResult(
-                round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
-                committed_len=len(session.committed), verify_ms=forward_ms, batch_size=len(rounds),
-                features=features)
-            results[i] = session.last_result
-        # 5. Openings keep their chunk's features; those whose prompt is now cached become sessions.
-        for (opening, position), chunk_scores in zip(chunks, scores[len(rounds):]):
-            try:
-                features = _features(opening.spec, chunk_scores.hidden, position)
-            except Exception as exc:
-                opening.fail(incident(log, exc, "encoding features"))
-                continue
-            if features is not None:
-                opening.features.append(features)
-        for opening in openings:
-            if opening.phase is OpenPhase.FEEDING and opening.remaining == 0:
-                self._finish(opening)
+        return scores, (time.perf_counter() - start) * 1e3
 
-    def _plan(self, admitted: list[tuple[int, DraftBlock, Session]], openings: list[Opening], results: list,
-              prefill_tokens: int) -> tuple[list[Feed], list[tuple[int, DraftBlock, Session]], list[tuple[Opening, int]]]:
-        """The step's feeds: every admitted round, then prompt chunks up to `prefill_tokens` tokens
-        (with, per chunk, its opening and the position of its first token)."""
-        keep = {block.session_id for _, block, _ in admitted} | {o.spec.session_id for o in openings}
-        feeds, rounds, chunks = [], [], []
-        for i, block, session in admitted:
-            tokens = [session.committed[-1], *block.draft_ids]
-            try:
-                self._grow(session.table, len(tokens), keep)
-            except HybridSpecError as exc:
-                results[i] = exc
-                continue
-            feeds.append(Feed(session.table, tokens, scored=True, features=_wants_features(session.spec)))
-            rounds.append((i, block, session))
-        budget = prefill_tokens
-        for opening in openings:
-            if opening.remaining == 0:
-                self._finish(opening)  # a one-token prompt has nothing to prefill
-                continue
-            if budget == 0:
-                break
-            start = opening.table.length
-            chunk = list(opening.context[start:start + budget])
-            try:
-                self._grow(opening.table, len(chunk), keep)
-            except HybridSpecError as exc:
-                opening.fail(exc)
-                continue
-            feeds.append(Feed(opening.table, chunk, scored=False, features=_wants_features(opening.spec)))
-            chunks.append((opening, start))
-            budget -= len(chunk)
-        return feeds, rounds, chunks
+    def _conclude(self, block: DraftBlock, session: Session, scores: Scores, forward_ms: float, batch_size: int,
+                  answered: float) -> VerifyResult | HybridSpecError:
+        """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
+        token is fed at the head of the next block) and commit. A failure is this session's alone."""
+        try:
+            outcome = _apply_rule(session.spec, block, scores.logits, session.committed)
+            # Features of the tokens now committed context: the newest committed one and the accepted.
+            features = _features(session.spec, scores.hidden, len(session.committed) - 1, outcome.num_accepted + 1)
+            self.engine.truncate(session.kv, len(session.committed) + outcome.num_accepted)
+        except Exception as exc:
+            session.roll_back(self.engine.truncate)
+            return incident(log, exc, "a verification rule")
+        self._observe_latency(session, outcome.num_accepted + 1, answered)
+        result = VerifyResult(round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
+                              committed_len=len(session.committed) + outcome.num_accepted + 1,
+                              verify_ms=forward_ms, batch_size=batch_size, features=features)
+        session.commit(block, outcome, result)
+        return result
+
+    def _keep_prefill_features(self, session: Session, scores: Scores, position: int) -> None:
+        try:
+            features = _features(session.spec, scores.hidden, position)
+        except Exception as exc:
+            session.fail(incident(log, exc, "encoding features"), self.engine.release)
+            return
+        if features is not None:
+            session.prefill_features.append(features)
 
     def _observe_latency(self, session: Session, tokens: int, now: float) -> None:
         """A new generation's first answer is its time to first token; every later answer spreads the
@@ -326,48 +300,11 @@ class Verifier:
             self.telemetry.ttft.observe(now - session.opened_at)
         session.answered_at = now
 
-    def _grow(self, table: PageTable, tokens: int, keep: set[str]) -> None:
-        """Room in the pool for `tokens` more tokens, evicting idle LRU sessions if it is full."""
-        needed = table.pages_needed(tokens)
-        if needed > self.engine.pool.free_pages:
-            self._sessions.make_room(self.engine.pool, needed, keep)
-        table.grow(tokens)
-
-    def _finish(self, opening: Opening) -> None:
-        """Make a fully cached opening a live session (replacing one of the same id)."""
-        try:
-            self._sessions.reserve(opening.spec.session_id)  # others may have taken the room meanwhile
-        except HybridSpecError as exc:
-            opening.fail(exc)
-            return
-        spec = opening.spec
-        self._sessions.put(Session(spec=spec, committed=list(spec.committed_ids), table=opening.table,
-                                   next_round=spec.next_round, opened_at=opening.started))
-        opening.phase = OpenPhase.OPEN
-
-    @staticmethod
-    def _roll_back(session: Session) -> None:
-        """Cut the cache back to the committed tokens (all but the last, which the next block feeds)."""
-        session.table.truncate(min(session.table.length, len(session.committed) - 1))
-
-    @staticmethod
-    def _replay(block: DraftBlock, session: Session) -> VerifyResult:
-        """The stored answer, if this is exactly the block it answered."""
-        if block != session.last_block:
-            raise FailedPrecondition(f"round {block.round} was already answered for a different block; "
-                                     "send the next round")
-        assert session.last_result is not None
-        return session.last_result
-
-    def _admit(self, block: DraftBlock, session: Session) -> None:
-        """Raise the error a valid block still deserves, if any (messages name only what the request said)."""
-        if block.round != session.next_round:
-            raise FailedPrecondition(f"round {block.round} is not this session's next round")
-        if block.committed_len != len(session.committed):
-            raise FailedPrecondition(
-                f"committed_len {block.committed_len} disagrees with this session's committed length")
-        if len(session.committed) + len(block.draft_ids) + 1 > self.limits.max_context:
-            raise ResourceExhausted(f"the block would grow the session past max_context {self.limits.max_context}")
+    def _reserve(self, kv: KVSequence, tokens: int, keep: list[str]) -> None:
+        """Room for `tokens` more tokens, evicting idle LRU sessions (not those in `keep`) if the cache is full."""
+        if not self.engine.fits(kv, tokens):
+            self._sessions.make_room(lambda: self.engine.fits(kv, tokens), keep)
+        self.engine.reserve(kv, tokens)
 
 
 def _wants_features(spec: SessionSpec) -> bool:

@@ -22,28 +22,10 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .base import Capabilities, Feed, Scores
 from .kvpool import KVPool, PageTable
 
 ATTENTION = "hybridspec_packed"
-
-
-@dataclass(frozen=True)
-class Feed:
-    """Tokens to append to one session's cache in a step."""
-
-    table: PageTable  # the session's pages; grown beforehand to fit the tokens
-    tokens: Sequence[int]
-    scored: bool  # True: logits at every fed position (a round); False: a prefill chunk, no logits
-    features: bool = False  # True: also the final hidden states at every fed position
-
-
-@dataclass(frozen=True)
-class Scores:
-    """What a pass computed for one feed."""
-
-    logits: torch.Tensor | None  # float32 [len(tokens), V] on the model's device if the feed is scored
-    hidden: torch.Tensor | None  # [len(tokens), H] final hidden states (after the final norm, the
-    #                              output head's input), in the model's dtype, if the feed asked
 
 
 @dataclass(frozen=True)
@@ -106,8 +88,9 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     return None
 
 
-class Engine:
-    """A target model bound to a KV pool of `kv_tokens` tokens."""
+class TorchEngine:
+    """A Hugging Face model bound to a KV pool of `kv_tokens` tokens (implements engine.base.Engine;
+    its KV handles are PageTables)."""
 
     def __init__(self, model: PreTrainedModel, kv_tokens: int) -> None:
         reason = unsupported_reason(model)
@@ -125,6 +108,37 @@ class Engine:
         model.set_attn_implementation(ATTENTION)
         # A 4-D mask is used as given: this one only skips mask building, packed_attention ignores it.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.capabilities = Capabilities(name="torch", device=str(model.device),
+                                         dtype=str(model.dtype).removeprefix("torch."), feature_dim=config.hidden_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV pool holds in all."""
+        return self.pool.capacity_tokens
+
+    def fill(self) -> float:
+        """The fraction of the pool's pages in use."""
+        return 1.0 - self.pool.free_pages / self.pool.pages
+
+    def new_sequence(self) -> PageTable:
+        """An empty page table (no pages until it grows)."""
+        return PageTable(self.pool)
+
+    def fits(self, kv: PageTable, extra: int) -> bool:
+        """True if the pages `extra` more tokens need are free."""
+        return kv.pages_needed(extra) <= self.pool.free_pages
+
+    def reserve(self, kv: PageTable, extra: int) -> None:
+        """Take the pages `extra` more tokens need."""
+        kv.grow(extra)
+
+    def truncate(self, kv: PageTable, length: int) -> None:
+        """Keep the first `length` tokens; later pages go back to the pool."""
+        kv.truncate(length)
+
+    def release(self, kv: PageTable) -> None:
+        """Every page back to the pool."""
+        kv.release()
 
     @torch.inference_mode()
     def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
@@ -138,10 +152,10 @@ class Engine:
         ids, positions, write, read, keep, rows = [], [], [], [], [], []
         queries = keys = 0
         for feed in feeds:
-            past, n = feed.table.length, len(feed.tokens)
+            past, n = feed.kv.length, len(feed.tokens)
             if n == 0:
                 raise ValueError("every feed needs at least one token")
-            pool_rows = feed.table.rows(past + n, self.device)
+            pool_rows = feed.kv.rows(past + n, self.device)
             ids += feed.tokens
             positions.append(torch.arange(past, past + n, device=self.device))
             write.append(pool_rows[past:])
@@ -176,7 +190,7 @@ class Engine:
             raise RuntimeError(f"the decoder of {type(self.model).__name__} ran {len(hidden)} times in one pass")
         # 3. The pass wrote every feed's keys: the tokens are now cached.
         for feed in feeds:
-            feed.table.length += len(feed.tokens)
+            feed.kv.length += len(feed.tokens)
         logits = out.logits[0].float() if keep else None
         results: list[Scores] = []
         start = 0

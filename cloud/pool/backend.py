@@ -23,11 +23,10 @@ from ...common.security.credentials import Identity
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
 from ...common.protocol.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
                            VerifyResult)
-from ..api.metrics import Tally
-from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
+from ..core.telemetry import Tally
+from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Scheduler
 from .routing import SessionTable
 from ..core.telemetry import ReplicaTelemetry
-from ..core.runner import VerifierRunner
 from ..core.verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
@@ -210,17 +209,17 @@ class InProcessBackend(Backend):
                          max_sessions_per_address or verifier.limits.max_sessions)
         self.verifier = verifier
         self.info = verifier.info
-        self._runner: VerifierRunner | None = None
+        self._scheduler: Scheduler | None = None
         self._batching = (max_batch, max_wait_ms, prefill_budget_ms)
 
     async def start(self) -> None:
         """Nothing to load: the verifier came loaded."""
-        self._runner = VerifierRunner(self.verifier, *self._batching)
+        self._scheduler = Scheduler(self.verifier, *self._batching)
 
     async def stop(self) -> None:
         """Stop batching."""
-        if self._runner is not None:
-            await self._runner.stop()
+        if self._scheduler is not None:
+            await self._scheduler.aclose()
 
     def _replica_names(self) -> list[str]:
         return [self.NAME]
@@ -240,23 +239,23 @@ class InProcessBackend(Backend):
     async def _stats_of(self, replica: str) -> VerifierStats | None:
         return await self._live().stats()
 
-    def _live(self) -> VerifierRunner:
-        if self._runner is None:
+    def _live(self) -> Scheduler:
+        if self._scheduler is None:
             raise Unavailable("the verifier is not started")
-        return self._runner
+        return self._scheduler
 
 
 class ReplicaEndpointBackend(InProcessBackend):
-    """A replica's own runner, as its direct Verify endpoint serves it (cloud/api/server.py).
+    """A replica's own scheduler, as its direct Verify endpoint serves it (cloud/api/server.py).
 
-    Sessions reach that runner only through the front door, which issued their ids and routed them
-    there; so no second routing table is kept: the runner's verifier is the authority, answering
+    Sessions reach that scheduler only through the front door, which issued their ids and routed them
+    there; so no second routing table is kept: its verifier is the authority, answering
     FAILED_PRECONDITION for any id it does not hold, whoever presents it. Only `verify` is served.
     """
 
-    def __init__(self, runner: VerifierRunner) -> None:
-        super().__init__(runner.verifier)
-        self._runner = runner
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__(scheduler.verifier)
+        self._scheduler = scheduler
 
     async def verify(self, block: DraftBlock, caller: Identity) -> VerifyResult:
         """Verify one round, sent by `caller`, of a session this replica holds (the verifier checks

@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .backend import Backend, ReplicaLost
-from ..api.metrics import Tally
+from ..core.telemetry import Tally
 from .reaper import start_reaper
 from .replica import ReplicaReady, ReplicaSpec, VerifierReplica
 from .routing import DEFAULT_MAX_SESSIONS_PER_CLIENT

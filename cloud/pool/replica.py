@@ -19,9 +19,8 @@ from ...common.protocol.errors import HybridSpecError
 from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 from ..api.access import AccessSpec
 from .backend import ReplicaEndpointBackend
-from ..api.metrics import Tally
-from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
-from ..core.runner import VerifierRunner
+from ..core.telemetry import Tally
+from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Scheduler
 from ..api.server import VerifyEndpoint, start_verify_endpoint
 from ..core.verifier import Verifier, VerifierLimits, VerifierStats
 
@@ -65,7 +64,7 @@ class VerifierReplica:
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
         verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
-        self.runner = VerifierRunner(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
+        self.scheduler = Scheduler(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
         self._verify_host = spec.verify_host
         self._access = spec.access
         self._endpoint: VerifyEndpoint | None = None
@@ -76,9 +75,9 @@ class VerifierReplica:
         direct endpoint: it needs the actor's event loop, which the constructor does not run on."""
         async with self._starting:
             if self._verify_host and self._endpoint is None:
-                self._endpoint = await start_verify_endpoint(ReplicaEndpointBackend(self.runner), self._verify_host,
+                self._endpoint = await start_verify_endpoint(ReplicaEndpointBackend(self.scheduler), self._verify_host,
                                                              _advertised(self._verify_host), self._access)
-        return ReplicaReady(self.runner.verifier.info, self._endpoint.address if self._endpoint else "")
+        return ReplicaReady(self.scheduler.verifier.info, self._endpoint.address if self._endpoint else "")
 
     async def take_tally(self) -> Tally:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
@@ -86,19 +85,19 @@ class VerifierReplica:
 
     async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
         """Open or re-open a session."""
-        return await _as_value(self.runner.open_session(spec))
+        return await _as_value(self.scheduler.open_session(spec))
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch."""
-        return await _as_value(self.runner.verify(block))
+        return await _as_value(self.scheduler.verify(block))
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
-        return await _as_value(self.runner.close_session(session_id))
+        return await _as_value(self.scheduler.close_session(session_id))
 
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
-        return await _as_value(self.runner.stats())
+        return await _as_value(self.scheduler.stats())
 
 
 def _advertised(host: str) -> str:
@@ -112,7 +111,7 @@ def _advertised(host: str) -> str:
 
 
 async def _as_value(call: Awaitable[T]) -> T | HybridSpecError:
-    """The call's result, or the domain error it raised (the runner raises no other kind)."""
+    """The call's result, or the domain error it raised (the scheduler raises no other kind)."""
     try:
         return await call
     except HybridSpecError as exc:

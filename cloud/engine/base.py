@@ -1,0 +1,89 @@
+"""What the serving core needs from an inference engine, and nothing more.
+
+The core (cloud/core/) decides what a forward pass carries and applies the verification rules to
+the scores it returns; an engine runs the pass and owns the KV cache behind it. The core sees a
+session's cache only as an opaque `KVSequence` handle whose `length` is the number of tokens cached:
+it asks the engine for room, feeds tokens, cuts a rejected suffix off and releases the handle when
+the session ends. Any engine that implements `Engine` (today's torch engine, cloud/engine/torch_engine.py;
+a llama.cpp engine next) serves every rule, mode and session feature the core offers.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class KVSequence(Protocol):
+    """One session's cache inside an engine; only the engine changes it."""
+
+    @property
+    def length(self) -> int:
+        """Tokens whose keys and values are cached."""
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Tokens to append to one session's cache in a pass."""
+
+    kv: KVSequence  # the session's cache; the engine was asked for room for the tokens beforehand
+    tokens: Sequence[int]
+    scored: bool  # True: logits at every fed position (a round); False: a prefill chunk, no logits
+    features: bool = False  # True: also the final hidden states at every fed position
+
+
+@dataclass(frozen=True)
+class Scores:
+    """What a pass computed for one feed."""
+
+    logits: torch.Tensor | None  # float32 [len(tokens), V] on the engine's device if the feed is scored
+    hidden: torch.Tensor | None  # [len(tokens), H] final hidden states (after the final norm, the
+    #                              output head's input) if the feed asked
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, so the core refuses what it cannot before any state changes."""
+
+    name: str  # e.g. "torch"
+    device: str  # where the weights live, e.g. "cpu", "cuda:0"
+    dtype: str  # the weights' type, e.g. "float32", "bfloat16", "Q4_1"
+    feature_dim: int  # size of a final hidden state (0: the engine cannot return features)
+    tree_masks: bool = False  # can score a draft tree in one pass (not yet: chains only)
+
+
+class Engine(Protocol):
+    """A target model bound to a bounded KV cache, scoring many sessions' feeds in one pass."""
+
+    capabilities: Capabilities
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV cache holds in all."""
+
+    def fill(self) -> float:
+        """The fraction of the KV cache in use, in [0, 1]."""
+
+    def new_sequence(self) -> KVSequence:
+        """An empty cache for a new session (takes no memory until it grows)."""
+
+    def fits(self, kv: KVSequence, extra: int) -> bool:
+        """True if `extra` more tokens of `kv` fit in the free cache right now."""
+
+    def reserve(self, kv: KVSequence, extra: int) -> None:
+        """Room for `extra` more tokens of `kv`; ResourceExhausted (nothing taken) if they do not fit."""
+
+    def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
+        """Append every feed's tokens to its cache in one pass; per feed, its Scores.
+
+        Each cache grows by its feed's tokens only if the pass succeeds; on an exception no cache
+        changed length (the rows written hold nothing any length covers).
+        """
+
+    def truncate(self, kv: KVSequence, length: int) -> None:
+        """Keep the first `length` cached tokens of `kv` (a rejected suffix, a failed round)."""
+
+    def release(self, kv: KVSequence) -> None:
+        """Give back everything `kv` holds; the handle is empty afterwards."""
