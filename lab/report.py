@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 from . import aggregate as agg
-from .runner import read_rows
+from .rows import read_rows
 from .stats import Estimate
 
 MAX_GAMMA = 8

@@ -6,12 +6,10 @@ from all rows at the end and OUT/meta.json records the spec and the environment.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
 import platform
-import statistics
 import subprocess
 import threading
 import time
@@ -30,20 +28,13 @@ from ..edge.prompt import encode_prompt
 from ..edge.controller import DEFAULT_RATES
 from ..edge.worker import EdgeWorker
 from ..edge.state import EventKind
-from ..netem.profiles import profile
 from ..netem.relay import BackgroundLink
-from ..netem.shaping import LinkSpec
 from ..netem.tc import TcError, TcLink, probe
-from ..netem.trace import load_trace
 from . import baselines
-from .spec import LINKED, TRACE_PREFIX, ExperimentSpec, GridPoint, Strategy
+from .clock import CommitClock
+from .rows import done_keys, row_key, write_csv
+from .spec import LINKED, ExperimentSpec, GridPoint, Strategy, link_spec
 
-CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "link", "temperature", "edges",
-              "drafter", "drafter_used", "edge", "prompt_set", "prompt", "repeat", "new_tokens", "wall_s", "tokens_per_s",
-              "ttft_s", "measured_rtt_ms", "step_ms_p50", "step_ms_p90", "same_as_target", "acceptance_rate",
-              "mean_tokens_per_round", "rounds", "mean_gamma", "cloud_calls_per_token", "bytes_per_token",
-              "uplink_bytes", "downlink_bytes", "cloud_only_tokens", "switches_to_cloud", "pipeline_hits",
-              "fallbacks"]
 STATS_KEYS = ["acceptance_rate", "mean_tokens_per_round", "rounds", "drafted", "accepted", "mean_gamma",
               "cloud_calls_per_token", "bytes_per_token", "uplink_bytes", "downlink_bytes", "cloud_only_tokens",
               "switches_to_cloud", "switches_to_hybrid", "pipeline_hits", "fallbacks", "drafted_at", "accepted_at"]
@@ -69,7 +60,7 @@ class Lab:
         self.prompt_sets = [name for name, _ in texts]
         self.prompts = [encode_prompt(self.drafter.tokenizer, text, spec.chat) for _, text in texts]
         self.rows_file = out / "results.jsonl"
-        self.done = _done_keys(self.rows_file)
+        self.done = done_keys(self.rows_file)
         self.references_file = out / "references.json"
         self.references: dict[int, list[int]] = {}  # prompt -> the target's own greedy tokens
         self._local: dict[str, object] = {}  # target, verifier, assistant for the local baselines
@@ -146,9 +137,9 @@ class Lab:
         concurrent generations, keyed by the group's first prompt and the edge's place in it."""
         repeats, n = range(self.spec.repeats), len(self.prompts)
         if strategy.kind in LINKED:
-            return [_key(strategy.name, point, first, repeat, edge) for repeat in repeats
+            return [row_key(strategy.name, point, first, repeat, edge) for repeat in repeats
                     for first in range(0, n, point.edges) for edge in range(point.edges)]
-        return [_key(strategy.name, point, prompt, repeat, 0) for repeat in repeats for prompt in range(n)]
+        return [row_key(strategy.name, point, prompt, repeat, 0) for repeat in repeats for prompt in range(n)]
 
     def _count(self, point: GridPoint, strategy: Strategy) -> int:
         return sum(k not in self.done for k in self._keys(point, strategy))
@@ -165,7 +156,7 @@ class Lab:
                 try:
                     for repeat in range(self.spec.repeats):
                         for first in range(0, len(self.prompts), point.edges):
-                            keys = [_key(strategy.name, point, first, repeat, e) for e in range(point.edges)]
+                            keys = [row_key(strategy.name, point, first, repeat, e) for e in range(point.edges)]
                             if all(k in self.done for k in keys):
                                 continue
                             rows = self._concurrent(point, strategy, edges, first, repeat)
@@ -214,7 +205,7 @@ class Lab:
         try:
             for repeat in range(self.spec.repeats):
                 for prompt_index, prompt in enumerate(self.prompts):
-                    key = _key(strategy.name, point, prompt_index, repeat, 0)
+                    key = row_key(strategy.name, point, prompt_index, repeat, 0)
                     if key in self.done:
                         continue
                     cfg = self._edge_config(strategy, point, "", repeat)
@@ -314,7 +305,7 @@ class Lab:
             return None
         folder = self.out / "traces"
         folder.mkdir(exist_ok=True)
-        name = "_".join(str(v) for v in _key(strategy.name, point, prompt, repeat, 0)[:-3]).replace("/", "-")
+        name = "_".join(str(v) for v in row_key(strategy.name, point, prompt, repeat, 0)[:-3]).replace("/", "-")
         return folder / f"{name}.jsonl"
 
     def _write_meta(self) -> None:
@@ -348,7 +339,7 @@ class _Edge:
         """One generation; the raw row fields, with what the edge measured: its RTT to the cloud,
         time to first token, and the time between successive commits (a round, or a streamed token)."""
         cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
-        clock = _Clock()
+        clock = CommitClock()
         if self.strategy.kind == "cloud_only":
             spec = GenerateSpec(prompt_ids=tuple(prompt), sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
                                 seed=cfg.seed)
@@ -389,55 +380,6 @@ class _Edge:
         self.client.close()
 
 
-class _Clock:
-    """When a generation's tokens became final, from the edge's side."""
-
-    def __init__(self) -> None:
-        self.t0 = 0.0
-        self.commits: list[tuple[float, list[int], object]] = []  # (seconds since start, tokens, origins)
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def commit(self, tokens, origins) -> None:
-        self.commits.append((self.elapsed(), list(tokens), origins))
-
-    def summary(self) -> dict:
-        """Time to first token, and the median and 90th percentile of the gaps between commits."""
-        times = [t for t, _, _ in self.commits]
-        gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
-        out = {"ttft_s": times[0] if times else None}
-        if len(gaps) >= 2:
-            deciles = statistics.quantiles(gaps, n=10)
-            out.update(step_ms_p50=statistics.median(gaps), step_ms_p90=deciles[-1])
-        return out
-
-    def write(self, path: Path | None) -> None:
-        """One JSON line per committed token: its time, id and origin."""
-        if path is None:
-            return
-        with path.open("w") as f:
-            for t, tokens, origins in self.commits:
-                names = origins if isinstance(origins, list) else [origins] * len(tokens)
-                for token, origin in zip(tokens, names):
-                    f.write(json.dumps({"t_s": round(t, 6), "token": token, "origin": origin}) + "\n")
-
-
-def link_spec(point: GridPoint) -> LinkSpec:
-    """The emulated link of a grid point: its named profile, else its recorded trace (with the point's
-    bandwidth and loss), else its RTT, jitter, bandwidth and loss."""
-    if point.link and point.link.startswith(TRACE_PREFIX):
-        return LinkSpec.symmetric(trace=load_trace(point.link[len(TRACE_PREFIX):]),
-                                  bandwidth_mbps=point.bandwidth_mbps, loss_pct=point.loss_pct)
-    if point.link:
-        return profile(point.link).link_spec()
-    return LinkSpec.symmetric(delay_ms=point.rtt_ms / 2, jitter_ms=point.jitter_ms,
-                              bandwidth_mbps=point.bandwidth_mbps, loss_pct=point.loss_pct)
-
-
 def run_experiment(spec: ExperimentSpec, out: Path, fresh: bool = False) -> Path:
     """Run (or resume) the experiment into `out`; returns the results file."""
     out.mkdir(parents=True, exist_ok=True)
@@ -447,31 +389,6 @@ def run_experiment(spec: ExperimentSpec, out: Path, fresh: bool = False) -> Path
     lab.run()
     write_csv(lab.rows_file, out / "results.csv")
     return lab.rows_file
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Every row of a results.jsonl (a directory means its results.jsonl)."""
-    path = path / "results.jsonl" if path.is_dir() else path
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_csv(rows_file: Path, csv_file: Path) -> None:
-    """The rows as CSV with the main columns (the JSONL keeps everything)."""
-    rows = read_rows(rows_file)
-    with csv_file.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS + ["error"], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def _key(strategy: str, point: GridPoint, prompt: int, repeat: int, edge: int) -> tuple:
-    return (strategy, *dataclasses.astuple(point), prompt, repeat, edge)
-
-
-def _done_keys(rows_file: Path) -> set[tuple]:
-    return {tuple(r["key"]) for r in read_rows(rows_file) if "key" in r and "error" not in r}
 
 
 def _git_commit() -> str | None:

@@ -10,6 +10,9 @@ from typing import Any
 from ..common.config import ConfigError, read_mapping
 from ..edge.config import EdgeConfig
 from ..netem.config import BACKENDS
+from ..netem.profiles import profile
+from ..netem.shaping import LinkSpec
+from ..netem.trace import load_trace
 
 KINDS = {
     "hybrid": "edge drafts, the cloud pool verifies, through the emulated link",
@@ -171,3 +174,15 @@ def _grid_section(path: Path, section: dict, name: str) -> dict[str, list]:
         elif link and link not in PROFILES:
             raise ConfigError(f"{path}: unknown link {link!r}; known: {', '.join(PROFILES)} or {TRACE_PREFIX}FILE")
     return section
+
+
+def link_spec(point: GridPoint) -> LinkSpec:
+    """The emulated link of a grid point: its named profile, else its recorded trace (with the point's
+    bandwidth and loss), else its RTT, jitter, bandwidth and loss."""
+    if point.link and point.link.startswith(TRACE_PREFIX):
+        return LinkSpec.symmetric(trace=load_trace(point.link[len(TRACE_PREFIX):]),
+                                  bandwidth_mbps=point.bandwidth_mbps, loss_pct=point.loss_pct)
+    if point.link:
+        return profile(point.link).link_spec()
+    return LinkSpec.symmetric(delay_ms=point.rtt_ms / 2, jitter_ms=point.jitter_ms,
+                              bandwidth_mbps=point.bandwidth_mbps, loss_pct=point.loss_pct)

@@ -12,7 +12,8 @@ import yaml
 from hybridspec.common.config import ConfigError
 from hybridspec.lab import aggregate
 from hybridspec.lab.report import predicted_crossover_ms
-from hybridspec.lab.runner import read_rows, run_experiment
+from hybridspec.lab.rows import read_rows
+from hybridspec.lab.runner import run_experiment
 from hybridspec.lab.spec import load_spec
 from hybridspec.lab.stats import crossing
 from tinymodels import greedy_reference
@@ -141,7 +142,7 @@ def test_every_shipped_experiment_file_loads(path):
 
 
 def test_a_trace_link_replays_the_file_with_the_points_bandwidth(tmp_path):
-    from hybridspec.lab.runner import link_spec
+    from hybridspec.lab.spec import link_spec
 
     trace = tmp_path / "drive.txt"
     trace.write_text("0,80\n1,30\n")
