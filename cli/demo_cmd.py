@@ -22,7 +22,7 @@ def register(sub) -> None:
     demo = sub.add_parser("demo", help="start a local verifier, run the edge on a chat prompt, show the result")
     demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
     demo.add_argument("--no-pin", action="store_true", help="do not pin edge and cloud to separate cores")
-    from .edge_cmd import add_edge_options
+    from .edge_options import add_edge_options
 
     add_edge_options(demo)
     demo.set_defaults(run=run_demo)
@@ -32,7 +32,8 @@ def run_demo(args) -> int:
     """Pull if needed, serve, generate, compare with cloud-only decoding, stop."""
     from ..cloud.process import start_cloud_process, stop_cloud_process
     from ..fetch import embedded
-    from .edge_cmd import build_worker, edge_config, legend, prompt_ids, render_origins
+    from .edge_cmd import legend, prompt_ids, render_origins
+    from .edge_options import build_worker, edge_config
 
     console = Console()
     if not embedded.is_pulled():

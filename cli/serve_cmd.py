@@ -7,7 +7,7 @@ import signal
 import socket
 import sys
 
-from .edge_cmd import add_edge_options, build_worker, edge_config
+from .edge_options import add_edge_options, build_worker, edge_config
 
 READY_PREFIX = "hybridspec edge serving on "
 GRACE_S = 30  # on SIGINT/SIGTERM, streams still running after this long are cancelled

@@ -87,7 +87,8 @@ def eagle_report(loaded: LoadedModel, samples: list[Sample], feats: list[torch.T
     features the verifier would have sent by then (through the wire format `fmt`), bridges the rest
     with its own, and a round accepts the drafts that match the target's tokens. `agreement` is the
     acceptance of the first draft of a round (all its inputs true features)."""
-    from ..edge.drafter import DraftSettings, NgramDrafter
+    from ..edge.drafter import NgramDrafter
+    from ..edge.proposal import DraftSettings
     from ..edge.eagle import EagleDrafter, FeatureLog
 
     settings = DraftSettings(sampling=SamplingParams(), vocab_size=vocab_size, stop_ids=frozenset(),

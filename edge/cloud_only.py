@@ -15,10 +15,10 @@ from .controller import Phase
 from .state import Event, Origin
 
 if TYPE_CHECKING:
-    from .worker import GenerationRun
+    from .phases import RunView
 
 
-def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
+def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
     """Stream cloud tokens until done, or until hybrid looks faster; returns the next phase."""
     cfg, state, stats, ctl = run.cfg, run.state, run.stats, run.controller
     # 1. One stream for the rest of the budget.
@@ -89,7 +89,7 @@ def run_cloud_only(run: GenerationRun) -> Generator[Event, None, Phase]:
     return Phase.HYBRID
 
 
-def _ping_in_background(run: GenerationRun) -> threading.Thread:
+def _ping_in_background(run: RunView) -> threading.Thread:
     """Measure the round trip off the critical path (a cloud-only stream hides it otherwise)."""
     def ping() -> None:
         try:

@@ -5,16 +5,12 @@ import os
 import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..common.config import ConfigError
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
 from ..common.protocol.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
-from .proposal import DRAFTER_KINDS
-
-if TYPE_CHECKING:
-    from .drafter import DraftSettings
+from .proposal import DRAFTER_KINDS, DraftSettings
 
 GAMMA_POLICIES = ("adaptive", "fixed")
 MAX_STOP_STRINGS = 16  # stop strings per generation (OpenAI allows 4)
@@ -145,8 +141,6 @@ class EdgeConfig:
     def draft_settings(self, vocab_size: int, stop_ids: frozenset[int], prompt_len: int = 0) -> DraftSettings:
         """How this config drafts against a target with this vocabulary and these stop ids, after a
         prompt of `prompt_len` tokens (0: all of the first context drafted after)."""
-        from .drafter import DraftSettings  # torch: only once there is a drafter to set up
-
         return DraftSettings(sampling=self.sampling, vocab_size=vocab_size, stop_ids=stop_ids,
                              fallback_threshold=self.fallback_threshold, keep_low_confidence=self.keep_low_confidence,
                              wire_top_k=self.wire_top_k, seed=self.resolved().seed, ngram_max=self.ngram_max,

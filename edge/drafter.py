@@ -3,14 +3,14 @@
 Three kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds; `EagleDrafter`
 (edge/eagle.py), a head drafting from the target's own features; and `NgramDrafter` (prompt lookup),
 which copies what followed the latest earlier occurrence of the context's last n-gram and needs no
-model. `make_drafter` builds one per generation with every setting fixed
-(sampling, α_FB, stop ids, what to do with a low-confidence token); `Lookahead` wraps one to draft
+model. `make_drafter` (edge/drafters.py) builds one per generation with every setting fixed
+(sampling, α_FB, stop ids, what to do with a low-confidence token: `DraftSettings`); `Lookahead` wraps one to draft
 the next block while the current one is verified. A proposal's `dists` is None at temperature 0,
 where q is one-hot.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
@@ -20,46 +20,7 @@ from ..common.models.loading import LoadedModel, truncate_cache
 from ..common.maths.sampling import gumbel_max, logits_to_probs, penalize, round_generator
 from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.wire import SamplingParams
-from .proposal import DRAFTER_KINDS, Drafter, Interrupt, Proposal
-
-
-@dataclass(frozen=True)
-class DraftSettings:
-    """Everything fixed for one generation's drafting."""
-
-    sampling: SamplingParams
-    vocab_size: int  # the target's; drafter logits are cut or padded to it so ids always agree
-    stop_ids: frozenset[int]  # a block ends after one of these
-    fallback_threshold: float = 0.6  # BiLD α_FB: a block ends at the first token drafted with max q below it
-    # When the fallback ends a block, keep the token that triggered it (as Hugging Face assisted
-    # generation does: the verifier scores it at almost no cost) or drop it (as BiLD does).
-    keep_low_confidence: bool = True
-    wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
-    seed: int = 0  # seeds the drafter's sampling
-    ngram_max: int = 3  # prompt lookup: longest suffix looked up
-    # Tokens of the prompt at the head of every context (penalties count only what follows as
-    # generated); 0 = all of the first context drafted after is prompt, as SessionSpec.prompt_len 0 is.
-    prompt_len: int = 0
-    # Draw each token by Gumbel-max with the noise of its position (mode coupled: docs/design.md §2.2)
-    # instead of from a generator.
-    coupled: bool = False
-
-
-def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
-                 fallback: LoadedModel | None = None) -> Drafter:
-    """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
-    gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
-    while it has none."""
-    if kind == "ngram":
-        return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
-    if kind != "model" or loaded is None:
-        raise ValueError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)} (model needs a model), got {kind!r}")
-    if loaded.is_eagle:
-        from .eagle import EagleDrafter, FeatureLog  # eagle builds on this module
-
-        plain = make_drafter("ngram" if fallback is None else "model", fallback, settings)
-        return EagleDrafter(loaded, settings, FeatureLog(), plain)
-    return ModelDrafter(loaded, settings)
+from .proposal import DraftSettings, Drafter, Interrupt, Proposal
 
 
 class ModelDrafter:

@@ -16,8 +16,8 @@ import torch
 from ..common.maths.features import decode_features
 from ..common.models.loading import LoadedModel, truncate_cache
 from ..common.protocol.wire import FeatureBlock
-from .drafter import DraftSettings, ModelDrafter
-from .proposal import Drafter, Interrupt, Proposal
+from .drafter import ModelDrafter
+from .proposal import DraftSettings, Drafter, Interrupt, Proposal
 
 MAX_BRIDGED = 32  # tokens past the last true feature the head bridges with its own predictions
 

@@ -14,13 +14,13 @@ from .controller import Phase
 from .state import Event
 
 if TYPE_CHECKING:
-    from .worker import GenerationRun
+    from .phases import RunView
 
 RECONNECT_MAX_S = 10.0  # the longest wait between two attempts to reach the cloud
 STOP_WINDOW = 64  # unverified tokens searched for a stop string
 
 
-def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
+def run_offline(run: RunView) -> Generator[Event, None, Phase]:
     """Draft alone until the cloud answers, then verify what was drafted; returns the next phase."""
     cfg, state = run.cfg, run.state
     yield run.notice(f"cloud unreachable ({run.lost_reason}); continuing with the drafter alone, unverified")
@@ -56,7 +56,7 @@ def run_offline(run: GenerationRun) -> Generator[Event, None, Phase]:
         time.sleep(max(0.0, min(next_try, give_up) - now))
 
 
-def _ended(run: GenerationRun) -> bool:
+def _ended(run: RunView) -> bool:
     """The unverified tail ends with an end-of-sequence token or holds a stop string: draft no further."""
     tail = run.state.unverified
     if tail and tail[-1] in run.state.stop_ids:
@@ -65,7 +65,7 @@ def _ended(run: GenerationRun) -> bool:
     return any(stop in text for stop in run.cfg.stop)
 
 
-def _reachable(run: GenerationRun) -> bool:
+def _reachable(run: RunView) -> bool:
     """Ping the cloud (checking the pair if it never answered before) and re-open the session; False
     while it does not answer."""
     try:
@@ -78,12 +78,12 @@ def _reachable(run: GenerationRun) -> bool:
         return False
 
 
-def _add_unverified(run: GenerationRun, proposal) -> Event:
+def _add_unverified(run: RunView, proposal) -> Event:
     run.stats.offline_tokens += len(proposal.ids)
     return run.state.add_unverified(proposal)
 
 
-def _verify_unverified(run: GenerationRun) -> Generator[Event, None, Phase]:
+def _verify_unverified(run: RunView) -> Generator[Event, None, Phase]:
     """Send the unverified tail as draft blocks; keep what is accepted, roll back the rest."""
     state = run.state
     while state.unverified and not state.done:

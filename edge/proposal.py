@@ -1,18 +1,40 @@
 """What every drafter hands the loop: a `Proposal` (a block and the q each token was sampled from),
-and the `Drafter` interface. Free of torch, so the loop around drafting imports nothing heavy."""
+the `Drafter` interface, and the `DraftSettings` every drafter is built with. Free of torch, so the loop around drafting imports nothing heavy."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..common.protocol.wire import DraftBlock
+from ..common.protocol.wire import DraftBlock, SamplingParams
 
 if TYPE_CHECKING:
     from ..common.maths.sparse import SparseDist
 
 DRAFTER_KINDS = ("model", "ngram")  # "model" drafts with whatever the drafter checkpoint is (LM or eagle head)
 Interrupt = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """Everything fixed for one generation's drafting."""
+
+    sampling: SamplingParams
+    vocab_size: int  # the target's; drafter logits are cut or padded to it so ids always agree
+    stop_ids: frozenset[int]  # a block ends after one of these
+    fallback_threshold: float = 0.6  # BiLD α_FB: a block ends at the first token drafted with max q below it
+    # When the fallback ends a block, keep the token that triggered it (as Hugging Face assisted
+    # generation does: the verifier scores it at almost no cost) or drop it (as BiLD does).
+    keep_low_confidence: bool = True
+    wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
+    seed: int = 0  # seeds the drafter's sampling
+    ngram_max: int = 3  # prompt lookup: longest suffix looked up
+    # Tokens of the prompt at the head of every context (penalties count only what follows as
+    # generated); 0 = all of the first context drafted after is prompt, as SessionSpec.prompt_len 0 is.
+    prompt_len: int = 0
+    # Draw each token by Gumbel-max with the noise of its position (mode coupled: docs/design.md §2.2)
+    # instead of from a generator.
+    coupled: bool = False
 
 
 @dataclass(frozen=True)

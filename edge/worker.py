@@ -221,7 +221,8 @@ class GenerationRun:
 
     def _build_drafter(self) -> None:
         model, fallback = self.worker.load.get()  # first: it may still be importing torch on its thread
-        from .drafter import Lookahead, make_drafter
+        from .drafter import Lookahead
+        from .drafters import make_drafter
         from .eagle import EagleDrafter
 
         cfg = self.cfg

@@ -11,7 +11,7 @@ from ..cloud.core.verifier import Verifier
 from ..common.models.loading import LoadedModel
 from ..common.protocol.wire import DraftBlock, FeatureFormat, SessionSpec, VerifyResult
 from ..edge.config import EdgeConfig
-from ..edge.drafter import make_drafter
+from ..edge.drafters import make_drafter
 from ..edge.eagle import EagleDrafter
 from ..edge.rounds import VerifyRound
 from ..edge.state import GenerationState

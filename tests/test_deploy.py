@@ -367,7 +367,7 @@ def test_compose_commands_parse_and_ports_line_up():
     assert container_ports(services["edge"]) == {edge.port} == edge_file.exposed
 
     # the configs these flags produce are valid, not only parseable
-    from hybridspec.cli.edge_cmd import edge_config
+    from hybridspec.cli.edge_options import edge_config
     from hybridspec.common.config import load_config
     from hybridspec.netem.config import CONFIG_KEYS, NetemConfig
 

@@ -16,7 +16,8 @@ from hybridspec.common.protocol.wire import FeatureFormat, SamplingParams
 from hybridspec.distill.train import DistillConfig, distill
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
-from hybridspec.edge.drafter import DraftSettings, NgramDrafter
+from hybridspec.edge.drafter import NgramDrafter
+from hybridspec.edge.proposal import DraftSettings
 from hybridspec.edge.eagle import EagleDrafter, FeatureLog
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.lab.baselines import colocated

@@ -5,7 +5,8 @@ import torch
 
 from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge import policy
-from hybridspec.edge.drafter import DraftSettings, ModelDrafter, NgramDrafter
+from hybridspec.edge.drafter import ModelDrafter, NgramDrafter
+from hybridspec.edge.proposal import DraftSettings
 from hybridspec.edge.estimates import Estimates
 
 T = 0.05  # the target's time per token, seconds

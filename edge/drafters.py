@@ -1,0 +1,26 @@
+"""Building a generation's drafter: prompt lookup, a small LM, or an EAGLE head over a fallback.
+
+Apart from the drafters themselves (edge/drafter.py, edge/eagle.py) so that neither imports the other
+back: the EAGLE drafter builds on the model drafter, and this factory knows both.
+"""
+from __future__ import annotations
+
+from ..common.models.loading import LoadedModel
+from .drafter import ModelDrafter, NgramDrafter
+from .eagle import EagleDrafter, FeatureLog
+from .proposal import DRAFTER_KINDS, DraftSettings, Drafter
+
+
+def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
+                 fallback: LoadedModel | None = None) -> Drafter:
+    """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
+    gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
+    while it has none."""
+    if kind == "ngram":
+        return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
+    if kind != "model" or loaded is None:
+        raise ValueError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)} (model needs a model), got {kind!r}")
+    if loaded.is_eagle:
+        plain = make_drafter("ngram" if fallback is None else "model", fallback, settings)
+        return EagleDrafter(loaded, settings, FeatureLog(), plain)
+    return ModelDrafter(loaded, settings)
