@@ -3,9 +3,14 @@
 Everything decays, so the estimates follow a link whose RTT changes or a text that gets easier.
 Priors keep the first rounds sensible: α_j starts at `prior_alpha` with the weight of a few rounds,
 times start at the values given (or are learnt from the first measurement).
+
+One worker's estimates are shared by every generation it runs (`edge serve` runs several at once, on
+threads) and by the background RTT probe, and every update reads before it writes: each estimate
+takes a lock around its update, so no observation is lost to a thread switch.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from .policy import Rates
@@ -19,10 +24,12 @@ class Ewma:
 
     value: float | None = None
     decay: float = DECAY
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, x: float) -> None:
         """Fold in one observation."""
-        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+        with self._lock:
+            self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
 
     def get(self, default: float) -> float:
         """The mean, or `default` before any observation."""
@@ -35,12 +42,15 @@ class LinearFit:
 
     decay: float = DECAY
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σw, Σwx, Σwy, Σwxx, Σwxy
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, x: float, y: float) -> None:
         """Fold in one (x, y)."""
-        self._s = [self.decay * s for s in self._s]
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            self._s[i] += v
+        with self._lock:
+            s = [self.decay * s for s in self._s]
+            for i, v in enumerate((1.0, x, y, x * x, x * y)):
+                s[i] += v
+            self._s = s
 
     @property
     def fitted(self) -> bool:
@@ -49,7 +59,7 @@ class LinearFit:
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b); (mean y, 0) when the x spread is too small to tell a slope, or the slope is negative."""
-        w, sx, sy, sxx, sxy = self._s
+        w, sx, sy, sxx, sxy = self._s  # one list, replaced whole by `add`: a consistent snapshot
         var = sxx / w - (sx / w) ** 2
         if var < 0.5:  # x within about ±0.7 of its mean
             return sy / w, 0.0
@@ -85,6 +95,7 @@ class Estimates:
         self.cloud_token_s = Ewma()
         self.prefill_per_token_s = Ewma()  # opening a session: the verifier's cost per context token
         self.verify = VerifyCost()
+        self._lock = threading.Lock()  # guards the per-position counts
 
     def switch_cost_s(self, context_tokens: int) -> float:
         """What changing mode costs: a round trip and a prefill of the context (re-open or new stream)."""
@@ -97,7 +108,8 @@ class Estimates:
     @property
     def alphas(self) -> list[float]:
         """α_1, α_2, ... (the last entry stands for every deeper position)."""
-        return [h / t for h, t in zip(self._hits, self._tries)]
+        with self._lock:
+            return [h / t for h, t in zip(self._hits, self._tries)]
 
     def observe_round(self, drafted: int, accepted: int, bonus_guess_right: bool | None = None) -> None:
         """One verify round: positions 1..accepted were accepted, position accepted+1 (if drafted) was not.
@@ -105,21 +117,23 @@ class Estimates:
         bonus_guess_right: with a fully accepted block, whether the pipelined guess of the bonus
         token matched (a sample of position drafted+1); None when there was no guess.
         """
-        for j in range(len(self._tries)):
-            self._tries[j] *= DECAY
-            self._hits[j] *= DECAY
-        for j in range(min(accepted + 1, drafted)):
-            self._tries[j] += 1
-            self._hits[j] += j < accepted
-        if accepted == drafted and bonus_guess_right is not None and drafted < len(self._tries):
-            self._tries[drafted] += 1
-            self._hits[drafted] += bonus_guess_right
+        with self._lock:
+            for j in range(len(self._tries)):
+                self._tries[j] *= DECAY
+                self._hits[j] *= DECAY
+            for j in range(min(accepted + 1, drafted)):
+                self._tries[j] += 1
+                self._hits[j] += j < accepted
+            if accepted == drafted and bonus_guess_right is not None and drafted < len(self._tries):
+                self._tries[drafted] += 1
+                self._hits[drafted] += bonus_guess_right
 
     def observe_shadow(self, agreed: bool, position: int = 0) -> None:
         """A drafter guess checked against a token the cloud decoded alone (cloud-only mode)."""
         j = min(position, len(self._tries) - 1)
-        self._tries[j] = self._tries[j] * DECAY + 1
-        self._hits[j] = self._hits[j] * DECAY + agreed
+        with self._lock:
+            self._tries[j] = self._tries[j] * DECAY + 1
+            self._hits[j] = self._hits[j] * DECAY + agreed
 
     def rates(self, defaults: Rates) -> Rates:
         """Current beliefs; `defaults` fills in what was never measured.

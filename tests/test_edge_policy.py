@@ -160,3 +160,38 @@ def test_verify_cost_is_flat_while_block_sizes_do_not_vary():
         est.observe_verify(4, 0.080)
     r = est.rates(rates(0.5, 0.1, 0.1))
     assert r.verify_s(4) == pytest.approx(0.080) and r.verify_s(8) == pytest.approx(0.080)
+
+
+def test_estimates_lose_no_observation_under_concurrent_updates(monkeypatch):
+    """`edge serve` runs generations on several threads against one worker's estimates, and a
+    background ping writes the RTT meanwhile. Each update reads and writes; without a lock a thread
+    switch between the two loses updates. With no decay the estimates are plain sums, so any lost
+    update shows."""
+    import sys
+    import threading
+
+    from hybridspec.edge import estimates as module
+
+    monkeypatch.setattr(module, "DECAY", 1.0)
+    threads, per_thread = 8, 4000
+    estimates = Estimates(max_positions=1, prior_weight=2.0)
+    fit = module.LinearFit(decay=1.0)
+
+    def hammer():
+        for _ in range(per_thread):
+            estimates.observe_shadow(True, 0)
+            fit.add(1.0, 1.0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        workers = [threading.Thread(target=hammer) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    n = threads * per_thread
+    assert estimates._tries[0] == 2.0 + n
+    assert fit._s[0] == n
