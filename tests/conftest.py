@@ -68,3 +68,15 @@ def server(verifier):
     srv = BackgroundServer(verifier)
     yield srv
     srv.stop()
+
+
+def require_embedded() -> None:
+    """Fail, naming the fix, when the embedded models are missing: `make test` pulls them first, so a
+    test of the real model that silently skipped would hide a broken pull. Without them, deselect
+    these tests explicitly: `pytest -m "not embedded"`."""
+    from hybridspec.common.models.embedded import models_home
+    from hybridspec.fetch.embedded import is_pulled
+
+    if not is_pulled():
+        pytest.fail(f"embedded models not pulled into {models_home()}: run `make models` "
+                    "(or deselect these tests with -m 'not embedded')", pytrace=False)

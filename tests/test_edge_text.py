@@ -6,8 +6,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from hybridspec.common.models.embedded import default_paths
-from hybridspec.fetch.embedded import is_pulled
-
 from hybridspec.common.models.loading import tokenizer_fingerprint
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -15,6 +13,8 @@ from hybridspec.edge.startup import DrafterLoad
 from hybridspec.edge.stops import TextTracker
 from hybridspec.edge.textcodec import TextCodec, tokenizer_dir
 from hybridspec.edge.worker import EdgeWorker
+
+from conftest import require_embedded
 
 from tinymodels import greedy_reference
 
@@ -41,8 +41,7 @@ def test_codec_matches_hugging_face_on_a_tiny_tokenizer(model_dirs, target):
 
 @pytest.mark.embedded
 def test_codec_matches_hugging_face_on_the_embedded_tokenizer():
-    if not is_pulled():
-        pytest.skip("embedded models not pulled: run `hybridspec models pull`")
+    require_embedded()
     directory = tokenizer_dir(default_paths()["drafter"])  # a compact drafter: its target's tokenizer
     assert directory == default_paths()["target"]
     _same_as_hf(directory, AutoTokenizer.from_pretrained(directory))

@@ -3,8 +3,9 @@ import pytest
 
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier
-from hybridspec.common.models.embedded import default_paths, models_home
-from hybridspec.fetch.embedded import is_pulled
+from hybridspec.common.models.embedded import default_paths
+
+from conftest import require_embedded
 from hybridspec.common.models.loading import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -18,8 +19,7 @@ pytestmark = pytest.mark.embedded
 
 @pytest.fixture(scope="module")
 def target():
-    if not is_pulled():
-        pytest.skip(f"embedded models not pulled into {models_home()}: run `hybridspec models pull`")
+    require_embedded()
     return load_model(default_paths()["target"], device="cpu")
 
 
