@@ -39,6 +39,7 @@ from hybridspec.common.maths.sparse import truncate
 from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.policy import expected_tokens
 from hybridspec.edge.prompt import encode_prompt
 
 TEMPERATURES = (0.7, 1.0)
@@ -127,8 +128,8 @@ def bootstrap(per_prompt: list[dict], gen: torch.Generator) -> dict:
 
 
 def tokens_per_round(alpha: float, gamma: int) -> float:
-    """E(γ) = (1 − α^(γ+1)) / (1 − α), docs/design.md §2."""
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    """E(γ) with i.i.d. α (docs/design.md §2), from the policy's own formula."""
+    return expected_tokens([alpha] * gamma, gamma)
 
 
 def rule_cost_ms(vocab: int, gamma: int = 8, reps: int = 20) -> dict[str, float]:

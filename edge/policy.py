@@ -79,6 +79,15 @@ def cloud_only_rate(rates: Rates) -> float:
     return 1.0 / rates.cloud_token_s
 
 
+def best_speedup(rates: Rates, max_gamma: int, pipelined: bool) -> float:
+    """The speed-up of hybrid decoding at its best γ ≤ max_gamma over cloud-only, the ratio of the two
+    rates the controller compares; the experiment reports draw their analytic bound from it. With i.i.d. α, no pipelining and t_v
+    the same for every γ it is docs/design.md §2's bound max_γ (1 − α^(γ+1)) / ((1 − α)(γc + r + v)),
+    with c, r, v the drafter's, the link's and the verifier's times in units of T."""
+    gamma = choose_gamma(rates, max_gamma, pipelined)
+    return hybrid_rate(rates, gamma, pipelined) / cloud_only_rate(rates)
+
+
 def prefer_cloud_only(rates: Rates, max_gamma: int, pipelined: bool, now_cloud_only: bool,
                       hysteresis: float = 0.05, remaining_tokens: int | None = None,
                       switch_cost_s: float = 0.0) -> bool:

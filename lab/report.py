@@ -17,6 +17,7 @@ import statistics
 import textwrap
 from pathlib import Path
 
+from ..edge import policy
 from . import aggregate as agg
 from .rows import read_rows
 from .stats import Estimate
@@ -56,11 +57,11 @@ def report(results: Path, out: Path) -> list[Path]:
 # ---- the analytic bound -------------------------------------------------------------------------
 
 def _alpha_for(tokens_per_round: float, gamma: int) -> float:
-    """The i.i.d. α whose E(γ) = (1 − α^(γ+1))/(1 − α) equals the measured tokens per round."""
+    """The i.i.d. α whose E(γ) equals the measured tokens per round."""
     lo, hi = 0.0, 0.999
     for _ in range(60):
         mid = (lo + hi) / 2
-        if (1 - mid ** (gamma + 1)) / (1 - mid) < tokens_per_round:
+        if policy.expected_tokens([mid] * gamma, gamma) < tokens_per_round:
             lo = mid
         else:
             hi = mid
@@ -85,9 +86,11 @@ def bound_inputs(rows: list[dict]) -> dict | None:
 
 def bound(fit: dict, rtt_ms: float) -> float:
     """The best-γ speed-up over cloud-only at this emulated RTT (plus the measured base RTT)."""
-    r = (rtt_ms / 1e3 + fit["base_rtt_s"]) / fit["T"]
-    a = fit["alpha"]
-    return max((1 - a ** (g + 1)) / ((1 - a) * (g * fit["c"] + r + fit["v"])) for g in range(1, MAX_GAMMA + 1))
+    t = fit["T"]
+    rates = policy.Rates(alphas=[fit["alpha"]] * (MAX_GAMMA + 1), draft_s=fit["c"] * t,
+                         rtt_s=rtt_ms / 1e3 + fit["base_rtt_s"], verify_single_s=fit["v"] * t,
+                         verify_block_s=fit["v"] * t, verify_per_draft_s=0.0, cloud_token_s=t)
+    return policy.best_speedup(rates, MAX_GAMMA, pipelined=False)
 
 
 def predicted_crossover_ms(fit: dict) -> float | None:

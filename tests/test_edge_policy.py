@@ -195,3 +195,12 @@ def test_estimates_lose_no_observation_under_concurrent_updates(monkeypatch):
     n = threads * per_thread
     assert estimates._tries[0] == 2.0 + n
     assert fit._s[0] == n
+
+
+@pytest.mark.parametrize("alpha, c, r, v", [(0.8, 0.05, 0.5, 1.2), (0.5, 0.2, 0.0, 1.0), (0.95, 0.1, 2.0, 1.5)])
+def test_best_speedup_is_the_closed_form_bound(alpha, c, r, v):
+    """With i.i.d. α, no pipelining and one verify cost, the policy's speed-up is design.md §2's bound."""
+    rates = policy.Rates(alphas=[alpha] * 10, draft_s=c, rtt_s=r, verify_single_s=v, verify_block_s=v,
+                         verify_per_draft_s=0.0, cloud_token_s=1.0)
+    assert policy.best_speedup(rates, 8, pipelined=False) == pytest.approx(
+        max(analytic_speedup(alpha, c, r, v, g) for g in range(1, 9)))
