@@ -80,7 +80,12 @@ class PendingRound:
 
 
 class _Stream:
-    """One VerifyStream call: a request queue, the rounds awaiting replies, and the reader thread."""
+    """One VerifyStream call: a request queue, the rounds awaiting replies, and the reader thread.
+
+    Sending a round (check the stream is alive, await its reply, queue it) and the reader's ending
+    (mark it dead, fail every round still awaiting a reply) each happen under one lock: otherwise a
+    round sent as the stream ends would wait for a reply nobody is left to read.
+    """
 
     def __init__(self, endpoint: _Endpoint, client: VerifierClient, direct: bool) -> None:
         """direct: `endpoint` is a replica's own, not the front door."""
@@ -88,7 +93,9 @@ class _Stream:
         self.direct = direct
         self.requests: queue.Queue = queue.Queue()
         self.pending: collections.deque[PendingRound] = collections.deque()
-        self.dead = False
+        self.dead = False  # takes no more rounds
+        self._closed = False  # ended by close(), not by the server
+        self._lock = threading.Lock()
         self.call = endpoint.stub.VerifyStream(iter(self.requests.get, _END), metadata=client.metadata)
         threading.Thread(target=self._read, args=(client,), daemon=True, name="verify-stream").start()
 
@@ -103,14 +110,29 @@ class _Stream:
             error = Unavailable(f"the verifier at {self.address} ended the stream")
         except grpc.RpcError as exc:
             error = _domain_error(exc, self.address)
-        if self.direct and isinstance(error, Unavailable) and not self.dead:  # not ended by close()
+        if self.direct and isinstance(error, Unavailable) and not self._closed:
             error = client.replica_lost(self.address, str(error))
-        self.dead = True
-        while self.pending:
-            self.pending.popleft().future.set_exception(error)
+        with self._lock:
+            self.dead = True
+            stranded = list(self.pending)
+            self.pending.clear()
+        self.requests.put(_END)  # gRPC's thread reading the requests ends with the call
+        for round_ in stranded:
+            round_.future.set_exception(error)
+
+    def send(self, round_: PendingRound, request: pb.VerifyRequest) -> bool:
+        """Queue one round; False (nothing queued) if the stream has ended."""
+        with self._lock:
+            if self.dead:
+                return False
+            self.pending.append(round_)  # before sending: the reader pops in reply order
+            self.requests.put(request)
+            return True
 
     def close(self) -> None:
-        self.dead = True
+        """End the stream from this side."""
+        with self._lock:
+            self.dead = self._closed = True
         self.requests.put(_END)
 
 
@@ -194,13 +216,12 @@ class VerifierClient:
 
     def submit(self, block: DraftBlock) -> PendingRound:
         """Send one round on the session's stream; the reply arrives in the returned handle."""
-        if self._stream is None or self._stream.dead:
-            direct = self._direct
-            self._stream = _Stream(direct or self._front, self, direct is not None)
         request = codec.block_to_pb(block)
         round_ = PendingRound(time.perf_counter())
-        self._stream.pending.append(round_)  # before sending: the reader pops in reply order
-        self._stream.requests.put(request)
+        while self._stream is None or not self._stream.send(round_, request):
+            self._end_stream()  # the server ended it: let its threads go, then open a new one
+            direct = self._direct
+            self._stream = _Stream(direct or self._front, self, direct is not None)
         self._count(up=request.ByteSize())
         return round_
 

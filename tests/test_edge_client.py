@@ -1,0 +1,65 @@
+"""The edge's gRPC client under refusals: a round pipelined behind a refused one fails with the
+stream's error at once, and streams the server ended leave no thread behind. A real localhost server."""
+import collections
+import threading
+import time
+
+import pytest
+
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.common.protocol.errors import HybridSpecError
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
+from hybridspec.edge.client import VerifierClient
+
+TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    srv = BackgroundServer(Verifier(target, VerifierLimits(max_context=512)))
+    yield srv
+    srv.stop()
+
+
+def test_a_round_pipelined_behind_a_refused_one_fails_at_once(server):
+    """The reader thread can end the stream (the server refused round 1) between `submit` seeing the
+    stream alive and adding round 2 to the rounds awaiting replies. Round 2 must then get the stream's
+    error, not wait out the client's timeout with nobody left to answer it. The pause below holds
+    `submit` at exactly that point until the reader is done (or, once the two are ordered by a lock,
+    for a second), as a thread switch there does about once in a thousand rounds."""
+    with VerifierClient(server.address, timeout_s=TIMEOUT_S) as client:
+        a = client.open_session(SessionSpec("", (5, 6, 7))).session_id
+        b = client.open_session(SessionSpec("", (8, 9))).session_id
+        refused = client.submit(DraftBlock(a, 0, 4, (10,)))  # wrong committed_len: the stream is ended
+        stream = client._stream
+
+        class PausedPending(collections.deque):
+            def append(self, item):
+                reader = next(t for t in threading.enumerate() if t.name == "verify-stream")
+                reader.join(1.0)
+                super().append(item)
+
+        stream.pending = PausedPending(stream.pending)
+        start = time.perf_counter()
+        behind = client.submit(DraftBlock(b, 0, 2, (11,)))
+        for round_ in (refused, behind):
+            with pytest.raises(HybridSpecError) as info:
+                client.wait(round_)
+            assert "did not answer" not in str(info.value)
+        assert time.perf_counter() - start < TIMEOUT_S - 1
+
+
+def test_streams_the_server_ended_leave_no_thread_behind(server):
+    """Every refused round ends its stream and the next round opens a new one; the old stream's
+    request thread must end too (it used to wait for requests for ever: one thread per refusal)."""
+    with VerifierClient(server.address, timeout_s=TIMEOUT_S) as client:
+        a = client.open_session(SessionSpec("", (5, 6, 7))).session_id
+        before = threading.active_count()
+        for _ in range(60):
+            with pytest.raises(HybridSpecError):
+                client.verify(DraftBlock(a, 0, 99, (10,)))
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before + 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before + 5
