@@ -7,6 +7,7 @@ import logging
 import sys
 
 from ..cloud.process import READY_PREFIX
+from ..common.protocol.channel import DEFAULT_PORT
 
 
 def register(sub) -> None:
@@ -19,7 +20,7 @@ def register(sub) -> None:
     serve.add_argument("--config", help="YAML file of ServeConfig keys (see deploy/)")
     serve.add_argument("--target", help="model directory, .gguf file or cached hub id")
     serve.add_argument("--host", help="interface to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port to bind (default 50051; 0 = any free port)")
+    serve.add_argument("--port", type=int, help=f"port to bind (default {DEFAULT_PORT}; 0 = any free port)")
     serve.add_argument("--backend", choices=["ray", "inprocess"], help="Ray replica pool (default) or one "
                        "verifier inside the front door")
     serve.add_argument("--replicas", type=int, help="Ray replicas, each with its own copy of the target")
@@ -98,7 +99,8 @@ def run_serve(args) -> int:
 def _early_ports(args) -> dict:
     """host, port, metrics_host and metrics_port from flags, --config and defaults, read without
     ServeConfig; {} if the config file cannot be read (loading it properly reports why)."""
-    from ..cloud.process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
+    from ..cloud.process import DEFAULT_METRICS_PORT
+    from ..common.protocol.channel import DEFAULT_HOST
     from ..common.config import read_mapping
 
     defaults = {"host": DEFAULT_HOST, "port": DEFAULT_PORT, "metrics_host": DEFAULT_HOST,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
+
 
 def add_edge_options(parser) -> None:
     """Flags that override EdgeConfig keys (shared with `demo`)."""
     parser.add_argument("--config", help="YAML file of EdgeConfig keys")
-    parser.add_argument("--cloud", help="HOST:PORT of the verifier (default 127.0.0.1:50051)")
+    parser.add_argument("--cloud", help=f"HOST:PORT of the verifier (default {DEFAULT_CLOUD_ADDRESS})")
     parser.add_argument("--drafter", help="drafter model directory, .gguf file, cached hub id, embedded:plain or embedded:eagle")
     parser.add_argument("--drafter-kind", choices=["model", "ngram"], help="model (default) or ngram (prompt lookup)")
     parser.add_argument("--features", choices=["int8", "fp16"],

@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 
+from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..netem.profiles import PROFILES
 
 
@@ -19,7 +20,7 @@ def register(sub) -> None:
                                    "the upstream port with the kernel's netem qdisc instead of relaying.")
     n.add_argument("--config", help="YAML file of NetemConfig keys")
     n.add_argument("--listen", help="HOST:PORT edges connect to (default 127.0.0.1:50052)")
-    n.add_argument("--upstream", help="HOST:PORT of the cloud front door (default 127.0.0.1:50051)")
+    n.add_argument("--upstream", help=f"HOST:PORT of the cloud front door (default {DEFAULT_CLOUD_ADDRESS})")
     for prefix in ("", "up-", "down-"):
         which = f" ({prefix[:-1]} only)" if prefix else " (each direction)"
         n.add_argument(f"--{prefix}delay-ms", type=float, help=f"one-way delay{which}")

@@ -5,12 +5,11 @@ from dataclasses import dataclass
 
 from ..common.security.tls import ServerTLS, check_plaintext
 from .api.access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
-from .core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
-from .pool.ray_pool import PoolSpec
-from .process import DEFAULT_HOST, DEFAULT_METRICS_PORT, DEFAULT_PORT
-from .pool.replica import ReplicaSpec
 from .pool.routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
-from .core.verifier import VerifierLimits
+from ..common.protocol.channel import DEFAULT_HOST, DEFAULT_PORT
+from .process import DEFAULT_METRICS_PORT
+from .specs import (DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, PoolSpec, ReplicaSpec,
+                    VerifierLimits)
 
 BACKENDS = ("ray", "inprocess")
 
@@ -23,31 +22,31 @@ class ServeConfig:
     host: str = DEFAULT_HOST  # interface to bind; 0.0.0.0 to serve other hosts
     port: int = DEFAULT_PORT  # 0 picks a free port
     backend: str = "ray"  # ray = a pool of replica actors; inprocess = one verifier in the front door
-    replicas: int = 1  # Ray replicas, each owning one copy of the target
-    replica_num_cpus: float = 1.0  # Ray CPUs reserved per replica (fractions allowed)
-    replica_num_gpus: float = 0.0  # Ray GPUs per replica (1 on a GPU cluster)
+    replicas: int = PoolSpec.replicas  # Ray replicas, each owning one copy of the target
+    replica_num_cpus: float = PoolSpec.num_cpus  # Ray CPUs reserved per replica (fractions allowed)
+    replica_num_gpus: float = PoolSpec.num_gpus  # Ray GPUs per replica (1 on a GPU cluster)
     ray_address: str = ""  # "" = start a local Ray cluster; "auto" or ray://HOST:10001 joins one
-    ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
-    ray_local_only: bool = True  # a cluster this server starts listens on 127.0.0.1 only and admits no other node
+    ray_num_cpus: int = PoolSpec.ray_num_cpus  # CPUs a local cluster advertises; 0 = every core
+    ray_local_only: bool = PoolSpec.ray_local_only  # a cluster this server starts listens on 127.0.0.1 only and admits no other node
     direct_verify: bool = True  # (ray) edges stream rounds straight to their replica's own port on `host`
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (inside each replica)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    torch_threads: int = 0  # intra-op threads per replica on CPU; 0 keeps torch's default
+    device: str = ReplicaSpec.device  # auto | cpu | cuda | cuda:N (inside each replica)
+    dtype: str = ReplicaSpec.dtype  # auto | float32 | bfloat16 | float16
+    torch_threads: int = ReplicaSpec.torch_threads  # intra-op threads per replica on CPU; 0 keeps torch's default
     max_batch_size: int = DEFAULT_MAX_BATCH  # most rounds scored in one forward pass; 1 turns batching off
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS  # a round waits at most this long for others to batch with
-    max_context: int = 4096  # committed + draft tokens per session
-    max_draft: int = 32  # longest draft block accepted
-    max_sessions: int = 64  # sessions per replica; more get RESOURCE_EXHAUSTED
+    max_context: int = VerifierLimits.max_context  # committed + draft tokens per session
+    max_draft: int = VerifierLimits.max_draft  # longest draft block accepted
+    max_sessions: int = VerifierLimits.max_sessions  # sessions per replica; more get RESOURCE_EXHAUSTED
     kv_cache_tokens: int = VerifierLimits.kv_cache_tokens  # per replica KV pool, allocated once; when full, LRU sessions are evicted
     max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per token identity over the whole pool; more get RESOURCE_EXHAUSTED
     max_sessions_per_address: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # callers without a token share this per address
     max_calls_per_client: int = DEFAULT_MAX_CALLS  # concurrent Verifier calls (streams included) per token identity
     max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per address
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a VerifyStream that sends nothing for this long is ended
-    prefill_chunk: int = 128  # prompt tokens per forward pass at most (when no other session is waiting)
+    prefill_chunk: int = VerifierLimits.prefill_chunk  # prompt tokens per forward pass at most (when no other session is waiting)
     prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # while others send rounds, a pass with a prompt chunk takes about this long
-    replica_wait_s: float = 30.0  # with every replica down, a new session waits this long for one to restart
-    idle_timeout_s: int = 600  # idle sessions are dropped after this
+    replica_wait_s: float = PoolSpec.replica_wait_s  # with every replica down, a new session waits this long for one to restart
+    idle_timeout_s: int = VerifierLimits.idle_timeout_s  # idle sessions are dropped after this
     metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics port; -1 = off, 0 = any free port
     metrics_host: str = DEFAULT_HOST  # interface for /metrics
     grace_s: float = 5.0  # on SIGTERM/SIGINT, in-flight calls get this long to finish

@@ -16,10 +16,6 @@ import yaml
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
 
-# Where `cloud serve` listens by default (ServeConfig's defaults, kept here because the CLI checks the
-# ports before it imports anything heavy).
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
 READY_PREFIX = "hybridspec verifier serving on "
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..common.config import ConfigError
+from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
 from ..common.protocol.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
@@ -31,7 +32,7 @@ class CloudAccess:
 class EdgeConfig:
     """Every knob of `hybridspec edge generate`. Empty drafter means the embedded default."""
 
-    cloud: str = "127.0.0.1:50051"  # HOST:PORT of the verifier pool's front door
+    cloud: str = DEFAULT_CLOUD_ADDRESS  # HOST:PORT of the verifier pool's front door
     drafter: str = ""  # model directory, .gguf file, cached hub id, embedded:plain or embedded:eagle; "" = default
     drafter_kind: str = "model"  # model = the drafter checkpoint (an LM or an eagle head); ngram = prompt lookup
     features: str = "int8"  # eagle heads: how the verifier sends the target's features (int8 | fp16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from functools import cached_property
 
+from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from .profiles import PROFILES, profile
 from .shaping import DirectionSpec, LinkSpec
 from .trace import LatencyTrace, load_trace
@@ -21,7 +22,7 @@ class NetemConfig:
     A `trace` (netem/trace.py) takes the place of every delay key, and jitter is in the trace."""
 
     listen: str = "127.0.0.1:50052"  # HOST:PORT edges connect to
-    upstream: str = "127.0.0.1:50051"  # HOST:PORT of the real server (the cloud front door)
+    upstream: str = DEFAULT_CLOUD_ADDRESS  # HOST:PORT of the real server (the cloud front door)
     delay_ms: float = 0.0  # one-way delay in each direction: the round trip grows by 2 × delay_ms
     jitter_ms: float = 0.0  # delay varies uniformly by ± jitter_ms, never reordering bytes
     bandwidth_mbps: float = 0.0  # 0 = unlimited

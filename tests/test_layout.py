@@ -93,3 +93,16 @@ def test_no_import_cycles_even_deferred_ones():
 ])
 def test_the_cycle_finder_finds_cycles(graph, expected):
     assert cycles(graph) == expected
+
+
+@pytest.mark.parametrize("module", ["hybridspec.cloud.config", "hybridspec.edge.config", "hybridspec.cli.main"])
+def test_configuration_imports_nothing_heavy(module):
+    """Settings are read and checked (one line for a bad value) before torch, Ray, transformers or gRPC
+    load: the CLI answers --help and refuses a bad flag in well under a second."""
+    import subprocess
+    import sys
+
+    probe = (f"import sys, {module}; "
+             "print(' '.join(m for m in ('torch', 'ray', 'transformers', 'grpc') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == [], f"importing {module} loads {loaded}"

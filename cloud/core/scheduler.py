@@ -33,15 +33,12 @@ from dataclasses import dataclass, field, replace
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
+from ..specs import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .session import Phase, Session, one_per_session
 from .verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
-DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
-# A step with a prompt chunk takes about this long while others wait: about one round on a CPU core.
-DEFAULT_PREFILL_BUDGET_MS = 60.0
 MIN_PREFILL_CHUNK = 4  # a prompt step always carries this much, however tight the budget
 ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
 COST_SMOOTHING = 0.3  # weight of the newest step in the running cost per token

@@ -40,21 +40,10 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
 from ..engine.base import Engine, Feed, KVSequence, Scores
 from ..engine.torch_engine import TorchEngine
 from .session import Phase, Session, SessionStore, one_per_session
+from ..specs import VerifierLimits
 from .telemetry import ReplicaTelemetry, Telemetry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VerifierLimits:
-    """Per-replica limits; requests beyond them get an explicit status."""
-
-    max_context: int = 4096  # committed + draft tokens per session
-    max_draft: int = 32  # longest block accepted
-    max_sessions: int = 64  # sessions held at once; more get RESOURCE_EXHAUSTED
-    idle_timeout_s: int = 600  # an idle session is dropped after this
-    kv_cache_tokens: int = 65536  # the KV pool, allocated once; when full, LRU sessions are evicted
-    prefill_chunk: int = 128  # prompt tokens per step at most (the scheduler feeds less while others wait)
 
 
 @dataclass(frozen=True)

@@ -29,31 +29,14 @@ from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, Veri
 from .backend import Backend, ReplicaLost
 from ..core.telemetry import Tally
 from .reaper import start_reaper
-from .replica import ReplicaReady, ReplicaSpec, VerifierReplica
-from .routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
+from ..specs import PoolSpec
+from .replica import ReplicaReady, VerifierReplica
 from ..core.verifier import VerifierStats
 
 log = logging.getLogger(__name__)
 
 # Replicas load models offline, like every other hybridspec process.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """How many replicas, with which resources, on which cluster."""
-
-    replica: ReplicaSpec
-    replicas: int = 1
-    num_cpus: float = 1.0  # Ray CPUs reserved per replica (fractional is fine)
-    num_gpus: float = 0.0  # Ray GPUs per replica; 1 on a GPU cluster
-    ray_address: str = ""  # "" starts a local cluster; "auto" or "ray://HOST:10001" joins one
-    ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
-    name: str = "hybridspec"  # prefix of the replicas' actor names
-    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per token identity, over the whole pool
-    max_sessions_per_address: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per address for callers without a token
-    replica_wait_s: float = 30.0  # a new session waits this long for a restarting replica
-    ray_local_only: bool = True  # a cluster the pool starts binds 127.0.0.1 and admits no other node
 
 
 @dataclass

@@ -17,32 +17,16 @@ from typing import TypeVar
 
 from ...common.protocol.errors import HybridSpecError
 from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
-from ..api.access import AccessSpec
 from .backend import ReplicaEndpointBackend
 from ..core.telemetry import Tally
-from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Scheduler
+from ..core.scheduler import Scheduler
 from ..api.server import VerifyEndpoint, start_verify_endpoint
-from ..core.verifier import Verifier, VerifierLimits, VerifierStats
+from ..core.verifier import Verifier, VerifierStats
+from ..specs import ReplicaSpec
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bound on every interface: advertise the node's address
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What a replica loads and how it batches."""
-
-    target: str  # model directory, .gguf file or cached hub id (resolved by the caller)
-    device: str = "auto"
-    dtype: str = "auto"
-    torch_threads: int = 0  # CPU intra-op threads; 0 keeps torch's default
-    limits: VerifierLimits = VerifierLimits()
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
-    prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # a step with a prompt chunk, while others wait
-    verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
-    access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
 
 
 @dataclass(frozen=True)

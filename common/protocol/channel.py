@@ -1,5 +1,11 @@
-"""gRPC settings both ends must agree on: the largest message, and how often idle streams ping."""
+"""gRPC settings both ends must agree on: where the front door listens by default, the largest message,
+and how often idle streams ping."""
 from __future__ import annotations
+
+# Where `cloud serve` listens and an edge dials when nobody says otherwise.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+DEFAULT_CLOUD_ADDRESS = f"{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 # A block of 32 positions with a full-vocabulary q over 49k tokens is about 11 MB; nothing either side
 # legitimately sends is larger, and a bigger message is refused before it is read into memory.
