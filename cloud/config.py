@@ -3,15 +3,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..common.config import Choice, choice
 from ..common.security.tls import ServerTLS, check_plaintext
 from .api.access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
 from .pool.routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
 from ..common.protocol.channel import DEFAULT_HOST, DEFAULT_PORT
 from .process import DEFAULT_METRICS_PORT
-from .specs import (DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, PoolSpec, ReplicaSpec,
+from .specs import (DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, DType, PoolSpec, ReplicaSpec,
                     VerifierLimits)
 
-BACKENDS = ("ray", "inprocess")
+
+
+class Backend(Choice):
+    """What serves the verifiers."""
+
+    RAY = "ray"  # a pool of replica actors
+    INPROCESS = "inprocess"  # one verifier in the front door
 
 
 @dataclass(frozen=True)
@@ -21,7 +28,7 @@ class ServeConfig:
     target: str = ""  # model directory, .gguf file or cached hub id; "" = embedded default
     host: str = DEFAULT_HOST  # interface to bind; 0.0.0.0 to serve other hosts
     port: int = DEFAULT_PORT  # 0 picks a free port
-    backend: str = "ray"  # ray = a pool of replica actors; inprocess = one verifier in the front door
+    backend: Backend = Backend.RAY  # ray = a pool of replica actors; inprocess = one verifier in the front door
     replicas: int = PoolSpec.replicas  # Ray replicas, each owning one copy of the target
     replica_num_cpus: float = PoolSpec.num_cpus  # Ray CPUs reserved per replica (fractions allowed)
     replica_num_gpus: float = PoolSpec.num_gpus  # Ray GPUs per replica (1 on a GPU cluster)
@@ -30,7 +37,7 @@ class ServeConfig:
     ray_local_only: bool = PoolSpec.ray_local_only  # a cluster this server starts listens on 127.0.0.1 only and admits no other node
     direct_verify: bool = True  # (ray) edges stream rounds straight to their replica's own port on `host`
     device: str = ReplicaSpec.device  # auto | cpu | cuda | cuda:N (inside each replica)
-    dtype: str = ReplicaSpec.dtype  # auto | float32 | bfloat16 | float16
+    dtype: DType = ReplicaSpec.dtype  # auto | float32 | bfloat16 | float16
     torch_threads: int = ReplicaSpec.torch_threads  # intra-op threads per replica on CPU; 0 keeps torch's default
     max_batch_size: int = DEFAULT_MAX_BATCH  # most rounds scored in one forward pass; 1 turns batching off
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS  # a round waits at most this long for others to batch with
@@ -62,8 +69,8 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        object.__setattr__(self, "backend", choice(Backend, self.backend, "backend"))
+        object.__setattr__(self, "dtype", choice(DType, self.dtype, "dtype"))
         for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s",
                      "max_sessions_per_client", "max_sessions_per_address", "max_calls_per_client",
                      "max_calls_per_address", "prefill_chunk", "kv_cache_tokens"):
@@ -73,8 +80,6 @@ class ServeConfig:
                      "replica_wait_s", "client_tokens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("stream_idle_s", "prefill_budget_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

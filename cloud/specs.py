@@ -8,8 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..common.config import Choice, choice
+
 from .api.access import AccessSpec
 from .pool.routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
+
+class DType(Choice):
+    """The weights' type in a replica: auto = float32 on a CPU, bfloat16 on a GPU."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
 
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
@@ -35,7 +46,7 @@ class ReplicaSpec:
 
     target: str  # model directory, .gguf file or cached hub id (resolved by the caller)
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: DType = DType.AUTO
     torch_threads: int = 0  # CPU intra-op threads; 0 keeps torch's default
     limits: VerifierLimits = VerifierLimits()
     max_batch: int = DEFAULT_MAX_BATCH
@@ -43,6 +54,9 @@ class ReplicaSpec:
     prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # a step with a prompt chunk, while others wait
     verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
     access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", choice(DType, self.dtype, "dtype"))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -11,6 +12,23 @@ import yaml
 from .protocol.errors import HybridSpecError
 
 T = TypeVar("T")
+E = TypeVar("E", bound="Choice")
+
+
+class Choice(str, enum.Enum):
+    """A setting with a fixed set of values: compares equal to, and prints as, its string value, so
+    YAML files, flags and code that compare strings all keep working."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def choice(kind: type[E], value: object, name: str) -> E:
+    """`value` (a member or its string) as a member of `kind`; ValueError naming the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(m.value for m in kind)}, got {value!r}") from None
 
 
 class ConfigError(ValueError):
@@ -55,6 +73,11 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
 def _typed(owner: str, key: str, value: Any, expected: type) -> Any:
     """`value` as the field's type (an int where a float is wanted is fine, a list where a tuple of
     strings is); ConfigError otherwise."""
+    if isinstance(expected, type) and issubclass(expected, Choice):
+        try:
+            return choice(expected, value, key)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {owner}: {exc}") from None
     if typing.get_origin(expected) is tuple:
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)

@@ -6,17 +6,29 @@ import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..common.config import ConfigError
+from ..common.config import Choice, ConfigError, choice
 from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
 from ..common.protocol.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
-from .proposal import DRAFTER_KINDS, DraftSettings
+from .proposal import DraftSettings, DrafterKind
 
-GAMMA_POLICIES = ("adaptive", "fixed")
+
+
+class GammaPolicy(Choice):
+    """How long a block to draft."""
+
+    ADAPTIVE = "adaptive"  # γ each round for the most tokens/s, from measured rates
+    FIXED = "fixed"  # always max_draft
+
+
+class WireFeatures(Choice):
+    """How the verifier sends the target's features to an eagle head (FeatureFormat's two encodings)."""
+
+    INT8 = FeatureFormat.INT8.value
+    FP16 = FeatureFormat.FP16.value
 MAX_STOP_STRINGS = 16  # stop strings per generation (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters per stop string
-FEATURE_FORMATS = (FeatureFormat.INT8.value, FeatureFormat.FP16.value)
 TOKEN_ENV = "HYBRIDSPEC_TOKEN"  # the edge's token when no token_file is given
 
 
@@ -34,8 +46,8 @@ class EdgeConfig:
 
     cloud: str = DEFAULT_CLOUD_ADDRESS  # HOST:PORT of the verifier pool's front door
     drafter: str = ""  # model directory, .gguf file, cached hub id, embedded:plain or embedded:eagle; "" = default
-    drafter_kind: str = "model"  # model = the drafter checkpoint (an LM or an eagle head); ngram = prompt lookup
-    features: str = "int8"  # eagle heads: how the verifier sends the target's features (int8 | fp16)
+    drafter_kind: DrafterKind = DrafterKind.MODEL  # model = the drafter checkpoint (an LM or an eagle head); ngram = prompt lookup
+    features: WireFeatures = WireFeatures.INT8  # eagle heads: how the verifier sends the target's features (int8 | fp16)
     fallback_drafter: str = ""  # eagle heads, without features: "" = the embedded plain drafter, ngram, or a path
     ngram_max: int = 3  # ngram: longest suffix looked up in the context
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -54,7 +66,7 @@ class EdgeConfig:
     seed: int | None = None
     mode: str = ""  # greedy | speculative | bild | lenient | coupled; "" = greedy at T=0, else speculative
     max_draft: int = 8  # γ cap: most tokens drafted per round (also capped by the server's limit)
-    gamma_policy: str = "adaptive"  # adaptive = pick γ each round for the most tokens/s; fixed = max_draft
+    gamma_policy: GammaPolicy = GammaPolicy.ADAPTIVE  # adaptive = pick γ each round for the most tokens/s; fixed = max_draft
     fallback_threshold: float = 0.6  # BiLD α_FB: end the block when the drafter's max q falls below this
     keep_low_confidence: bool = True  # send the token that triggered α_FB (HF) or drop it (BiLD)
     rollback_threshold: float = DEFAULT_ROLLBACK_THRESHOLD  # BiLD α_RB in nats, mode bild only
@@ -92,12 +104,8 @@ class EdgeConfig:
             raise ValueError(f"ngram_max must be >= 1, got {self.ngram_max}")
         if not (self.timeout_s > 0 and self.reconnect_s > 0):
             raise ValueError("timeout_s and reconnect_s must be > 0")
-        if self.drafter_kind not in DRAFTER_KINDS:
-            raise ValueError(f"drafter_kind must be one of {', '.join(DRAFTER_KINDS)}, got {self.drafter_kind!r}")
-        if self.features not in FEATURE_FORMATS:
-            raise ValueError(f"features must be one of {', '.join(FEATURE_FORMATS)}, got {self.features!r}")
-        if self.gamma_policy not in GAMMA_POLICIES:
-            raise ValueError(f"gamma_policy must be one of {', '.join(GAMMA_POLICIES)}, got {self.gamma_policy!r}")
+        for name, kind in (("drafter_kind", DrafterKind), ("features", WireFeatures), ("gamma_policy", GammaPolicy)):
+            object.__setattr__(self, name, choice(kind, getattr(self, name), name))
         if self.mode and self.mode not in {m.value for m in Mode}:
             raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
         self.sampling  # validates temperature, top_k, top_p and the penalties

@@ -8,7 +8,8 @@ from __future__ import annotations
 from ..common.models.loading import LoadedModel
 from .drafter import ModelDrafter, NgramDrafter
 from .eagle import EagleDrafter, FeatureLog
-from .proposal import DRAFTER_KINDS, DraftSettings, Drafter
+from ..common.config import choice
+from .proposal import DraftSettings, Drafter, DrafterKind
 
 
 def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
@@ -16,10 +17,11 @@ def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
     """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
     gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
     while it has none."""
-    if kind == "ngram":
+    kind = choice(DrafterKind, kind, "drafter kind")
+    if kind is DrafterKind.NGRAM:
         return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
-    if kind != "model" or loaded is None:
-        raise ValueError(f"drafter kind must be one of {', '.join(DRAFTER_KINDS)} (model needs a model), got {kind!r}")
+    if loaded is None:
+        raise ValueError("a model drafter needs a model")
     if loaded.is_eagle:
         plain = make_drafter("ngram" if fallback is None else "model", fallback, settings)
         return EagleDrafter(loaded, settings, FeatureLog(), plain)

@@ -6,12 +6,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ..common.config import Choice
 from ..common.protocol.wire import DraftBlock, SamplingParams
 
 if TYPE_CHECKING:
     from ..common.maths.sparse import SparseDist
 
-DRAFTER_KINDS = ("model", "ngram")  # "model" drafts with whatever the drafter checkpoint is (LM or eagle head)
+
+
+class DrafterKind(Choice):
+    """What drafts."""
+
+    MODEL = "model"  # the drafter checkpoint, whatever it is (an LM or an eagle head)
+    NGRAM = "ngram"  # prompt lookup: no model
 Interrupt = Callable[[], bool]
 
 

@@ -5,6 +5,7 @@ import pytest
 
 from hybridspec.cloud.config import ServeConfig
 from hybridspec.common.config import ConfigError, load_config
+from hybridspec.edge.config import EdgeConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -60,3 +61,21 @@ def test_edge_file_lists_every_knob_at_its_default():
     raw = yaml.safe_load((DEPLOY / "edge.yaml").read_text())
     assert set(raw) == {f.name for f in dataclasses.fields(EdgeConfig)}
     assert load_config(EdgeConfig, DEPLOY / "edge.yaml") == EdgeConfig()
+
+
+@pytest.mark.parametrize("cls, key, bad", [("ServeConfig", "backend", "kubernetes"), ("ServeConfig", "dtype", "int4"),
+                                           ("EdgeConfig", "gamma_policy", "greedy"), ("EdgeConfig", "drafter_kind", "lm"),
+                                           ("EdgeConfig", "features", "fp8")])
+def test_a_bad_choice_is_one_line_naming_the_choices(tmp_path, cls, key, bad):
+    kind = {"ServeConfig": ServeConfig, "EdgeConfig": EdgeConfig}[cls]
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{key}: {bad}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(kind, path)
+    message = str(info.value)
+    assert "\n" not in message and key in message and repr(bad) in message and "one of" in message
+    # A good value becomes the enum member, which still reads and compares as its string.
+    good = next(iter(type(getattr(kind(), key))))
+    path.write_text(f"{key}: {good.value}\n")
+    loaded = getattr(load_config(kind, path), key)
+    assert loaded is good and loaded == good.value and str(loaded) == good.value
