@@ -31,6 +31,9 @@ class Admission:
         self.admitted -= 1
 
 
+DRAIN_FACTOR = 4  # an oversized body is read (and dropped) up to this many times the limit before the 413
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `max_bytes` gets 413, whether it declares its length or
     not. The body is read up front and replayed to the app, then `receive` passes on, so the app
@@ -45,7 +48,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(send)
+            return await self._too_large(receive, send, 0)
         size, messages = 0, []
         while True:
             message = await receive()
@@ -54,7 +57,7 @@ class BodyLimit:
                 break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                return await self._too_large(send)
+                return await self._too_large(receive if message.get("more_body") else None, send, size)
             if not message.get("more_body", False):
                 break
 
@@ -63,7 +66,17 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, receive: Receive | None, send: Send, read: int) -> None:
+        """Answer 413. The rest of the body is read and dropped first, up to DRAIN_FACTOR × the limit:
+        closing a connection with unread data makes the kernel reset it, and the client may lose
+        the answer to the reset. A body larger still is cut off all the same."""
+        while receive is not None and read <= DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            read += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         error = APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-body-bytes)",
                          code="request_too_large")
         await send({"type": "http.response.start", "status": 413,
