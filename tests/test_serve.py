@@ -372,7 +372,7 @@ def test_every_series_the_grafana_dashboard_reads_is_exported(verifier, drafter)
     """deploy/grafana/hybridspec.json only reads series a real cloud and a real edge export after
     serving a request: a renamed metric breaks this test, not a dashboard nobody looks at."""
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_deploy import dashboard_metric_names
+    from test_deploy_monitoring import dashboard_metric_names
 
     cloud = BackgroundServer(verifier, metrics_port=0)
     try:
