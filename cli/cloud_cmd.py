@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import logging
 import sys
@@ -60,24 +61,19 @@ def register(sub) -> None:
 
 
 def serve_config(args):
-    """ServeConfig from defaults, --config and flags."""
+    """ServeConfig from defaults, --config and flags (every flag named after a ServeConfig key sets it)."""
     from ..cloud.config import ServeConfig
     from ..common.config import load_config
 
-    keys = ["target", "host", "port", "backend", "replicas", "ray_address", "direct_verify", "metrics_port", "device",
-            "dtype", "torch_threads", "max_batch_size", "max_wait_ms", "max_sessions", "max_sessions_per_client",
-            "max_sessions_per_address", "max_calls_per_client", "max_calls_per_address", "stream_idle_s", "max_context",
-            "prefill_chunk", "prefill_budget_ms", "max_draft", "tls_cert", "tls_key", "tls_client_ca", "credentials",
-            "client_tokens_per_s", "insecure"]
+    keys = [f.name for f in dataclasses.fields(ServeConfig) if hasattr(args, f.name)]
     return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
 
 
 def run_serve(args) -> int:
     """Start the backend, then serve; prints one 'serving on HOST:PORT' line once SERVING."""
-    _check_ports(_early_ports(args))  # before serve_config, whose imports (torch, ray) take seconds
-    config = serve_config(args)
+    config = serve_config(args)  # light: nothing heavy is imported until the backend starts
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # Again with the real values, before the models or a Ray cluster start; the real binds are checked too.
+    # Before the models or a Ray cluster start; the real binds are checked again when they happen.
     _check_ports({"host": config.host, "port": config.port, "metrics_host": config.metrics_host,
                   "metrics_port": config.metrics_port})
     _check_access(config)
@@ -96,31 +92,10 @@ def run_serve(args) -> int:
     return 0
 
 
-def _early_ports(args) -> dict:
-    """host, port, metrics_host and metrics_port from flags, --config and defaults, read without
-    ServeConfig; {} if the config file cannot be read (loading it properly reports why)."""
-    from ..cloud.process import DEFAULT_METRICS_PORT
-    from ..common.protocol.channel import DEFAULT_HOST
-    from ..common.config import read_mapping
-
-    defaults = {"host": DEFAULT_HOST, "port": DEFAULT_PORT, "metrics_host": DEFAULT_HOST,
-                "metrics_port": DEFAULT_METRICS_PORT}
-    try:
-        values = {**defaults, **(read_mapping(args.config) if args.config else {})}
-    except Exception:  # noqa: BLE001 - serve_config says what is wrong with the file
-        return {}
-    flags = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port}
-    values.update({k: v for k, v in flags.items() if v is not None})
-    return {k: values[k] for k in defaults}
-
-
 def _check_ports(ports: dict) -> None:
     """PortUnavailable, naming the port, if the gRPC or (when on) the metrics port cannot be bound."""
     from ..cloud.process import check_port
 
-    if not ports or not all(isinstance(ports[k], str) for k in ("host", "metrics_host")) \
-            or not all(isinstance(ports[k], int) for k in ("port", "metrics_port")):
-        return  # malformed values: serve_config reports them
     if ports["port"] > 0:
         check_port(ports["host"], ports["port"], "gRPC front door")
     if ports["metrics_port"] > 0:
