@@ -1,14 +1,14 @@
 """`hybridspec cloud serve`: the gRPC front door and the verifier pool behind it."""
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import asyncio
 import logging
 import sys
 
+from ..cloud.config import ServeConfig
 from ..cloud.process import READY_PREFIX
-from ..common.protocol.channel import DEFAULT_PORT
+from ..common.config import load_config
+from .flags import add_config_flags, config_overrides
 
 
 def register(sub) -> None:
@@ -19,54 +19,13 @@ def register(sub) -> None:
                             description="Flags override the --config file; with neither, the local CPU "
                                         "defaults apply (the values of deploy/local-cpu.yaml).")
     serve.add_argument("--config", help="YAML file of ServeConfig keys (see deploy/)")
-    serve.add_argument("--target", help="model directory, .gguf file or cached hub id")
-    serve.add_argument("--host", help="interface to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help=f"port to bind (default {DEFAULT_PORT}; 0 = any free port)")
-    serve.add_argument("--backend", choices=["ray", "inprocess"], help="Ray replica pool (default) or one "
-                       "verifier inside the front door")
-    serve.add_argument("--replicas", type=int, help="Ray replicas, each with its own copy of the target")
-    serve.add_argument("--ray-address", help='join this Ray cluster ("auto", ray://HOST:10001); default: start one')
-    serve.add_argument("--direct-verify", action=argparse.BooleanOptionalAction, default=None,
-                       help="edges stream rounds straight to their replica's own port (default on; ray backend)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (-1 = off, 0 = any free port)")
-    serve.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    serve.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
-    serve.add_argument("--torch-threads", type=int, help="CPU intra-op threads per replica (0 = torch default)")
-    serve.add_argument("--max-batch-size", type=int, help="most rounds per forward pass (1 = no batching)")
-    serve.add_argument("--max-wait-ms", type=float, help="how long a round waits for others to batch with")
-    serve.add_argument("--prefill-chunk", type=int, help="prompt tokens per forward pass at most")
-    serve.add_argument("--prefill-budget-ms", type=float,
-                       help="while other sessions send rounds, a pass carrying a prompt chunk takes about this long")
-    serve.add_argument("--max-sessions", type=int, help="sessions per replica")
-    serve.add_argument("--max-sessions-per-client", type=int,
-                       help="sessions one token identity may hold over the pool (unless its entry sets its own)")
-    serve.add_argument("--max-sessions-per-address", type=int,
-                       help="sessions callers without a token may hold, per address (without --credentials)")
-    serve.add_argument("--max-calls-per-client", type=int,
-                       help="concurrent Verifier calls (streams included) one token identity may hold")
-    serve.add_argument("--max-calls-per-address", type=int,
-                       help="concurrent Verifier calls callers without a token may hold, per address")
-    serve.add_argument("--stream-idle-s", type=float, help="end a VerifyStream that sends nothing for this long")
-    serve.add_argument("--max-context", type=int, help="committed + draft tokens per session")
-    serve.add_argument("--max-draft", type=int, help="longest draft block accepted")
-    serve.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
-    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    serve.add_argument("--tls-client-ca", help="mutual TLS: edges must present a certificate this CA signed")
-    serve.add_argument("--credentials", help="file of edge tokens (hybridspec token add): every call needs one")
-    serve.add_argument("--client-tokens-per-s", type=float,
-                       help="target tokens per second per identity without a rate of its own (0 = no limit)")
-    serve.add_argument("--insecure", action="store_true", default=None,
-                       help="allow plaintext on a non-loopback --host (logged as a warning)")
+    add_config_flags(serve.add_argument_group("settings (ServeConfig keys; flags override --config)"), ServeConfig)
     serve.set_defaults(run=run_serve)
 
 
 def serve_config(args):
-    """ServeConfig from defaults, --config and flags (every flag named after a ServeConfig key sets it)."""
-    from ..cloud.config import ServeConfig
-    from ..common.config import load_config
-
-    keys = [f.name for f in dataclasses.fields(ServeConfig) if hasattr(args, f.name)]
-    return load_config(ServeConfig, args.config, {k: getattr(args, k) for k in keys})
+    """ServeConfig from its defaults, then --config, then the flags."""
+    return load_config(ServeConfig, args.config, config_overrides(args, ServeConfig))
 
 
 def run_serve(args) -> int:

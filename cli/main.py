@@ -22,11 +22,19 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line naming the problem, not the whole usage first
+    (`cloud serve` has some forty flags)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full command tree."""
     from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd, token_cmd
 
-    parser = argparse.ArgumentParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
+    parser = OneLineParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
     parser.add_argument("--version", action="version", version=f"hybridspec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     models_cmd.register(sub)

@@ -6,8 +6,9 @@ import signal
 import sys
 import threading
 
-from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
-from ..netem.profiles import PROFILES
+from ..common.config import load_config
+from ..netem.config import NetemConfig
+from .flags import add_config_flags, config_overrides
 
 
 def register(sub) -> None:
@@ -18,36 +19,17 @@ def register(sub) -> None:
                                    "periodic stalls. --delay-ms D adds D ms each way (RTT + 2D); --up-*/--down-* "
                                    "flags override one direction (up = towards --upstream). --backend tc shapes "
                                    "the upstream port with the kernel's netem qdisc instead of relaying.")
-    n.add_argument("--config", help="YAML file of NetemConfig keys")
-    n.add_argument("--listen", help="HOST:PORT edges connect to (default 127.0.0.1:50052)")
-    n.add_argument("--upstream", help=f"HOST:PORT of the cloud front door (default {DEFAULT_CLOUD_ADDRESS})")
-    for prefix in ("", "up-", "down-"):
-        which = f" ({prefix[:-1]} only)" if prefix else " (each direction)"
-        n.add_argument(f"--{prefix}delay-ms", type=float, help=f"one-way delay{which}")
-        n.add_argument(f"--{prefix}jitter-ms", type=float, help=f"delay varies by ± this{which}")
-        n.add_argument(f"--{prefix}bandwidth-mbps", type=float, help=f"bandwidth cap, 0 = none{which}")
-        n.add_argument(f"--{prefix}loss-pct", type=float, help=f"%% of chunks one 200 ms RTO late{which}")
-        n.add_argument(f"--{prefix}stall-ms", type=float, help=f"stall length{which}")
-        n.add_argument(f"--{prefix}stall-every-s", type=float, help=f"stall period{which}")
-    n.add_argument("--profile", help="a named link preset: " + ", ".join(PROFILES) + " (docs/experiments.md cites "
-                   "their sources); --up-*/--down-* flags still override one direction")
-    n.add_argument("--trace", help="replay a recorded latency trace (`ping -D` output or t_s,rtt_ms lines) in place "
-                   "of the delay keys; each direction gets half the RTT in force")
-    n.add_argument("--backend", choices=("relay", "tc"),
-                   help="relay (default): a user-space TCP relay on --listen; tc: the kernel's netem qdisc on "
-                        "--dev for --upstream's port (root, sch_netem); edges then connect to --upstream itself")
-    n.add_argument("--dev", help="the device --backend tc shapes (default lo; on a NIC run it on both hosts)")
-    n.add_argument("--seed", type=int, help="seed for jitter and loss")
+    n.add_argument("--config", help="YAML file of NetemConfig keys; flags override it")
+    add_config_flags(n.add_argument_group("settings (NetemConfig keys)"), NetemConfig)
     n.set_defaults(run=run_netem)
 
 
 def run_netem(args) -> int:
     """Relay (or shape with tc) until SIGINT/SIGTERM, then print what crossed the link."""
-    from ..common.config import load_config
-    from ..netem.config import CONFIG_KEYS, NetemConfig, describe
+    from ..netem.config import describe
     from ..netem.relay import LinkEmulator
 
-    config = load_config(NetemConfig, args.config, {k: getattr(args, k) for k in CONFIG_KEYS})
+    config = load_config(NetemConfig, args.config, config_overrides(args, NetemConfig))
     spec = config.link_spec()
     if config.backend == "tc":
         return _shape_with_tc(config, spec)

@@ -2,12 +2,13 @@
 long-lived edge worker (docs/serve.md)."""
 from __future__ import annotations
 
-import dataclasses
 import signal
 import socket
 import sys
 
+from ..edge.serve.config import ServeOptions
 from .edge_options import add_edge_options, build_worker, edge_config
+from .flags import add_config_flags, config_overrides
 
 READY_PREFIX = "hybridspec edge serving on "
 GRACE_S = 30  # on SIGINT/SIGTERM, streams still running after this long are cancelled
@@ -16,19 +17,8 @@ GRACE_S = 30  # on SIGINT/SIGTERM, streams still running after this long are can
 def register(esub) -> None:
     """Add `edge serve` to the edge command group's actions."""
     serve = esub.add_parser("serve", help="serve OpenAI-compatible completions over HTTP")
-    serve.add_argument("--host", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    serve.add_argument("--port", type=int, help="HTTP port (default 8000; 0 = a free one, printed when ready)")
-    serve.add_argument("--max-concurrent", type=int, help="generations running at once (default 4)")
-    serve.add_argument("--max-queued", type=int,
-                       help="generation requests waiting beyond those; more get 429 (default 16)")
-    serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 1 MiB)")
-    serve.add_argument("--served-model-name", help="the model id clients use (default: the target's name)")
-    serve.add_argument("--warmup-tokens", type=int, help="tokens of the start-up generation (0 = none; default 32)")
-    serve.add_argument("--access-log", action="store_true", default=None, help="log every request")
-    serve.add_argument("--http-tls-cert", help="PEM certificate chain: serve HTTPS (with --http-tls-key)")
-    serve.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
-    serve.add_argument("--api-keys", help="credentials file (hybridspec token add): /v1/ requests need one of its keys")
-    add_edge_options(serve)  # its --insecure also allows plain HTTP on a non-loopback --host
+    add_config_flags(serve.add_argument_group("HTTP server (ServeOptions keys)"), ServeOptions)
+    add_edge_options(serve, exclude={"insecure"})  # ServeOptions' --insecure covers the cloud link too
     serve.set_defaults(run=run_serve)
 
 
@@ -43,11 +33,9 @@ def run_serve(args) -> int:
 
     from ..common.config import load_config
     from ..edge.serve.app import create_app
-    from ..edge.serve.config import ServeOptions
     from ..edge.serve.generation import warm_up
 
-    keys = [f.name for f in dataclasses.fields(ServeOptions)]
-    options = load_config(ServeOptions, None, {k: getattr(args, k) for k in keys})
+    options = load_config(ServeOptions, None, config_overrides(args, ServeOptions))  # --insecure: both
     config = edge_config(args)
     keys_store = _check_access(options)
     sock = _listen(options.host, options.port)  # first: a taken port fails before seconds of loading

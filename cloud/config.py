@@ -3,15 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.config import Choice, choice
-from ..common.security.tls import ServerTLS, check_plaintext
-from .api.access import DEFAULT_MAX_CALLS, DEFAULT_STREAM_IDLE_S, AccessSpec
-from .pool.routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
+from ..common.config import Choice, DType, check_fields, like, setting
 from ..common.protocol.channel import DEFAULT_HOST, DEFAULT_PORT
-from .process import DEFAULT_METRICS_PORT
-from .specs import (DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, DType, PoolSpec, ReplicaSpec,
-                    VerifierLimits)
-
+from ..common.security.tls import ServerTLS, check_plaintext
+from .api.access import AccessSpec
+from .specs import PoolSpec, ReplicaSpec, VerifierLimits
 
 
 class Backend(Choice):
@@ -23,66 +19,53 @@ class Backend(Choice):
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """Everything `hybridspec cloud serve` needs. Empty target means the embedded default."""
+    """Everything `hybridspec cloud serve` needs: one flag per field (cli/flags.py). The settings it
+    passes on to a spec take that spec's default, help and bounds (`like`)."""
 
-    target: str = ""  # model directory, .gguf file or cached hub id; "" = embedded default
-    host: str = DEFAULT_HOST  # interface to bind; 0.0.0.0 to serve other hosts
-    port: int = DEFAULT_PORT  # 0 picks a free port
-    backend: Backend = Backend.RAY  # ray = a pool of replica actors; inprocess = one verifier in the front door
-    replicas: int = PoolSpec.replicas  # Ray replicas, each owning one copy of the target
-    replica_num_cpus: float = PoolSpec.num_cpus  # Ray CPUs reserved per replica (fractions allowed)
-    replica_num_gpus: float = PoolSpec.num_gpus  # Ray GPUs per replica (1 on a GPU cluster)
-    ray_address: str = ""  # "" = start a local Ray cluster; "auto" or ray://HOST:10001 joins one
-    ray_num_cpus: int = PoolSpec.ray_num_cpus  # CPUs a local cluster advertises; 0 = every core
-    ray_local_only: bool = PoolSpec.ray_local_only  # a cluster this server starts listens on 127.0.0.1 only and admits no other node
-    direct_verify: bool = True  # (ray) edges stream rounds straight to their replica's own port on `host`
-    device: str = ReplicaSpec.device  # auto | cpu | cuda | cuda:N (inside each replica)
-    dtype: DType = ReplicaSpec.dtype  # auto | float32 | bfloat16 | float16
-    torch_threads: int = ReplicaSpec.torch_threads  # intra-op threads per replica on CPU; 0 keeps torch's default
-    max_batch_size: int = DEFAULT_MAX_BATCH  # most rounds scored in one forward pass; 1 turns batching off
-    max_wait_ms: float = DEFAULT_MAX_WAIT_MS  # a round waits at most this long for others to batch with
-    max_context: int = VerifierLimits.max_context  # committed + draft tokens per session
-    max_draft: int = VerifierLimits.max_draft  # longest draft block accepted
-    max_sessions: int = VerifierLimits.max_sessions  # sessions per replica; more get RESOURCE_EXHAUSTED
-    kv_cache_tokens: int = VerifierLimits.kv_cache_tokens  # per replica KV pool, allocated once; when full, LRU sessions are evicted
-    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per token identity over the whole pool; more get RESOURCE_EXHAUSTED
-    max_sessions_per_address: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # callers without a token share this per address
-    max_calls_per_client: int = DEFAULT_MAX_CALLS  # concurrent Verifier calls (streams included) per token identity
-    max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per address
-    stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a VerifyStream that sends nothing for this long is ended
-    prefill_chunk: int = VerifierLimits.prefill_chunk  # prompt tokens per forward pass at most (when no other session is waiting)
-    prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # while others send rounds, a pass with a prompt chunk takes about this long
-    replica_wait_s: float = PoolSpec.replica_wait_s  # with every replica down, a new session waits this long for one to restart
-    idle_timeout_s: int = VerifierLimits.idle_timeout_s  # idle sessions are dropped after this
-    metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics port; -1 = off, 0 = any free port
-    metrics_host: str = DEFAULT_HOST  # interface for /metrics
-    grace_s: float = 5.0  # on SIGTERM/SIGINT, in-flight calls get this long to finish
-    tls_cert: str = ""  # PEM certificate chain of the front door and the replica endpoints; with tls_key: TLS
-    tls_key: str = ""  # PEM private key of tls_cert (both files are re-read when they change)
-    tls_client_ca: str = ""  # mutual TLS: every edge must present a certificate this CA signed
-    credentials: str = ""  # file of edge tokens and identities (hybridspec token add); "" = no tokens
-    client_tokens_per_s: float = 0.0  # target tokens/s per identity without its own rate; 0 = no limit
-    insecure: bool = False  # allow plaintext on a non-loopback host (logged as a warning)
+    target: str = setting("", 'model directory, .gguf file or cached hub id; empty: the embedded default')
+    host: str = setting(DEFAULT_HOST, "interface to bind; 0.0.0.0 serves other hosts")
+    port: int = setting(DEFAULT_PORT, "port to bind; 0 = any free port", ge=0, le=65535)
+    backend: Backend = setting(Backend.RAY, "ray: a pool of replica actors; inprocess: one verifier inside the "
+                                            "front door")
+    replicas: int = like(PoolSpec, "replicas")
+    replica_num_cpus: float = like(PoolSpec, "num_cpus")
+    replica_num_gpus: float = like(PoolSpec, "num_gpus")
+    ray_address: str = like(PoolSpec, "ray_address")
+    ray_num_cpus: int = like(PoolSpec, "ray_num_cpus")
+    ray_local_only: bool = like(PoolSpec, "ray_local_only")
+    direct_verify: bool = setting(True, "(ray) edges stream rounds straight to their replica's own port on the "
+                                        "host")
+    device: str = like(ReplicaSpec, "device")
+    dtype: DType = like(ReplicaSpec, "dtype")
+    torch_threads: int = like(ReplicaSpec, "torch_threads")
+    max_batch_size: int = like(ReplicaSpec, "max_batch")
+    max_wait_ms: float = like(ReplicaSpec, "max_wait_ms")
+    max_context: int = like(VerifierLimits, "max_context")
+    max_draft: int = like(VerifierLimits, "max_draft")
+    max_sessions: int = like(VerifierLimits, "max_sessions")
+    kv_cache_tokens: int = like(VerifierLimits, "kv_cache_tokens")
+    max_sessions_per_client: int = like(PoolSpec, "max_sessions_per_client")
+    max_sessions_per_address: int = like(PoolSpec, "max_sessions_per_address")
+    max_calls_per_client: int = like(AccessSpec, "max_calls_per_client")
+    max_calls_per_address: int = like(AccessSpec, "max_calls_per_address")
+    stream_idle_s: float = like(AccessSpec, "stream_idle_s")
+    prefill_chunk: int = like(VerifierLimits, "prefill_chunk")
+    prefill_budget_ms: float = like(ReplicaSpec, "prefill_budget_ms")
+    replica_wait_s: float = like(PoolSpec, "replica_wait_s")
+    idle_timeout_s: int = like(VerifierLimits, "idle_timeout_s")
+    metrics_port: int = setting(9464, "Prometheus /metrics port; -1 = off, 0 = any free port", ge=-1, le=65535)
+    metrics_host: str = setting(DEFAULT_HOST, "interface of /metrics")
+    grace_s: float = setting(5.0, "on SIGTERM or SIGINT, calls in flight get this long to finish", ge=0)
+    tls_cert: str = setting("", "PEM certificate chain of the front door and the replica endpoints: serve TLS "
+                                "(with tls_key; both files are re-read when they change)")
+    tls_key: str = setting("", "PEM private key of tls_cert")
+    tls_client_ca: str = setting("", "mutual TLS: every edge must present a certificate this CA signed")
+    credentials: str = like(AccessSpec, "credentials")
+    client_tokens_per_s: float = like(AccessSpec, "client_tokens_per_s")
+    insecure: bool = setting(False, "allow plaintext on a non-loopback host (logged as a warning)")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not -1 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be -1 (off) or in [0, 65535], got {self.metrics_port}")
-        object.__setattr__(self, "backend", choice(Backend, self.backend, "backend"))
-        object.__setattr__(self, "dtype", choice(DType, self.dtype, "dtype"))
-        for name in ("replicas", "max_batch_size", "max_context", "max_draft", "max_sessions", "idle_timeout_s",
-                     "max_sessions_per_client", "max_sessions_per_address", "max_calls_per_client",
-                     "max_calls_per_address", "prefill_chunk", "kv_cache_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("replica_num_cpus", "replica_num_gpus", "max_wait_ms", "ray_num_cpus",
-                     "replica_wait_s", "client_tokens_per_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("stream_idle_s", "prefill_budget_ms"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_fields(self)
         check_plaintext(self.host, self.access.tls.enabled, self.insecure, "the gRPC front door")
 
     @property

@@ -16,7 +16,6 @@ import yaml
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
 
-DEFAULT_METRICS_PORT = 9464
 READY_PREFIX = "hybridspec verifier serving on "
 
 

@@ -8,19 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.config import Choice, choice
-
+from ..common.config import DType, check_fields, setting
 from .api.access import AccessSpec
-from .pool.routing import DEFAULT_MAX_SESSIONS_PER_CLIENT
-
-class DType(Choice):
-    """The weights' type in a replica: auto = float32 on a CPU, bfloat16 on a GPU."""
-
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
 
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
@@ -32,12 +21,16 @@ DEFAULT_PREFILL_BUDGET_MS = 60.0
 class VerifierLimits:
     """Per-replica limits; requests beyond them get an explicit status."""
 
-    max_context: int = 4096  # committed + draft tokens per session
-    max_draft: int = 32  # longest block accepted
-    max_sessions: int = 64  # sessions held at once; more get RESOURCE_EXHAUSTED
-    idle_timeout_s: int = 600  # an idle session is dropped after this
-    kv_cache_tokens: int = 65536  # the KV pool, allocated once; when full, LRU sessions are evicted
-    prefill_chunk: int = 128  # prompt tokens per step at most (the scheduler feeds less while others wait)
+    max_context: int = setting(4096, "committed + draft tokens per session", ge=1)
+    max_draft: int = setting(32, "longest draft block accepted", ge=1)
+    max_sessions: int = setting(64, "sessions per replica; more get RESOURCE_EXHAUSTED", ge=1)
+    idle_timeout_s: int = setting(600, "an idle session is dropped after this many seconds", ge=1)
+    kv_cache_tokens: int = setting(65536, "KV pool per replica in tokens, allocated once; when it is full the "
+                                          "least recently used sessions are evicted", ge=1)
+    prefill_chunk: int = setting(128, "prompt tokens per forward pass at most (fewer while others wait)", ge=1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -45,18 +38,22 @@ class ReplicaSpec:
     """What a replica loads and how it batches."""
 
     target: str  # model directory, .gguf file or cached hub id (resolved by the caller)
-    device: str = "auto"
-    dtype: DType = DType.AUTO
-    torch_threads: int = 0  # CPU intra-op threads; 0 keeps torch's default
+    device: str = setting("auto", "where each replica computes: auto, cpu, cuda or cuda:N")
+    dtype: DType = setting(DType.AUTO, "the target's weights in each replica; auto = float32 on a CPU, "
+                                       "bfloat16 on a GPU")
+    torch_threads: int = setting(0, "intra-op threads per replica on a CPU; 0 keeps torch's default", ge=0)
     limits: VerifierLimits = VerifierLimits()
-    max_batch: int = DEFAULT_MAX_BATCH
-    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
-    prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS  # a step with a prompt chunk, while others wait
+    max_batch: int = setting(DEFAULT_MAX_BATCH, "most rounds scored in one forward pass; 1 turns batching off",
+                             ge=1)
+    max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, "a round waits at most this long for others to batch with",
+                                 ge=0)
+    prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others send rounds, a pass carrying a "
+                                                                  "prompt chunk takes about this long", gt=0)
     verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
     access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", choice(DType, self.dtype, "dtype"))
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -64,13 +61,20 @@ class PoolSpec:
     """How many replicas, with which resources, on which cluster."""
 
     replica: ReplicaSpec
-    replicas: int = 1
-    num_cpus: float = 1.0  # Ray CPUs reserved per replica (fractional is fine)
-    num_gpus: float = 0.0  # Ray GPUs per replica; 1 on a GPU cluster
-    ray_address: str = ""  # "" starts a local cluster; "auto" or "ray://HOST:10001" joins one
-    ray_num_cpus: int = 0  # CPUs a local cluster advertises; 0 = every core
+    replicas: int = setting(1, "Ray replicas, each with its own copy of the target", ge=1)
+    num_cpus: float = setting(1.0, "Ray CPUs reserved per replica (fractions allowed)", ge=0)
+    num_gpus: float = setting(0.0, "Ray GPUs per replica (1 on a GPU cluster)", ge=0)
+    ray_address: str = setting("", 'the Ray cluster to join ("auto" or ray://HOST:10001); empty: start a '
+                                   "local one")
+    ray_num_cpus: int = setting(0, "CPUs a local cluster advertises; 0 = every core", ge=0)
     name: str = "hybridspec"  # prefix of the replicas' actor names
-    max_sessions_per_client: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per token identity, over the whole pool
-    max_sessions_per_address: int = DEFAULT_MAX_SESSIONS_PER_CLIENT  # per address for callers without a token
-    replica_wait_s: float = 30.0  # a new session waits this long for a restarting replica
-    ray_local_only: bool = True  # a cluster the pool starts binds 127.0.0.1 and admits no other node
+    max_sessions_per_client: int = setting(32, "sessions one token identity may hold over the whole pool; more "
+                                               "get RESOURCE_EXHAUSTED", ge=1)
+    max_sessions_per_address: int = setting(32, "the same for callers without a token, per address", ge=1)
+    replica_wait_s: float = setting(30.0, "with every replica down, a new session waits this long for one to "
+                                          "restart", ge=0)
+    ray_local_only: bool = setting(True, "a cluster this server starts listens on 127.0.0.1 only and admits "
+                                         "no other node")
+
+    def __post_init__(self) -> None:
+        check_fields(self)

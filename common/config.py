@@ -1,8 +1,11 @@
-"""YAML and CLI loading for the frozen dataclass configs: thin, strict, and shared by edge and cloud."""
+"""The frozen dataclass configs' machinery, shared by edge and cloud: fields that carry their default,
+help and bounds (`setting`, `like`, `check_fields`), and strict loading from the defaults, a YAML file
+and flags (`load_config`). The CLI makes one flag per field from the same fields (cli/flags.py)."""
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +32,59 @@ def choice(kind: type[E], value: object, name: str) -> E:
         return kind(value)
     except ValueError:
         raise ValueError(f"{name} must be one of {', '.join(m.value for m in kind)}, got {value!r}") from None
+
+
+class DType(Choice):
+    """The weights' type, on either side: auto = float32 on a CPU, bfloat16 on a GPU."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field: its default, the help its flag shows, and the bounds (or, for a string field,
+    the allowed values) that `check_fields` enforces. The one place a setting's default and rules live."""
+    rules = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
+    return dataclasses.field(default=default, metadata=rules)
+
+
+def like(cls: type, name: str) -> Any:
+    """A field with the default, help and bounds of `cls`'s field `name`: for a flat config (the serve
+    configs) that passes the setting on to the spec that owns it."""
+    source = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return dataclasses.field(default=source.default, metadata=source.metadata)
+
+
+def check_fields(config: Any) -> None:
+    """Make choice fields their enum members and check every field's bounds (from `setting`);
+    ValueError naming the field. The first line of a config's `__post_init__`."""
+    types = field_types(type(config))
+    for f in dataclasses.fields(config):
+        value, kind = getattr(config, f.name), types[f.name]
+        if isinstance(kind, type) and issubclass(kind, Choice):
+            value = choice(kind, value, f.name)
+            object.__setattr__(config, f.name, value)
+        allowed = f.metadata.get("choices")
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{f.name} must be one of {', '.join(c for c in allowed if c)}, got {value!r}")
+        ge, gt, le = (f.metadata.get(k) for k in ("ge", "gt", "le"))
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if ge is not None and le is not None and not ge <= value <= le:
+            raise ValueError(f"{f.name} must be in [{ge}, {le}], got {value}")
+        if ge is not None and value < ge:
+            raise ValueError(f"{f.name} must be >= {ge}, got {value}")
+        if gt is not None and not value > gt:
+            raise ValueError(f"{f.name} must be > {gt}, got {value}")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type of each field of a dataclass."""
+    return typing.get_type_hints(cls)
 
 
 class ConfigError(ValueError):
@@ -61,7 +117,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[st
     if unknown:
         raise ConfigError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(known))}")
-    types = typing.get_type_hints(cls)
+    types = field_types(cls)
     for key, value in values.items():
         values[key] = _typed(cls.__name__, key, value, types[key])
     try:

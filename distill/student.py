@@ -11,9 +11,10 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from ..common.config import choice
 from ..common.models.compact import MANIFEST, SCALE_SUFFIX, WEIGHTS, Manifest, dequantize
+from ..common.models.manifest import Store
 
-STORES = ("float16", "int8")  # how a checkpoint stores matrices
 
 
 def build_student(target: PreTrainedModel, num_layers: int, head_ids: torch.Tensor | None,
@@ -57,8 +58,7 @@ def save_compact(state: dict[str, torch.Tensor], head_ids: torch.Tensor, out: Pa
 
 def stored_tensors(state: dict[str, torch.Tensor], store: str) -> dict[str, torch.Tensor]:
     """A drafter's own weights as a checkpoint stores them (fp16, or int8 matrices plus scales)."""
-    if store not in STORES:
-        raise ValueError(f"store must be one of {', '.join(STORES)}, got {store!r}")
+    store = choice(Store, store, "store")
     tensors: dict[str, torch.Tensor] = {}
     for name, value in state.items():
         half = value.detach().to("cpu", torch.float16).contiguous()

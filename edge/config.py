@@ -6,13 +6,12 @@ import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..common.config import Choice, ConfigError, choice
+from ..common.config import Choice, ConfigError, DType, check_fields, setting
 from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
 from ..common.protocol.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
 from .proposal import DraftSettings, DrafterKind
-
 
 
 class GammaPolicy(Choice):
@@ -27,6 +26,8 @@ class WireFeatures(Choice):
 
     INT8 = FeatureFormat.INT8.value
     FP16 = FeatureFormat.FP16.value
+
+
 MAX_STOP_STRINGS = 16  # stop strings per generation (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters per stop string
 TOKEN_ENV = "HYBRIDSPEC_TOKEN"  # the edge's token when no token_file is given
@@ -44,70 +45,72 @@ class CloudAccess:
 class EdgeConfig:
     """Every knob of `hybridspec edge generate`. Empty drafter means the embedded default."""
 
-    cloud: str = DEFAULT_CLOUD_ADDRESS  # HOST:PORT of the verifier pool's front door
-    drafter: str = ""  # model directory, .gguf file, cached hub id, embedded:plain or embedded:eagle; "" = default
-    drafter_kind: DrafterKind = DrafterKind.MODEL  # model = the drafter checkpoint (an LM or an eagle head); ngram = prompt lookup
-    features: WireFeatures = WireFeatures.INT8  # eagle heads: how the verifier sends the target's features (int8 | fp16)
-    fallback_drafter: str = ""  # eagle heads, without features: "" = the embedded plain drafter, ngram, or a path
-    ngram_max: int = 3  # ngram: longest suffix looked up in the context
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    torch_threads: int = 0  # intra-op threads on CPU; 0 keeps torch's default
-    max_new_tokens: int = 128  # generation stops after this many tokens or an end-of-sequence token
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    repetition_penalty: float = 1.0  # > 1 discourages every token of the context (prompt included); 1 = off
-    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per earlier occurrence in the generated text
-    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once if the token occurs in the generated text
-    stop: tuple[str, ...] = ()  # generation ends before the first of these strings; it is not returned
+    cloud: str = setting(DEFAULT_CLOUD_ADDRESS, "HOST:PORT of the verifier pool's front door")
+    drafter: str = setting("", "drafter model directory, .gguf file, cached hub id, embedded:plain or "
+                               "embedded:eagle; empty: the embedded default")
+    drafter_kind: DrafterKind = setting(DrafterKind.MODEL, "model: the drafter checkpoint (an LM or an eagle "
+                                                           "head); ngram: prompt lookup")
+    features: WireFeatures = setting(WireFeatures.INT8, "eagle drafters: how the verifier sends the target's "
+                                                        "features")
+    fallback_drafter: str = setting("", "eagle drafters: what drafts while there are no features: a drafter "
+                                        "path or ngram; empty: the embedded plain drafter")
+    ngram_max: int = setting(3, "ngram: the longest suffix looked up in the context", ge=1)
+    device: str = setting("auto", "where the drafter computes: auto, cpu, cuda or cuda:N")
+    dtype: DType = setting(DType.AUTO, "the drafter's weights; auto = float32 on a CPU, bfloat16 on a GPU")
+    torch_threads: int = setting(0, "intra-op threads on a CPU; 0 keeps torch's default", ge=0)
+    max_new_tokens: int = setting(128, "tokens to generate at most (an end-of-sequence token ends sooner)", ge=1)
+    temperature: float = setting(0.0, "sampling temperature; 0 = greedy")
+    top_k: int = setting(0, "top-k truncation, applied on both sides; 0 = off")
+    top_p: float = setting(1.0, "nucleus truncation, applied on both sides; 1 = off")
+    repetition_penalty: float = setting(1.0, "> 1 discourages every token of the context, prompt included "
+                                             "(both sides apply it); 1 = off")
+    frequency_penalty: float = setting(0.0, "in [-2, 2]: OpenAI's penalty per earlier occurrence in the "
+                                            "generated text")
+    presence_penalty: float = setting(0.0, "in [-2, 2]: OpenAI's penalty for a token already in the generated "
+                                           "text")
+    stop: tuple[str, ...] = setting((), "end the text before this string (repeatable; it is not returned); "
+                                        "applied to verified text only")
     # A seed asks for reproducible text: sampling then uses the coupled rule, whose output depends only on
     # (prompt, seed). None: a fresh seed per generation and standard rejection sampling (docs/design.md §2.2).
-    seed: int | None = None
-    mode: str = ""  # greedy | speculative | bild | lenient | coupled; "" = greedy at T=0, else speculative
-    max_draft: int = 8  # γ cap: most tokens drafted per round (also capped by the server's limit)
-    gamma_policy: GammaPolicy = GammaPolicy.ADAPTIVE  # adaptive = pick γ each round for the most tokens/s; fixed = max_draft
-    fallback_threshold: float = 0.6  # BiLD α_FB: end the block when the drafter's max q falls below this
-    keep_low_confidence: bool = True  # send the token that triggered α_FB (HF) or drop it (BiLD)
-    rollback_threshold: float = DEFAULT_ROLLBACK_THRESHOLD  # BiLD α_RB in nats, mode bild only
-    lenience: float = DEFAULT_LENIENCE  # mode lenient only, in (0, 1]
-    wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
-    pipeline: bool = True  # draft the next block while the current one is being verified
-    cloud_only_switch: bool = True  # let the cloud decode alone while that is predicted to be faster
-    cloud_only: bool = False  # the baseline: the cloud decodes every token alone, the drafter never runs
-    probe_tokens: int = 32  # while cloud-only: tokens per stream before measuring and deciding again
-    allow_unverified: bool = False  # cloud unreachable: keep generating with the drafter alone, marked
-    reconnect_s: float = 1.0  # offline: seconds between attempts to reach the cloud again
-    timeout_s: float = 30.0  # no reply within this long = the cloud is unreachable
-    tls: bool = False  # speak TLS to the cloud (implied by tls_ca and tls_cert)
-    tls_ca: str = ""  # PEM CA bundle the cloud's certificate must chain to; "" = the system's roots
-    tls_cert: str = ""  # PEM client certificate, for a cloud that requires mutual TLS (with tls_key)
-    tls_key: str = ""  # its private key
-    tls_server_name: str = ""  # the name the cloud's certificate must carry; "" = the host in `cloud`
-    token_file: str = ""  # file holding this edge's token; "" = the HYBRIDSPEC_TOKEN variable, if set
-    insecure: bool = False  # allow sending the token in plaintext to a cloud that is not on loopback
+    seed: int | None = setting(None, "the same text for the same seed when sampling (coupled rule); none: a "
+                                     "fresh seed per generation")
+    mode: str = setting("", "acceptance rule; none: greedy at temperature 0, else coupled with a seed and "
+                            "speculative without", choices=("", *(m.value for m in Mode)))
+    max_draft: int = setting(8, "most tokens drafted per round (the server's limit caps it too)", ge=1)
+    gamma_policy: GammaPolicy = setting(GammaPolicy.ADAPTIVE, "adaptive: the block length per round from "
+                                                              "measured acceptance, RTT and costs; fixed: "
+                                                              "max_draft")
+    fallback_threshold: float = setting(0.6, "BiLD alpha_FB: end a block when the drafter's top probability "
+                                             "falls below this", ge=0, le=1)
+    keep_low_confidence: bool = setting(True, "send the token that triggered alpha_FB, or drop it (BiLD)")
+    rollback_threshold: float = setting(DEFAULT_ROLLBACK_THRESHOLD, "BiLD alpha_RB in nats (mode bild)")
+    lenience: float = setting(DEFAULT_LENIENCE, "lenience in (0, 1] (mode lenient)")
+    wire_top_k: int = setting(64, "q is truncated to this many tokens before sampling and sending; 0 = full",
+                              ge=0)
+    pipeline: bool = setting(True, "draft the next block while the current one is verified")
+    cloud_only_switch: bool = setting(True, "let the cloud decode alone while that is predicted to be faster")
+    cloud_only: bool = setting(False, "the baseline: the cloud decodes every token alone and the drafter "
+                                      "never runs (same CLI path)")
+    probe_tokens: int = setting(32, "while cloud-only: tokens per stream before measuring and deciding again",
+                                ge=0)
+    allow_unverified: bool = setting(False, "if the cloud is unreachable, keep generating with the drafter "
+                                            "alone, marked unverified")
+    reconnect_s: float = setting(1.0, "offline: seconds between attempts to reach the cloud again", gt=0)
+    timeout_s: float = setting(30.0, "no reply within this many seconds = the cloud is unreachable", gt=0)
+    tls: bool = setting(False, "speak TLS to the cloud, trusting the system's CAs (implied by tls_ca and "
+                               "tls_cert)")
+    tls_ca: str = setting("", "PEM CA bundle the cloud's certificate must chain to; empty: the system's roots")
+    tls_cert: str = setting("", "PEM client certificate, for a cloud that requires mutual TLS (with tls_key)")
+    tls_key: str = setting("", "PEM private key of tls_cert")
+    tls_server_name: str = setting("", "the name the cloud's certificate carries, if not the host dialled")
+    token_file: str = setting("", f"file holding this edge's token; empty: ${TOKEN_ENV}, if set")
+    insecure: bool = setting(False, "allow sending the token in plaintext to a cloud that is not on loopback")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.max_draft < 1:
-            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
-        if not 0.0 <= self.fallback_threshold <= 1.0:
-            raise ValueError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
-        for name in ("wire_top_k", "probe_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_fields(self)
         if len(self.stop) > MAX_STOP_STRINGS or not all(0 < len(x) <= MAX_STOP_CHARS for x in self.stop):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
                              f"{MAX_STOP_CHARS} characters")
-        if self.ngram_max < 1:
-            raise ValueError(f"ngram_max must be >= 1, got {self.ngram_max}")
-        if not (self.timeout_s > 0 and self.reconnect_s > 0):
-            raise ValueError("timeout_s and reconnect_s must be > 0")
-        for name, kind in (("drafter_kind", DrafterKind), ("features", WireFeatures), ("gamma_policy", GammaPolicy)):
-            object.__setattr__(self, name, choice(kind, getattr(self, name), name))
-        if self.mode and self.mode not in {m.value for m in Mode}:
-            raise ValueError(f"mode must be one of {', '.join(m.value for m in Mode)}, got {self.mode!r}")
         self.sampling  # validates temperature, top_k, top_p and the penalties
         self.resolved_mode.check_temperature(self.temperature)
         self.client_tls  # tls_cert and tls_key go together

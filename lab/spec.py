@@ -9,7 +9,7 @@ from typing import Any
 
 from ..common.config import ConfigError, read_mapping
 from ..edge.config import EdgeConfig
-from ..netem.config import BACKENDS
+from ..netem.config import NetemBackend
 from ..netem.profiles import profile
 from ..netem.shaping import LinkSpec
 from ..netem.trace import load_trace
@@ -144,8 +144,9 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     if spec.cloud.get("direct_verify"):
         raise ConfigError(f"{p}: cloud.direct_verify would let rounds bypass the emulated link (the edge would "
                           "stream them to the replica's own port); experiments always run with it off")
-    if spec.netem_backend not in BACKENDS:
-        raise ConfigError(f"{p}: netem_backend must be one of {', '.join(BACKENDS)}, got {spec.netem_backend!r}")
+    if spec.netem_backend not in {b.value for b in NetemBackend}:
+        raise ConfigError(f"{p}: netem_backend must be one of {', '.join(b.value for b in NetemBackend)}, "
+                          f"got {spec.netem_backend!r}")
     if spec.netem_backend == "tc" and any(str(link).startswith(TRACE_PREFIX) for section in (grid, vary)
                                           for link in section.get("link", [])):
         raise ConfigError(f"{p}: netem_backend tc cannot replay a latency trace; use the relay backend")

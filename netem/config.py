@@ -1,17 +1,31 @@
 """`hybridspec netem` configuration: symmetric shaping, with per-direction overrides."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 
+from ..common.config import Choice, check_fields, setting
 from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from .profiles import PROFILES, profile
 from .shaping import DirectionSpec, LinkSpec
 from .trace import LatencyTrace, load_trace
 
-BACKENDS = ("relay", "tc")  # netem/relay.py (anywhere) and netem/tc.py (where the kernel has sch_netem)
+class NetemBackend(Choice):
+    """How the link is emulated."""
+
+    RELAY = "relay"  # netem/relay.py: a user-space TCP relay, anywhere
+    TC = "tc"  # netem/tc.py: the kernel's netem qdisc, where the kernel has sch_netem
+
 
 SHAPING_KEYS = ("delay_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "stall_ms", "stall_every_s")
+
+
+def _up(help: str) -> object:
+    return setting(None, f"{help} (up only: edge to cloud)")
+
+
+def _down(help: str) -> object:
+    return setting(None, f"{help} (down only: cloud to edge)")
 
 
 @dataclass(frozen=True)
@@ -21,43 +35,44 @@ class NetemConfig:
     (netem/profiles.py) takes the place of the symmetric keys; `up_`/`down_` keys still override it.
     A `trace` (netem/trace.py) takes the place of every delay key, and jitter is in the trace."""
 
-    listen: str = "127.0.0.1:50052"  # HOST:PORT edges connect to
-    upstream: str = DEFAULT_CLOUD_ADDRESS  # HOST:PORT of the real server (the cloud front door)
-    delay_ms: float = 0.0  # one-way delay in each direction: the round trip grows by 2 × delay_ms
-    jitter_ms: float = 0.0  # delay varies uniformly by ± jitter_ms, never reordering bytes
-    bandwidth_mbps: float = 0.0  # 0 = unlimited
-    loss_pct: float = 0.0  # % of chunks delivered one 200 ms retransmission timeout late
-    stall_ms: float = 0.0  # the link freezes this long ...
-    stall_every_s: float = 0.0  # ... this often (0 = never)
-    up_delay_ms: float | None = None
-    up_jitter_ms: float | None = None
-    up_bandwidth_mbps: float | None = None
-    up_loss_pct: float | None = None
-    up_stall_ms: float | None = None
-    up_stall_every_s: float | None = None
-    down_delay_ms: float | None = None
-    down_jitter_ms: float | None = None
-    down_bandwidth_mbps: float | None = None
-    down_loss_pct: float | None = None
-    down_stall_ms: float | None = None
-    down_stall_every_s: float | None = None
-    seed: int | None = None  # seeds jitter and loss; None = different each run
-    profile: str = ""  # a named preset (lan, metro-fibre, lte, 5g, satellite-geo, wifi-lossy); "" = none
-    trace: str = ""  # a recorded latency trace to replay (`ping -D` output or t_s,rtt_ms lines); "" = none
-    backend: str = "relay"  # relay: the user-space TCP relay; tc: the kernel's netem qdisc on `dev`
-    dev: str = "lo"  # the device the tc backend shapes (the relay ignores it; tc ignores `listen`)
+    listen: str = setting("127.0.0.1:50052", "HOST:PORT edges connect to")
+    upstream: str = setting(DEFAULT_CLOUD_ADDRESS, "HOST:PORT of the real server (the cloud front door)")
+    delay_ms: float = setting(0.0, "one-way delay in each direction: the round trip grows by twice this")
+    jitter_ms: float = setting(0.0, "the delay varies uniformly by this much either way, never reordering bytes")
+    bandwidth_mbps: float = setting(0.0, "bandwidth cap in Mbit/s; 0 = none")
+    loss_pct: float = setting(0.0, "percentage of chunks delivered one 200 ms retransmission timeout late")
+    stall_ms: float = setting(0.0, "the link freezes this long ...")
+    stall_every_s: float = setting(0.0, "... this often; 0 = never")
+    up_delay_ms: float | None = _up("one-way delay")
+    up_jitter_ms: float | None = _up("jitter")
+    up_bandwidth_mbps: float | None = _up("bandwidth cap")
+    up_loss_pct: float | None = _up("late-chunk percentage")
+    up_stall_ms: float | None = _up("stall length")
+    up_stall_every_s: float | None = _up("stall period")
+    down_delay_ms: float | None = _down("one-way delay")
+    down_jitter_ms: float | None = _down("jitter")
+    down_bandwidth_mbps: float | None = _down("bandwidth cap")
+    down_loss_pct: float | None = _down("late-chunk percentage")
+    down_stall_ms: float | None = _down("stall length")
+    down_stall_every_s: float | None = _down("stall period")
+    seed: int | None = setting(None, "seeds jitter and loss; none: different each run")
+    profile: str = setting("", "a named link preset (docs/experiments.md cites their sources); up_/down_ keys "
+                               "still override one direction", choices=("", *PROFILES))
+    trace: str = setting("", "replay a recorded latency trace (`ping -D` output or t_s,rtt_ms lines) in place of "
+                             "the delay keys; each direction gets half the RTT in force")
+    backend: NetemBackend = setting(NetemBackend.RELAY, "relay: a user-space TCP relay on listen; tc: the "
+                                                        "kernel's netem qdisc on dev for upstream's port (root, "
+                                                        "sch_netem); edges then connect to upstream itself")
+    dev: str = setting("lo", "the device the tc backend shapes (on a NIC, run it on both hosts)")
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        check_fields(self)
         if self.trace:
             delays = [k for k in ("profile", "delay_ms", "jitter_ms", "up_delay_ms", "up_jitter_ms", "down_delay_ms",
                                   "down_jitter_ms") if getattr(self, k)]
             if delays:
                 raise ValueError(f"a latency trace sets the delay and its jitter: drop {', '.join(delays)}")
         if self.profile:
-            if self.profile not in PROFILES:
-                raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
             given = [k for k in SHAPING_KEYS if getattr(self, k) != getattr(_DEFAULTS, k)]
             if given:
                 raise ValueError(f"profile {self.profile} sets the link: drop {', '.join(given)} "
@@ -102,6 +117,4 @@ def describe(spec: DirectionSpec) -> str:
         parts.append(f"stalls {spec.stall_ms:g} ms every {spec.stall_every_s:g} s")
     return ", ".join(parts)
 
-
-CONFIG_KEYS = tuple(f.name for f in fields(NetemConfig))
 _DEFAULTS = DirectionSpec()

@@ -369,10 +369,11 @@ def test_compose_commands_parse_and_ports_line_up():
     # the configs these flags produce are valid, not only parseable
     from hybridspec.cli.edge_options import edge_config
     from hybridspec.common.config import load_config
-    from hybridspec.netem.config import CONFIG_KEYS, NetemConfig
+    from hybridspec.cli.flags import config_overrides
+    from hybridspec.netem.config import NetemConfig
 
     assert edge_config(edge).cloud == "netem:%d" % listen_port
-    assert load_config(NetemConfig, None, {k: getattr(netem, k) for k in CONFIG_KEYS}).upstream == netem.upstream
+    assert load_config(NetemConfig, None, config_overrides(netem, NetemConfig)).upstream == netem.upstream
 
 
 def test_compose_start_order():

@@ -8,7 +8,8 @@ from safetensors import safe_open
 
 from hybridspec.common.models.compact import MANIFEST, WEIGHTS
 from hybridspec.common.models.loading import load_model
-from hybridspec.distill.train import DistillConfig, distill
+from hybridspec.distill.config import DistillConfig
+from hybridspec.distill.train import distill
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker

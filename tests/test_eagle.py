@@ -13,7 +13,8 @@ from hybridspec.common.models.compact import MANIFEST, WEIGHTS
 from hybridspec.common.maths.features import encode_features
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import FeatureFormat, SamplingParams
-from hybridspec.distill.train import DistillConfig, distill
+from hybridspec.distill.config import DistillConfig
+from hybridspec.distill.train import distill
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.drafter import NgramDrafter

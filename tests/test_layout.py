@@ -96,14 +96,16 @@ def test_the_cycle_finder_finds_cycles(graph, expected):
     assert cycles(graph) == expected
 
 
-@pytest.mark.parametrize("module", ["hybridspec.cloud.config", "hybridspec.edge.config", "hybridspec.cli.main"])
+@pytest.mark.parametrize("module", ["hybridspec.cloud.config", "hybridspec.edge.config", "hybridspec.edge.serve.config",
+                                    "hybridspec.distill.config", "hybridspec.netem.config", "hybridspec.cli.main"])
 def test_configuration_imports_nothing_heavy(module):
     """Settings are read and checked (one line for a bad value) before torch, Ray, transformers or gRPC
-    load: the CLI answers --help and refuses a bad flag in well under a second."""
+    load: the CLI, its every flag made from the configs, answers --help and refuses a bad flag in well
+    under a second."""
     import subprocess
     import sys
 
-    probe = (f"import sys, {module}; "
+    probe = (f"import sys, {module}; import hybridspec.cli.main as m; m.build_parser(); "
              "print(' '.join(m for m in ('torch', 'ray', 'transformers', 'grpc') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == [], f"importing {module} loads {loaded}"

@@ -13,34 +13,30 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ...common.config import check_fields, setting
 from ...common.security.credentials import CredentialStore, Identity, anonymous, bearer
 from ...common.protocol.errors import ResourceExhausted
 from ...common.security.tls import ServerTLS
 from .quota import RateLimiter
-
-DEFAULT_MAX_CALLS = 64  # twice the default session limit: a stream per session plus the unary calls around it
-DEFAULT_STREAM_IDLE_S = 60.0  # an edge sends rounds back to back; a minute of silence is a stream left behind
-
 
 @dataclass(frozen=True)
 class AccessSpec:
     """Transport security and credentials of a verifier endpoint (ServeConfig builds it)."""
 
     tls: ServerTLS = ServerTLS()
-    credentials: str = ""  # credentials file (common/security/credentials.py); "" = no tokens, callers named by address
-    client_tokens_per_s: float = 0.0  # per identity without a rate of its own; 0 = no limit (credentials only)
-    max_calls_per_client: int = DEFAULT_MAX_CALLS  # Verifier calls (streams included) one token holds at once
-    max_calls_per_address: int = DEFAULT_MAX_CALLS  # the same for callers without a token, per peer address
-    stream_idle_s: float = DEFAULT_STREAM_IDLE_S  # a VerifyStream with no message for this long is ended
+    credentials: str = setting("", "file of edge tokens and identities (hybridspec token add); every call then "
+                                   "needs one. Empty: no tokens, callers are named by their address")
+    client_tokens_per_s: float = setting(0.0, "target tokens per second per identity without a rate of its own; "
+                                              "0 = no limit", ge=0)
+    # Twice the default session limit: a stream per session plus the unary calls around it.
+    max_calls_per_client: int = setting(64, "concurrent Verifier calls (streams included) per token identity",
+                                        ge=1)
+    max_calls_per_address: int = setting(64, "the same for callers without a token, per address", ge=1)
+    # An edge sends rounds back to back: a minute of silence is a stream left behind.
+    stream_idle_s: float = setting(60.0, "a VerifyStream that sends nothing for this long is ended", gt=0)
 
     def __post_init__(self) -> None:
-        if self.client_tokens_per_s < 0:
-            raise ValueError(f"client_tokens_per_s must be >= 0, got {self.client_tokens_per_s}")
-        for name in ("max_calls_per_client", "max_calls_per_address"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.stream_idle_s > 0:
-            raise ValueError(f"stream_idle_s must be > 0, got {self.stream_idle_s}")
+        check_fields(self)
 
 
 class Access:

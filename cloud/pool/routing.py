@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from ...common.security.credentials import Identity
 from ...common.protocol.errors import FailedPrecondition, PermissionDenied, ResourceExhausted
 
-DEFAULT_MAX_SESSIONS_PER_CLIENT = 32  # per token identity, and per address for callers without one
-
 
 def new_session_id() -> str:
     """24 URL-safe characters carrying 144 random bits."""

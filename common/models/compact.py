@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from .eagle import EAGLE_KIND, EagleHead
-from .manifest import MANIFEST, WEIGHTS, Manifest, resolve_base
+from .eagle import EagleHead
+from .manifest import EAGLE_KIND, MANIFEST, WEIGHTS, Manifest, resolve_base
 
 SCALE_SUFFIX = ".int8_scale"
 

@@ -19,9 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, GenerationConfig, PretrainedConfig
 
-EAGLE_KIND = "eagle"  # Manifest.kind of an eagle head checkpoint
-
-
 def body_config(target_config: PretrainedConfig, num_layers: int = 1) -> PretrainedConfig:
     """The head's decoder layers: the target's shape, no vocabulary (it is fed embeddings)."""
     config = AutoConfig.for_model(**{**target_config.to_dict(), "num_hidden_layers": num_layers, "vocab_size": 1,
@@ -30,7 +27,6 @@ def body_config(target_config: PretrainedConfig, num_layers: int = 1) -> Pretrai
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
     return config
-
 
 class EagleHead(nn.Module):
     """fc + decoder layer(s) (+ final norm) over [feature ; embedding]; frozen embeddings and head rows."""

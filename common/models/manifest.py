@@ -5,9 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import Choice
+
 MANIFEST = "hybridspec-drafter.json"
 WEIGHTS = "drafter.safetensors"
 EMBEDDED_TARGET = "embedded:target"  # base reference resolved to the pulled default target
+EAGLE_KIND = "eagle"  # Manifest.kind of an eagle head checkpoint (common/models/eagle.py)
+
+
+class Store(Choice):
+    """How a compact checkpoint stores its matrices."""
+
+    FLOAT16 = "float16"
+    INT8 = "int8"  # one fp16 scale per row: half the bytes
 
 
 @dataclass(frozen=True)
