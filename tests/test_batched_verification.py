@@ -1,5 +1,6 @@
 """Batched verification: many sessions in one pass give exactly the unbatched answers; the scheduler;
 the KV pool's bounds (LRU eviction, RESOURCE_EXHAUSTED)."""
+import asyncio
 import random
 import threading
 from concurrent.futures import wait
@@ -112,6 +113,22 @@ def test_a_lone_round_does_not_wait_for_company(target):
         scheduler.submit_open(SessionSpec("solo", (5, 6))).result(30)
         result = scheduler.submit_round(DraftBlock("solo", 0, 2, ())).result(30)
         assert result.queue_ms < 100  # max_wait is 200 ms: it did not wait for it
+    finally:
+        scheduler.stop()
+
+
+def test_a_closed_session_is_no_company_to_wait_for(target):
+    """Regression: a closed session stayed 'recently active' for half a second, so the rounds of the
+    session after it (a cloud-only stream after the last, an edge's next generation) each waited
+    max_wait for a round that would never come."""
+    scheduler = scheduler_of(target)
+    try:
+        for sid in ("before", "after"):
+            scheduler.submit_open(SessionSpec(sid, (5, 6))).result(30)
+        scheduler.submit_round(DraftBlock("before", 0, 2, ())).result(30)
+        assert asyncio.run(scheduler.close_session("before"))
+        result = scheduler.submit_round(DraftBlock("after", 0, 2, ())).result(30)
+        assert result.queue_ms < 100  # max_wait is 200 ms: it did not wait for the closed session
     finally:
         scheduler.stop()
 

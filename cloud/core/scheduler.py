@@ -165,7 +165,7 @@ class Scheduler:
 
     async def close_session(self, session_id: str) -> bool:
         """Free a session; True if it existed."""
-        return await _wait("CloseSession", self.submit_call(lambda: self.verifier.close_session(session_id)))
+        return await _wait("CloseSession", self.submit_call(lambda: self._close(session_id)))
 
     async def stats(self) -> VerifierStats:
         """Sessions, cached tokens, evictions, held ids, KV cache size."""
@@ -235,6 +235,13 @@ class Scheduler:
                     result = replace(result, verify_ms=total_ms, queue_ms=max(0.0, total_ms - result.verify_ms))
                 _resolve(item.future, result)
             self._settle_opens(step.opens)
+
+    def _close(self, session_id: str) -> bool:
+        """Close a session (model thread): it is no longer company to wait for, nor a reason to cut
+        another session's prefill into small chunks."""
+        with self._cv:
+            self._recent.pop(session_id, None)
+        return self.verifier.close_session(session_id)
 
     def schedule(self) -> Pass:
         """Turn the queues into one step (cv held): every bookkeeping call; up to max_batch queued
