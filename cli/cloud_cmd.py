@@ -80,25 +80,24 @@ def _check_access(config) -> None:
 
 def _backend(config):
     """The backend the config asks for, and a few words describing it."""
+    from ..cloud.engine.factory import pick_engine
     from ..common.models.embedded import resolve
-
     from ..common.models.loading import classify_model
 
     target = resolve(config.target, "target")
     classify_model(target)  # fail here, in one line, before Ray replicas try to load it
+    kind = pick_engine(target, config.engine, config.device, config.dtype)
     if config.backend == "ray":
         from ..cloud.pool.ray_pool import RayPool
 
-        return RayPool(config.pool_spec(target)), f"{target}, {config.replicas} Ray replica(s)"
-    import torch
-
-    from ..cloud.pool.backend import InProcessBackend
+        return RayPool(config.pool_spec(target)), f"{target}, {kind} engine, {config.replicas} Ray replica(s)"
     from ..cloud.core.verifier import Verifier
-    from ..common.models.loading import load_model
+    from ..cloud.engine.factory import load_engine
+    from ..cloud.pool.backend import InProcessBackend
 
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    verifier = Verifier(load_model(target, config.device, config.dtype), config.limits)
+    loaded, engine = load_engine(target, config.engine, config.device, config.dtype, config.torch_threads,
+                                 config.limits)
+    verifier = Verifier(loaded, config.limits, engine)
     backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client,
                                config.max_sessions_per_address, config.prefill_budget_ms)
-    return backend, f"{target}, in-process"
+    return backend, f"{target}, {kind} engine, in-process"

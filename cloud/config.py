@@ -7,7 +7,7 @@ from ..common.config import Choice, DType, check_fields, like, setting
 from ..common.protocol.channel import DEFAULT_HOST, DEFAULT_PORT
 from ..common.security.tls import ServerTLS, check_plaintext
 from .api.access import AccessSpec
-from .specs import PoolSpec, ReplicaSpec, VerifierLimits
+from .specs import EngineKind, PoolSpec, ReplicaSpec, VerifierLimits
 
 
 class Backend(Choice):
@@ -35,6 +35,7 @@ class ServeConfig:
     ray_local_only: bool = like(PoolSpec, "ray_local_only")
     direct_verify: bool = setting(True, "(ray) edges stream rounds straight to their replica's own port on the "
                                         "host")
+    engine: EngineKind = like(ReplicaSpec, "engine")
     device: str = like(ReplicaSpec, "device")
     dtype: DType = like(ReplicaSpec, "dtype")
     torch_threads: int = like(ReplicaSpec, "torch_threads")
@@ -85,7 +86,7 @@ class ServeConfig:
 
     def replica_spec(self, target: str) -> ReplicaSpec:
         """What each replica loads (`target` already resolved to a path or hub id)."""
-        return ReplicaSpec(target=target, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
+        return ReplicaSpec(target=target, engine=self.engine, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
                            limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms,
                            prefill_budget_ms=self.prefill_budget_ms,
                            verify_host=self.host if self.direct_verify else "", access=self.access)

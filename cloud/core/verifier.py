@@ -33,11 +33,11 @@ import torch
 from ...common.maths import verification as rules
 from ...common.maths.features import encode_features
 from ...common.maths.sampling import logits_to_probs, penalize, round_generator
-from ...common.models.loading import LoadedModel, model_fingerprint, tokenizer_fingerprint
+from ...common.models.loading import tokenizer_fingerprint
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
-from ..engine.base import Engine, Feed, KVSequence, Scores
+from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import TorchEngine
 from .session import Phase, Session, SessionStore, one_per_session
 from ..specs import VerifierLimits
@@ -64,8 +64,8 @@ Round = tuple[int, DraftBlock, Session]  # (index in the step's blocks, the bloc
 class Verifier:
     """Owns one engine (the target and its KV cache) and the sessions verified against it."""
 
-    def __init__(self, target: LoadedModel, limits: VerifierLimits | None = None, engine: Engine | None = None) -> None:
-        """`engine` defaults to the torch engine over `target`'s model."""
+    def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None) -> None:
+        """`engine` defaults to the torch engine over `target`'s model (a LoadedModel)."""
         self.target = target
         self.limits = limits if limits is not None else VerifierLimits()
         self.engine: Engine = engine if engine is not None else TorchEngine(target.model, self.limits.kv_cache_tokens)
@@ -73,7 +73,7 @@ class Verifier:
         self.info = ModelInfo(
             model_name=target.name, vocab_size=target.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
-            model_fingerprint=model_fingerprint(target.model), max_context=self.limits.max_context,
+            model_fingerprint=target.fingerprint, max_context=self.limits.max_context,
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
             device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim)

@@ -5,13 +5,13 @@ the scores it returns; an engine runs the pass and owns the KV cache behind it. 
 session's cache only as an opaque `KVSequence` handle whose `length` is the number of tokens cached:
 it asks the engine for room, feeds tokens, cuts a rejected suffix off and releases the handle when
 the session ends. Any engine that implements `Engine` (today's torch engine, cloud/engine/torch_engine.py;
-a llama.cpp engine next) serves every rule, mode and session feature the core offers.
+the llama.cpp engine, cloud/engine/llamacpp_engine.py) serves every rule, mode and session feature the core offers.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -52,6 +52,23 @@ class Capabilities:
     dtype: str  # the weights' type, e.g. "float32", "bfloat16", "Q4_1"
     feature_dim: int  # size of a final hidden state (0: the engine cannot return features)
     tree_masks: bool = False  # can score a draft tree in one pass (not yet: chains only)
+
+
+class Target(Protocol):
+    """What the core reports about the model an engine serves (a LoadedModel for the torch engine,
+    a GgufTarget for llama.cpp)."""
+
+    name: str
+    tokenizer: Any  # a transformers tokenizer: its fingerprint is what edges must match
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def fingerprint(self) -> str: ...
 
 
 class Engine(Protocol):

@@ -41,13 +41,10 @@ class VerifierReplica:
     """Ray actor class (the pool applies ray.remote with its resources)."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
+        from ..engine.factory import load_engine
 
-        from ...common.models.loading import load_model
-
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
-        verifier = Verifier(load_model(spec.target, spec.device, spec.dtype), spec.limits)
+        target, engine = load_engine(spec.target, spec.engine, spec.device, spec.dtype, spec.torch_threads, spec.limits)
+        verifier = Verifier(target, spec.limits, engine)
         self.scheduler = Scheduler(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
         self._verify_host = spec.verify_host
         self._access = spec.access

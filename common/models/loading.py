@@ -39,6 +39,11 @@ class LoadedModel:
         return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
+    def fingerprint(self) -> str:
+        """The weights' identity (model_fingerprint)."""
+        return model_fingerprint(self.model)
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation, from the generation config and the tokenizer."""
         ids: set[int] = set()

@@ -1,0 +1,82 @@
+"""A target served from its GGUF file by the llama.cpp engine: what the verifier must know about it
+(name, tokenizer, end-of-sequence ids, a fingerprint of the weights) without loading it into torch.
+
+A target option names a `.gguf` file, or a checkpoint directory holding one as `model.gguf` beside its
+tokenizer (what `hybridspec models pull` installs). The tokenizer and the end-of-sequence ids come from
+the same files the torch path reads, so an edge sees the same vocabulary whichever engine serves.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+GGUF_FILE = "model.gguf"  # a checkpoint directory's GGUF weights (fetch/embedded.py keeps the shipped file)
+WEIGHT_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama_ftype of the types requantize() writes
+
+
+def find_gguf(spec: str | Path) -> Path | None:
+    """The GGUF file a target option names (the file itself, or a directory's model.gguf), or None."""
+    path = Path(str(spec)).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    inside = path / GGUF_FILE
+    return inside if inside.is_file() else None
+
+
+@dataclass(frozen=True)
+class GgufTarget:
+    """A GGUF target's identity; the weights themselves stay with llama.cpp."""
+
+    name: str  # the target option as given
+    path: Path  # the .gguf file
+    vocab_size: int  # rows of the output head (the engine reads it from the file)
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The checkpoint directory's tokenizer, else the one transformers builds from the GGUF."""
+        if self.path.name == GGUF_FILE and (self.path.parent / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(self.path.parent), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name, local_files_only=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation: the directory's generation config and the tokenizer's."""
+        ids = {self.tokenizer.eos_token_id} - {None}
+        config = self.path.parent / "generation_config.json"
+        if self.path.name == GGUF_FILE and config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        return tuple(sorted(ids))
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 over the file's size and 64 KiB samples spread through it: the weights' identity,
+        cheap to compute for a file of gigabytes."""
+        size = self.path.stat().st_size
+        h = hashlib.sha256(f"gguf:{size}".encode())
+        with self.path.open("rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                h.update(f.read(1 << 16))
+        return h.hexdigest()[:32]
+
+
+def requantize(src: Path, dst: Path, weights: str, threads: int = 2) -> None:
+    """Write `src`'s weights as type `weights` (a WEIGHT_TYPES key) to `dst` with llama.cpp's
+    quantiser; from an already quantised file the values are dequantised first, so F16 and Q8_0 keep
+    them (to their own rounding) while Q4_0 rounds them again."""
+    import ctypes
+
+    import llama_cpp as llama
+
+    params = llama.llama_model_quantize_default_params()
+    params.ftype = WEIGHT_TYPES[weights]
+    params.allow_requantize = True
+    params.nthread = threads
+    if llama.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not write {src} as {weights} to {dst}")

@@ -1,0 +1,157 @@
+"""The llama.cpp engine on the embedded target's shipped GGUF: the Engine contract (lengths, rollback,
+capacity, features), and bit-for-bit agreement between a block scored at once, the same tokens decoded
+one by one, and the block batched with other sessions (what makes hybrid output equal --cloud-only's)."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import require_embedded
+from hybridspec.cloud.engine.base import Feed
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.gguf import find_gguf
+from hybridspec.common.protocol.errors import ResourceExhausted
+
+pytestmark = pytest.mark.embedded
+
+CAPACITY = 2048
+
+
+@pytest.fixture(scope="module")
+def engine():
+    require_embedded()
+    from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
+
+    return LlamaCppEngine(find_gguf(default_paths()["target"]), CAPACITY, max_sequences=4, threads=1)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def open_seq(engine, tokens):
+    kv = engine.new_sequence()
+    engine.reserve(kv, len(tokens))
+    for start in range(0, len(tokens), 256):
+        chunk = tokens[start:start + 256]
+        engine.reserve(kv, len(chunk))
+        engine.forward([Feed(kv, chunk, scored=False)])
+    return kv
+
+
+def score(engine, kv, block, **kw):
+    engine.reserve(kv, len(block))
+    return engine.forward([Feed(kv, block, scored=True, **kw)])[0]
+
+
+@pytest.mark.parametrize("context", [40, 700])  # below and above 512 cached tokens
+def test_a_block_scores_exactly_as_its_tokens_one_by_one(engine, context):
+    kv = open_seq(engine, ids(context, context))
+    block = ids(1, 8)
+    at_once = score(engine, kv, block).logits
+    assert at_once.shape == (8, engine.vocab_size) and at_once.dtype == torch.float32
+    engine.truncate(kv, context)
+    one_by_one = torch.cat([score(engine, kv, [t]).logits for t in block])
+    assert torch.equal(at_once, one_by_one)
+    engine.release(kv)
+
+
+def test_a_block_batched_with_other_sessions_scores_as_alone(engine):
+    a, b = open_seq(engine, ids(2, 300)), open_seq(engine, ids(3, 57))
+    block_a, block_b = ids(4, 5), ids(5, 3)
+    alone = score(engine, a, block_a).logits
+    engine.truncate(a, 300)
+    for kv, n in ((a, 5), (b, 3)):
+        engine.reserve(kv, n)
+    both = engine.forward([Feed(b, block_b, scored=False), Feed(a, block_a, scored=True)])
+    assert both[0].logits is None  # a prefill chunk: no logits
+    assert torch.equal(both[1].logits, alone)
+    assert (a.length, b.length) == (305, 60)
+    engine.release(a)
+    engine.release(b)
+
+
+def test_a_rejected_suffix_is_cut_and_scored_again_identically(engine):
+    kv = open_seq(engine, ids(6, 64))
+    first = score(engine, kv, [11, 12, 13, 14]).logits
+    engine.truncate(kv, 65)  # keep the first drafted token only
+    assert kv.length == 65
+    again = score(engine, kv, [12, 13, 14]).logits
+    assert torch.equal(again, first[1:])
+    engine.release(kv)
+
+
+def test_a_failed_pass_changes_no_cache(engine):
+    good, bad = open_seq(engine, ids(7, 30)), open_seq(engine, ids(8, 30))
+    expected = score(engine, good, [21, 22]).logits
+    engine.truncate(good, 30)
+    engine.reserve(good, 2)
+    engine.reserve(bad, 1)
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        engine.forward([Feed(good, [21, 22], scored=True), Feed(bad, [engine.vocab_size + 5], scored=True)])
+    assert (good.length, bad.length) == (30, 30)
+    assert torch.equal(engine.forward([Feed(good, [21, 22], scored=True)])[0].logits, expected)
+    engine.release(good)
+    engine.release(bad)
+
+
+def test_capacity_and_sequence_ids_are_bounded_and_given_back(engine):
+    fill = engine.fill()
+    kv = engine.new_sequence()
+    with pytest.raises(ResourceExhausted):
+        engine.reserve(kv, CAPACITY + 1)
+    assert engine.fill() == fill and kv.seq_id is None  # nothing taken
+    held = [open_seq(engine, [5]) for _ in range(4)]  # every sequence id of this engine
+    assert not engine.fits(engine.new_sequence(), 1)
+    for h in held:
+        engine.release(h)
+    assert engine.fill() == fill and engine.fits(engine.new_sequence(), 1)
+
+
+def test_features_are_the_final_hidden_states(engine):
+    kv = open_seq(engine, ids(9, 20))
+    plain = score(engine, kv, [31, 32, 33]).logits
+    engine.truncate(kv, 20)
+    scores = score(engine, kv, [31, 32, 33], features=True)
+    assert scores.hidden.shape == (3, engine.capabilities.feature_dim) and torch.isfinite(scores.hidden).all()
+    assert torch.equal(scores.logits, plain)  # asking for features changes no logit
+    # Features for the next pass only when asked again.
+    assert score(engine, kv, [34]).hidden is None
+    engine.release(kv)
+
+
+@pytest.mark.parametrize("role", ["plain", "eagle"])
+def test_hybrid_output_equals_cloud_only_over_grpc(role):
+    """The lossless reference on this engine is its own one-token decoding (--cloud-only): greedy
+    hybrid rounds, batched by the scheduler, give the same tokens. The eagle head gets its features
+    from llama.cpp's final hidden states."""
+    require_embedded()
+    from hybridspec.cloud.api.server import BackgroundServer
+    from hybridspec.cloud.core.verifier import Verifier
+    from hybridspec.cloud.engine.factory import load_engine
+    from hybridspec.cloud.specs import EngineKind, VerifierLimits
+    from hybridspec.common.config import DType
+    from hybridspec.common.models.loading import load_model
+    from hybridspec.edge.client import VerifierClient
+    from hybridspec.edge.config import EdgeConfig
+    from hybridspec.edge.prompt import encode_prompt
+    from hybridspec.edge.worker import EdgeWorker
+    from tinymodels import EVERY_ROUND
+
+    limits = VerifierLimits(max_sessions=4, kv_cache_tokens=4096)
+    target, served = load_engine(str(default_paths()["target"]), EngineKind.LLAMACPP, "cpu", DType.AUTO, 1, limits)
+    assert served.capabilities.name == "llamacpp" and served.capabilities.dtype == "Q4_1"
+    drafter = load_model(default_paths()[role], device="cpu")
+    server = BackgroundServer(Verifier(target, limits, served))
+    try:
+        with VerifierClient(server.address) as client:
+            for question in ("What is the capital of France?", "Name three colours of the rainbow."):
+                prompt = encode_prompt(drafter.tokenizer, question, chat=True)
+                hybrid = EdgeWorker(drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=24, max_draft=4,
+                                                                **EVERY_ROUND)).generate(prompt)
+                alone = EdgeWorker(drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=24,
+                                                               cloud_only=True)).generate(prompt)
+                assert hybrid.stats.rounds > 0 and hybrid.stats.accepted > 0
+                assert (hybrid.stats.feature_bytes > 0) == (role == "eagle")
+                assert hybrid.token_ids == alone.token_ids
+    finally:
+        server.stop()
