@@ -225,6 +225,15 @@ def test_torch_is_pinned_in_pyprojects_range_from_the_right_index(path):
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_the_package_install_can_compile_llama_cpp_portably(path):
+    """llama-cpp-python is an sdist: the step installing the package needs a compiler and CMake, and
+    an image must not be tuned to the CPU of the machine that built it."""
+    step = next(text for text in load(path).all("RUN") if re.search(r"pip3? install /", text))
+    assert "build-essential" in step and "cmake" in step, path.name
+    assert "-DGGML_NATIVE=OFF" in step, path.name
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
 def test_copied_sources_exist_and_cover_every_package_dir(path):
     dockerfile = load(path)
     sources = set()

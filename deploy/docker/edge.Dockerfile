@@ -27,7 +27,13 @@ COPY distill distill
 COPY netem netem
 COPY lab lab
 COPY fetch fetch
-RUN pip install /src
+# llama-cpp-python (pyproject.toml) compiles llama.cpp: a compiler and CMake for this step only, and a
+# portable build (AVX2, not -march=native: the image runs on other hosts than the one that builds it).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential cmake \
+ && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF -DLLAVA_BUILD=OFF" \
+    pip install /src \
+ && apt-get purge -y build-essential cmake && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 10001 hybridspec
 USER hybridspec
