@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 # llama.cpp for the CPU engine, built from the sdist pinned in pyproject.toml: the library only, with
-# its own thread pool (no second OpenMP runtime beside torch's), tuned to this machine's CPU.
+# its own thread pool (no second OpenMP runtime beside torch's), tuned to this machine's CPU; never a
+# cached wheel, which may have been built with other flags.
 LLAMA_CPP := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	@echo "compiling $(LLAMA_CPP): a few minutes (full log: $(VENV)/llama-cpp-build.log)"
-	bash -o pipefail -c 'CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v "$(LLAMA_CPP)" 2>&1 \
+	bash -o pipefail -c 'CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v --no-cache-dir "$(LLAMA_CPP)" 2>&1 \
 		| tee $(VENV)/llama-cpp-build.log | grep --line-buffered -oE "^\s*\[[0-9]+/[0-9]+\]" \
 		| awk -F"[][/]" "{ if (\$$2 % 25 == 0 || \$$2 == \$$3) { print \"  build step \" \$$2 \"/\" \$$3; fflush() } }"' \
 		|| { tail -25 $(VENV)/llama-cpp-build.log; exit 1; }
