@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	@echo "compiling $(LLAMA_CPP): a few minutes (full log: $(VENV)/llama-cpp-build.log)"
+	@echo "compiling $(LLAMA_CPP): a few minutes; every 25th of llama.cpp's build steps is shown (full log: $(VENV)/llama-cpp-build.log)"
 	bash -o pipefail -c 'CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v --no-cache-dir "$(LLAMA_CPP)" 2>&1 \
-		| tee $(VENV)/llama-cpp-build.log | grep --line-buffered -oE "^\s*\[[0-9]+/[0-9]+\]" \
-		| awk -F"[][/]" "{ if (\$$2 % 25 == 0 || \$$2 == \$$3) { print \"  build step \" \$$2 \"/\" \$$3; fflush() } }"' \
+		| tee $(VENV)/llama-cpp-build.log | { grep --line-buffered -oE "^\s*\[[0-9]*(25|50|75|00)/[0-9]+\]" || true; }' \
 		|| { tail -25 $(VENV)/llama-cpp-build.log; exit 1; }
+	@echo "  llama.cpp built"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
