@@ -101,11 +101,18 @@ def _until_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
     return tokens
 
 
-def target_greedy(target: LoadedModel, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> list[int]:
-    """The target's own greedy decoding by Hugging Face `generate` (no drafter, no pool, no network):
-    the independent reference every greedy row of an experiment is compared with."""
-    ids = torch.tensor([prompt], device=target.device)
-    with torch.inference_mode():
-        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=stop_ids[0])
-    return _until_stop(out[0, len(prompt):].tolist(), frozenset(stop_ids))
+def engine_greedy(verifier: Verifier, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The served engine decoding alone, one token per pass (what `--cloud-only` streams, without the
+    network): the reference every greedy row of an experiment is judged against, since a hybrid run
+    is exact only against the arithmetic of the engine that verified it (docs/engine.md)."""
+    session = f"reference-{uuid.uuid4().hex}"
+    verifier.open_session(SessionSpec(session, tuple(prompt)))
+    tokens: list[int] = []
+    try:
+        while len(tokens) < max_new_tokens:
+            tokens.append(verifier.verify(DraftBlock(session, len(tokens), len(prompt) + len(tokens), ())).next_token)
+            if tokens[-1] in verifier.info.eos_token_ids:
+                break
+    finally:
+        verifier.close_session(session)
+    return tokens

@@ -32,6 +32,7 @@ from ..netem.relay import BackgroundLink
 from ..netem.tc import TcError, TcLink, probe
 from . import baselines
 from .clock import CommitClock
+from .references import load_references, served_verifier
 from .rows import done_keys, row_key, write_csv
 from .spec import LINKED, ExperimentSpec, GridPoint, Strategy, link_spec
 
@@ -62,7 +63,7 @@ class Lab:
         self.rows_file = out / "results.jsonl"
         self.done = done_keys(self.rows_file)
         self.references_file = out / "references.json"
-        self.references: dict[int, list[int]] = {}  # prompt -> the target's own greedy tokens
+        self.references: dict[int, list[int]] = {}  # prompt -> the served engine's own greedy tokens
         self._local: dict[str, object] = {}  # target, verifier, assistant for the local baselines
         self._drafters: dict[str, LoadedModel] = {self.drafter_path: self.drafter}  # a strategy may name its own
 
@@ -111,26 +112,17 @@ class Lab:
     # ---- the independent reference ----------------------------------------------------------
 
     def _load_references(self) -> None:
-        """The target's own greedy decoding of every prompt, computed once (on the cloud's core) and
-        kept in OUT/references.json: what every greedy row is judged against, whatever its kind."""
+        """The served engine's own greedy decoding of every prompt, on the cloud's core (lab/references.py)."""
         if not any(p.temperature == 0 for p in self.spec.points()):
-            return
-        stored = json.loads(self.references_file.read_text()) if self.references_file.is_file() else {}
-        if stored.get("max_new_tokens") == self.spec.max_new_tokens and stored.get("prompts") == self.prompts:
-            self.references = {int(k): v for k, v in stored["tokens"].items()}
             return
         if self.pin:
             os.sched_setaffinity(0, self.cloud_cores)
         try:
-            target = self._target()
-            eos = list(target.eos_token_ids)
-            for i, prompt in enumerate(tqdm(self.prompts, desc="reference (target alone, greedy)", unit="prompt")):
-                self.references[i] = baselines.target_greedy(target, prompt, self.spec.max_new_tokens, eos)
+            self.references = load_references(self.references_file, self.prompts, self.spec.max_new_tokens,
+                                              self._verifier())
         finally:
             if self.pin:
                 os.sched_setaffinity(0, self.edge_cores)
-        self.references_file.write_text(json.dumps({"max_new_tokens": self.spec.max_new_tokens, "prompts": self.prompts,
-                                                    "tokens": self.references}) + "\n")
 
     def _keys(self, point: GridPoint, strategy: Strategy) -> list[tuple]:
         """Rows a (point, strategy) pair produces. Over the link, edges run in groups of `edges`
@@ -250,10 +242,8 @@ class Lab:
         return self._local["target"]
 
     def _verifier(self):
-        from ..cloud.core.verifier import Verifier, VerifierLimits
-
         if "verifier" not in self._local:
-            self._local["verifier"] = Verifier(self._target(), VerifierLimits(max_context=8192))
+            self._local["verifier"] = served_verifier(self.target_path, self.spec.cloud)
         return self._local["verifier"]
 
     def _assistant(self):
@@ -287,7 +277,9 @@ class Lab:
         row["prompt_set"] = self.prompt_sets[row["prompt"]]
         row["drafter_used"] = (strategy.edge.get("drafter") or point.drafter or self.spec.drafter or "default") \
             if strategy.kind != "cloud_only" else ""
-        if point.temperature == 0 and tokens and row["prompt"] in self.references:
+        # Hugging Face's assisted generation decodes with torch: comparable only to a torch reference.
+        torch_text = strategy.kind == "hf_assisted" and self._verifier().engine.capabilities.name != "torch"
+        if point.temperature == 0 and tokens and row["prompt"] in self.references and not torch_text:
             row["same_as_target"] = tokens == self.references[row["prompt"]]
         row["tokens"] = tokens
         return row

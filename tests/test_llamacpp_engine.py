@@ -155,3 +155,30 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
                 assert hybrid.token_ids == alone.token_ids
     finally:
         server.stop()
+
+
+def test_experiment_references_come_from_the_served_engine(tmp_path):
+    """An experiment judges greedy rows against the engine the cloud serves with: a llama.cpp cloud's
+    rows against llama.cpp's own decoding, kept apart from a torch reference of the same prompts."""
+    require_embedded()
+    import json
+
+    from hybridspec.cloud.core.verifier import Verifier
+    from hybridspec.common.models.loading import load_model
+    from hybridspec.lab.references import load_references, served_verifier
+
+    target = str(default_paths()["target"])
+    served = served_verifier(target, {"engine": "llamacpp"})
+    assert served.engine.capabilities.name == "llamacpp"
+    loaded = load_model(target, device="cpu")
+    prompt = loaded.tokenizer("The capital of France is")["input_ids"]
+    file = tmp_path / "references.json"
+    ours = load_references(file, [prompt], 12, served)[0]
+    assert len(ours) == 12 and json.loads(file.read_text())["weights"] == "Q4_1"
+    assert load_references(file, [prompt], 12, served)[0] == ours  # read back
+    # Other weights: recomputed on torch, where the engine's decoding is Hugging Face's greedy.
+    theirs = load_references(file, [prompt], 12, Verifier(loaded))[0]
+    assert json.loads(file.read_text())["weights"] == "float32"
+    expected = loaded.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=2)
+    assert theirs == expected[0, len(prompt):].tolist()
