@@ -132,10 +132,13 @@ def _save(fig, path: Path, legend_axes=None) -> Path:
     for ax in legend_axes or fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    if fig._suptitle is not None:  # wrapped, and room kept for it above the panels
-        fig._suptitle.set_text(textwrap.fill(fig._suptitle.get_text(), 140))
-    height = fig.get_size_inches()[1]
-    top = 1 - 0.5 / height
+    width, height = fig.get_size_inches()
+    lines = 1
+    if fig._suptitle is not None:  # wrapped to the figure's width, and room kept for it above the panels
+        wrapped = textwrap.fill(fig._suptitle.get_text(), int(width * 10))  # about 10 title characters an inch
+        fig._suptitle.set_text(wrapped)
+        lines = wrapped.count("\n") + 1
+    top = 1 - 0.05 * lines / height
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)), fontsize=8,
                    frameon=False)
@@ -329,9 +332,9 @@ def _markdown(rows: list[dict], panels: list[agg.Facet]) -> str:
              "them.", ""]
     same, judged = agg.exactness(rows)
     if judged:
-        lines += [f"Greedy exactness against the target's own decoding (Hugging Face `generate`, computed once "
-                  f"per prompt, not a row of this sweep): **{same}/{judged}** cloud-only, hybrid and co-located "
-                  "generations identical.", ""]
+        lines += [f"Greedy exactness against the target's own decoding (the served engine alone, one token per "
+                  f"pass, computed once per prompt, not a row of this sweep): **{same}/{judged}** cloud-only, hybrid "
+                  "and co-located generations identical.", ""]
     for panel in panels:
         lines += _panel_markdown(panel, kinds)
     return "\n".join(lines) + "\n"
