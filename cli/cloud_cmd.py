@@ -86,7 +86,7 @@ def _backend(config):
 
     target = resolve(config.target, "target")
     classify_model(target)  # fail here, in one line, before Ray replicas try to load it
-    kind = pick_engine(target, config.engine, config.device, config.dtype)
+    kind = pick_engine(target, config.engine, config.device, config.dtype, config.max_sessions)
     if config.backend == "ray":
         from ..cloud.pool.ray_pool import RayPool
 

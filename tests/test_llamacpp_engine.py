@@ -13,7 +13,7 @@ from hybridspec.common.protocol.errors import ResourceExhausted
 
 pytestmark = pytest.mark.embedded
 
-CAPACITY = 2048
+CAPACITY = 4096  # four sessions' streams of 1,024 tokens
 
 
 @pytest.fixture(scope="module")
@@ -94,17 +94,34 @@ def test_a_failed_pass_changes_no_cache(engine):
     engine.release(bad)
 
 
-def test_capacity_and_sequence_ids_are_bounded_and_given_back(engine):
+def test_each_session_has_its_own_bounded_stream_and_gives_it_back(engine):
+    share = engine.capabilities.max_sequence_tokens
+    assert share == CAPACITY // 4
     fill = engine.fill()
     kv = engine.new_sequence()
     with pytest.raises(ResourceExhausted):
-        engine.reserve(kv, CAPACITY + 1)
+        engine.reserve(kv, share + 1)
     assert engine.fill() == fill and kv.seq_id is None  # nothing taken
-    held = [open_seq(engine, [5]) for _ in range(4)]  # every sequence id of this engine
+    held = [open_seq(engine, [5]) for _ in range(4)]  # every stream of this engine
     assert not engine.fits(engine.new_sequence(), 1)
     for h in held:
         engine.release(h)
     assert engine.fill() == fill and engine.fits(engine.new_sequence(), 1)
+
+
+def test_a_sessions_logits_do_not_depend_on_other_sessions(engine):
+    """Regression: in a KV cache shared by all sessions, a session opened after another (its cells
+    10 places further on) scored a block differently (logits off by 0.8): flash attention walks the
+    cache in tiles of 64 cells. With a stream per session, other sessions change nothing."""
+    context, block = ids(10, 300), ids(11, 5)
+    kv = open_seq(engine, context)
+    alone = score(engine, kv, block).logits
+    engine.release(kv)
+    other = open_seq(engine, ids(12, 10))
+    kv = open_seq(engine, context)
+    assert torch.equal(score(engine, kv, block).logits, alone)
+    engine.release(kv)
+    engine.release(other)
 
 
 def test_features_are_the_final_hidden_states(engine):
@@ -182,3 +199,26 @@ def test_experiment_references_come_from_the_served_engine(tmp_path):
     expected = loaded.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                      do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=2)
     assert theirs == expected[0, len(prompt):].tolist()
+
+
+def test_models_pull_weights_switch_what_the_engine_serves(tmp_path):
+    """`models pull --weights`: model.gguf links to the chosen type, written from the shipped file once;
+    other written types are removed, the shipped file never."""
+    require_embedded()
+    from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
+    from hybridspec.common.models.gguf import GGUF_FILE, select_weights, served_weights, typed_gguf
+
+    shipped = typed_gguf(tmp_path, "Q4_1")
+    shipped.symlink_to(find_gguf(default_paths()["target"]).resolve())
+    lines = []
+    select_weights(tmp_path, "Q4_1", "Q4_1", lines.append)
+    assert served_weights(tmp_path) == "Q4_1" and lines == []  # nothing to write
+    for weights in ("Q8_0", "F16"):
+        select_weights(tmp_path, "Q4_1", weights, lines.append)
+        assert served_weights(tmp_path) == weights and weights in lines[-1]
+        assert LlamaCppEngine(find_gguf(tmp_path), 256, 1).capabilities.dtype == weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([GGUF_FILE, "model.F16.gguf", "model.Q4_1.gguf"])
+    select_weights(tmp_path, "Q4_1", "Q4_1", lines.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([GGUF_FILE, "model.Q4_1.gguf"]) and shipped.exists()
+    with pytest.raises(ValueError, match="weights must be one of"):
+        select_weights(tmp_path, "Q4_1", "Q2_K")

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,6 +70,10 @@ class Verifier:
         self.limits = limits if limits is not None else VerifierLimits()
         self.engine: Engine = engine if engine is not None else TorchEngine(target.model, self.limits.kv_cache_tokens)
         caps = self.engine.capabilities
+        if caps.max_sequence_tokens and caps.max_sequence_tokens < self.limits.max_context:
+            # An engine with a fixed share of its cache per session (llama.cpp's per-session streams):
+            # a session is refused past its share here, before eviction could be tried on its behalf.
+            self.limits = replace(self.limits, max_context=caps.max_sequence_tokens)
         self.info = ModelInfo(
             model_name=target.name, vocab_size=target.vocab_size,
             tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),

@@ -52,6 +52,7 @@ class Capabilities:
     dtype: str  # the weights' type, e.g. "float32", "bfloat16", "Q4_1"
     feature_dim: int  # size of a final hidden state (0: the engine cannot return features)
     tree_masks: bool = False  # can score a draft tree in one pass (not yet: chains only)
+    max_sequence_tokens: int = 0  # most tokens one session may cache (0: only the whole cache bounds it)
 
 
 class Target(Protocol):

@@ -10,20 +10,24 @@ from ..specs import EngineKind, VerifierLimits
 from .base import Engine, Target
 
 
+MAX_LLAMACPP_SESSIONS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold
+
+
 def llamacpp_installed() -> bool:
     """True when llama-cpp-python can be imported here."""
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType) -> EngineKind:
+def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType, max_sessions: int = 1) -> EngineKind:
     """The engine `engine` resolves to for this target; ConfigError, in one line, for a combination that
-    cannot run. Auto: llama.cpp on a CPU when the target has a GGUF file, no dtype was asked for and
-    llama-cpp-python is installed; torch otherwise (GPUs, Hugging Face checkpoints, an explicit dtype)."""
+    cannot run. Auto: llama.cpp on a CPU when the target has a GGUF file, no dtype was asked for,
+    llama-cpp-python is installed and max_sessions is within llama.cpp's limit; torch otherwise (GPUs,
+    Hugging Face checkpoints, an explicit dtype)."""
     on_cpu = pick_device(device).type == "cpu"
     if engine is EngineKind.AUTO:
         usable = on_cpu and dtype is DType.AUTO and find_gguf(target) is not None and llamacpp_installed()
-        return EngineKind.LLAMACPP if usable else EngineKind.TORCH
-    if engine is EngineKind.LLAMACPP:
+        engine = EngineKind.LLAMACPP if usable and max_sessions <= MAX_LLAMACPP_SESSIONS else EngineKind.TORCH
+    elif engine is EngineKind.LLAMACPP:
         if not on_cpu:
             raise ConfigError(f"the llamacpp engine runs on the CPU; device {device} needs engine torch")
         if dtype is not DType.AUTO:
@@ -34,24 +38,22 @@ def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType) -> E
                              "no model.gguf")
         if not llamacpp_installed():
             raise ConfigError("the llamacpp engine needs llama-cpp-python (pip install -e .)")
+    if engine is EngineKind.LLAMACPP and max_sessions > MAX_LLAMACPP_SESSIONS:
+        raise ConfigError(f"the llamacpp engine holds at most {MAX_LLAMACPP_SESSIONS} sessions per replica; "
+                          f"max_sessions is {max_sessions}")
     return engine
-
-
-def _sequences(max_sessions: int) -> int:
-    """llama.cpp sequence ids to hold: twice the live sessions, since a session being opened or
-    re-opened holds its own until it goes live; at most llama.cpp's limit (LLAMA_MAX_SEQ, 256).
-    A session that finds none free gets RESOURCE_EXHAUSTED like any full cache."""
-    return min(2 * max_sessions, 256)
 
 
 def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, threads: int,
                 limits: VerifierLimits) -> tuple[Target, Engine]:
     """The target's identity and the engine that serves it, loaded."""
-    if pick_engine(target, engine, device, dtype) is EngineKind.LLAMACPP:
+    if pick_engine(target, engine, device, dtype, limits.max_sessions) is EngineKind.LLAMACPP:
         from .llamacpp_engine import LlamaCppEngine
 
         gguf = find_gguf(target)
-        served = LlamaCppEngine(gguf, limits.kv_cache_tokens, _sequences(limits.max_sessions), threads or 1)
+        # A stream per session: max_sessions streams of kv_cache_tokens / max_sessions cells. A session
+        # being re-opened while the replica is full takes the least recently used one's (eviction).
+        served = LlamaCppEngine(gguf, limits.kv_cache_tokens, limits.max_sessions, threads or 1)
         return GgufTarget(name=target, path=gguf, vocab_size=served.vocab_size), served
     import torch
 

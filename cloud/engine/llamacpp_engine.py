@@ -1,15 +1,20 @@
 """The llama.cpp engine: a GGUF target served by llama.cpp's CPU kernels through llama-cpp-python's
 low-level API (the high-level `Llama` class holds one sequence and an n_ctx × vocab score matrix).
 
-One `llama_context` per engine holds every session's keys and values in one unified KV cache of
-`kv_tokens` cells; a session is a llama.cpp sequence id. A pass is one `llama_decode` carrying every
-feed (rounds, decode steps, prefill chunks), with an output row only where a rule needs logits or a
-session asked for features. A rejected suffix is cut with `llama_memory_seq_rm`.
+One `llama_context` per engine holds the sessions' keys and values: `kv_tokens` cells split into one
+stream per session (llama.cpp's per-sequence KV, `kv_unified` off), a session being a llama.cpp
+sequence id. A pass is one `llama_decode` carrying every feed (rounds, decode steps, prefill chunks),
+with an output row only where a rule needs logits or a session asked for features. A rejected suffix
+is cut with `llama_memory_seq_rm`.
 
-Flash attention is on: with it, llama.cpp's CPU kernels compute each row of a block exactly as they
-compute that token alone, so a block scored at once and the same tokens decoded one by one give the
-same logits bit for bit (tests/test_llamacpp_engine.py). Without it the attention path depends on
-the number of rows and near-ties can break differently (docs/engine.md).
+Both choices are for exactness (docs/engine.md). Flash attention is on: with it llama.cpp's CPU
+kernels compute each row of a block exactly as they compute that token alone. And each session has
+its own stream: the flash-attention kernel walks the cache in tiles of 64 cells, so in a cache shared
+by all sessions a session's logits would depend on where its cells fall among other sessions' (a
+session opened 10 cells later scores differently); in its own stream its cells always start at 0.
+Then a block scored at once, alone or batched, gives the logits of the same tokens decoded one by
+one, bit for bit, whatever else the replica serves (tests/test_llamacpp_engine.py). The price is a
+fixed share per session: `kv_tokens / max_sequences` tokens (`Capabilities.max_sequence_tokens`).
 
 ctypes releases the GIL during every llama.cpp call, so the replica's gRPC threads run during a pass.
 """
@@ -65,7 +70,7 @@ class LlamaCppEngine:
         params.n_ctx = kv_tokens
         params.n_batch = params.n_ubatch = min(kv_tokens, MAX_BATCH_TOKENS)
         params.n_seq_max = max_sequences
-        params.kv_unified = True  # one pool of cells shared by every session, as the torch engine's pages
+        params.kv_unified = False  # a stream per session: see the module's docstring
         params.n_threads = params.n_threads_batch = threads
         params.flash_attn_type = (llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention
                                   else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -80,12 +85,13 @@ class LlamaCppEngine:
         self._batch_size = params.n_batch
         self._batch = llama.llama_batch_init(self._batch_size, 0, 1)
         self._capacity = kv_tokens
+        self._per_sequence = llama.llama_n_ctx_seq(self._ctx)
         self._free_ids = list(range(max_sequences - 1, -1, -1))
         self._held = 0
         self._embeddings = False
         ftype = llama.llama_model_ftype(self._model)
         self.capabilities = Capabilities(name="llamacpp", device="cpu", dtype=FTYPES.get(ftype, f"ftype {ftype}"),
-                                         feature_dim=self._hidden)
+                                         feature_dim=self._hidden, max_sequence_tokens=self._per_sequence)
 
     def __del__(self) -> None:
         # The context first: it refers to the model.
@@ -107,7 +113,7 @@ class LlamaCppEngine:
         return self._capacity
 
     def fill(self) -> float:
-        """The fraction of cells reserved by sessions."""
+        """The fraction of all cells reserved by sessions."""
         return self._held / self._capacity
 
     def new_sequence(self) -> LlamaSequence:
@@ -115,9 +121,8 @@ class LlamaCppEngine:
         return LlamaSequence()
 
     def fits(self, kv: LlamaSequence, extra: int) -> bool:
-        """True if the cells `extra` more tokens need, and a sequence id, are free."""
-        need = max(0, kv.length + extra - kv.held)
-        return self._held + need <= self._capacity and (kv.seq_id is not None or bool(self._free_ids))
+        """True if `kv` has a stream, or one is free, and `extra` more tokens fit in it."""
+        return kv.length + extra <= self._per_sequence and (kv.seq_id is not None or bool(self._free_ids))
 
     def reserve(self, kv: LlamaSequence, extra: int) -> None:
         """Take the cells `extra` more tokens need; ResourceExhausted, taking nothing, if they are not free."""

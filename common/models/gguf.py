@@ -13,10 +13,42 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-GGUF_FILE = "model.gguf"  # a checkpoint directory's GGUF weights (fetch/embedded.py keeps the shipped file)
+GGUF_FILE = "model.gguf"  # a checkpoint directory's GGUF weights: a link to one of its model.<TYPE>.gguf
 WEIGHT_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama_ftype of the types requantize() writes
+
+
+def typed_gguf(directory: Path, weights: str) -> Path:
+    """Where a checkpoint directory keeps its GGUF weights of one type."""
+    return directory / f"model.{weights}.gguf"
+
+
+def served_weights(directory: Path) -> str:
+    """The type of the weights a directory's model.gguf links to ("" when it is not such a link)."""
+    link = directory / GGUF_FILE
+    name = link.readlink().name if link.is_symlink() else ""
+    return name.removeprefix("model.").removesuffix(".gguf") if name.startswith("model.") else ""
+
+
+def select_weights(directory: Path, shipped: str, weights: str, log=print) -> None:
+    """Make model.gguf the `weights` version of the directory's shipped GGUF (model.<shipped>.gguf),
+    writing it with llama.cpp's quantiser if it is not there yet; other written versions are removed."""
+    if weights not in WEIGHT_TYPES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_TYPES)}, got {weights!r}")
+    wanted = typed_gguf(directory, weights)
+    if not wanted.is_file():
+        log(f"writing the target's weights as {weights} with llama.cpp (from the shipped {shipped})")
+        partial = wanted.with_suffix(".partial")
+        requantize(typed_gguf(directory, shipped), partial, weights)
+        partial.rename(wanted)
+    link = directory / GGUF_FILE
+    staged = directory / (GGUF_FILE + ".new")
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(wanted.name)
+    staged.replace(link)  # atomic: a server starting meanwhile finds one version or the other
+    for other in directory.glob("model.*.gguf"):
+        if other not in (wanted, typed_gguf(directory, shipped)):
+            other.unlink()
 
 
 def find_gguf(spec: str | Path) -> Path | None:
@@ -37,8 +69,10 @@ class GgufTarget:
     vocab_size: int  # rows of the output head (the engine reads it from the file)
 
     @cached_property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
+    def tokenizer(self):
         """The checkpoint directory's tokenizer, else the one transformers builds from the GGUF."""
+        from transformers import AutoTokenizer  # here: the CLI reads WEIGHT_TYPES without transformers
+
         if self.path.name == GGUF_FILE and (self.path.parent / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(str(self.path.parent), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name, local_files_only=True)
