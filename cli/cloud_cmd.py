@@ -98,6 +98,7 @@ def _backend(config):
     loaded, engine = load_engine(target, config.engine, config.device, config.dtype, config.torch_threads,
                                  config.limits)
     verifier = Verifier(loaded, config.limits, engine)
+    verifier.measure_pass_costs(config.pass_cost_tokens)
     backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client,
                                config.max_sessions_per_address, config.prefill_budget_ms)
     return backend, f"{target}, {kind} engine, in-process"

@@ -33,6 +33,7 @@ class ServeConfig:
     ray_address: str = like(PoolSpec, "ray_address")
     ray_num_cpus: int = like(PoolSpec, "ray_num_cpus")
     ray_local_only: bool = like(PoolSpec, "ray_local_only")
+    replica_niceness: int = like(PoolSpec, "niceness")
     direct_verify: bool = setting(True, "(ray) edges stream rounds straight to their replica's own port on the "
                                         "host")
     engine: EngineKind = like(ReplicaSpec, "engine")
@@ -41,6 +42,7 @@ class ServeConfig:
     torch_threads: int = like(ReplicaSpec, "torch_threads")
     max_batch_size: int = like(ReplicaSpec, "max_batch")
     max_wait_ms: float = like(ReplicaSpec, "max_wait_ms")
+    pass_cost_tokens: int = like(ReplicaSpec, "pass_cost_tokens")
     max_context: int = like(VerifierLimits, "max_context")
     max_draft: int = like(VerifierLimits, "max_draft")
     max_sessions: int = like(VerifierLimits, "max_sessions")
@@ -88,7 +90,7 @@ class ServeConfig:
         """What each replica loads (`target` already resolved to a path or hub id)."""
         return ReplicaSpec(target=target, engine=self.engine, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
                            limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms,
-                           prefill_budget_ms=self.prefill_budget_ms,
+                           prefill_budget_ms=self.prefill_budget_ms, pass_cost_tokens=self.pass_cost_tokens,
                            verify_host=self.host if self.direct_verify else "", access=self.access)
 
     def pool_spec(self, target: str) -> PoolSpec:
@@ -97,4 +99,4 @@ class ServeConfig:
                         num_gpus=self.replica_num_gpus, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus,
                         max_sessions_per_client=self.max_sessions_per_client,
                         max_sessions_per_address=self.max_sessions_per_address, replica_wait_s=self.replica_wait_s,
-                        ray_local_only=self.ray_local_only)
+                        ray_local_only=self.ray_local_only, niceness=self.replica_niceness)

@@ -61,6 +61,9 @@ class ReplicaSpec:
                                  ge=0)
     prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others send rounds, a pass carrying a "
                                                                   "prompt chunk takes about this long", gt=0)
+    pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
+                                        "the curve to edges, which size their blocks by it; 0 = do not measure",
+                                    ge=0)
     verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
     access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
 
@@ -79,6 +82,8 @@ class PoolSpec:
     ray_address: str = setting("", 'the Ray cluster to join ("auto" or ray://HOST:10001); empty: start a '
                                    "local one")
     ray_num_cpus: int = setting(0, "CPUs a local cluster advertises; 0 = every core", ge=0)
+    niceness: int = setting(0, "scheduling niceness of each replica's process (Ray starts its workers at 15, "
+                               "which makes a replica yield its core to everything else on the node)", ge=0, le=19)
     name: str = "hybridspec"  # prefix of the replicas' actor names
     max_sessions_per_client: int = setting(32, "sessions one token identity may hold over the whole pool; more "
                                                "get RESOURCE_EXHAUSTED", ge=1)

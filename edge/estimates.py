@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .policy import Rates
+from .policy import Rates, interpolate
 
 DECAY = 0.9  # weight of the past per new observation (≈ the last 10 observations count)
 
@@ -69,12 +69,19 @@ class LinearFit:
 
 @dataclass
 class VerifyCost:
-    """The verifier's time per round. An empty block (γ = 0) scores one position and is measured on
-    its own: on CPUs the jump from one position to several is larger than any later step. Blocks
-    of γ ≥ 1 are fitted as a line in γ."""
+    """The verifier's time per round.
+
+    With the cloud's measured pass costs (GetModelInfo), t_v(γ) is that curve at γ + 1 tokens plus
+    `residual`, what rounds cost beyond the bare pass (the verification rule, waiting for a batch,
+    other sessions in it): the cloud knows the shape, the edge measures the level. Without them, an
+    empty block (γ = 0) is measured on its own (on CPUs the jump from one position to several is
+    larger than any later step) and blocks of γ ≥ 1 are fitted as a line in γ.
+    """
 
     single: Ewma = field(default_factory=Ewma)
     blocks: LinearFit = field(default_factory=LinearFit)
+    pass_costs: tuple[tuple[int, float], ...] = ()  # (tokens, seconds), from the cloud
+    residual: Ewma = field(default_factory=Ewma)
 
     def add(self, gamma: int, seconds: float) -> None:
         """One round of γ drafts took `seconds` on the verifier."""
@@ -82,6 +89,15 @@ class VerifyCost:
             self.single.add(seconds)
         else:
             self.blocks.add(gamma, seconds)
+        if self.pass_costs:
+            self.residual.add(seconds - interpolate(self.pass_costs, gamma + 1))
+
+    def curve(self, max_gamma: int) -> tuple[float, ...]:
+        """t_v(0..max_gamma) from the cloud's curve and the residual; () without a curve."""
+        if not self.pass_costs:
+            return ()
+        extra = self.residual.get(0.0)
+        return tuple(max(0.0, interpolate(self.pass_costs, g + 1) + extra) for g in range(max_gamma + 1))
 
 
 class Estimates:
@@ -100,6 +116,14 @@ class Estimates:
     def switch_cost_s(self, context_tokens: int) -> float:
         """What changing mode costs: a round trip and a prefill of the context (re-open or new stream)."""
         return self.rtt_s.get(0.0) + self.prefill_per_token_s.get(0.0) * context_tokens
+
+    def use_pass_costs(self, points_ms: tuple[tuple[int, float], ...]) -> None:
+        """The cloud's measured cost per pass size (ModelInfo.pass_costs); a new curve (another
+        cloud) starts the residual afresh."""
+        curve = tuple((m, ms / 1e3) for m, ms in points_ms)
+        if curve != self.verify.pass_costs:
+            self.verify.pass_costs = curve
+            self.verify.residual = Ewma()
 
     def observe_verify(self, gamma: int, seconds: float) -> None:
         """The verifier's own time for a round of γ drafts."""
@@ -150,4 +174,5 @@ class Estimates:
             a, b = defaults.verify_block_s, defaults.verify_per_draft_s
         return Rates(alphas=self.alphas, draft_s=self.draft_s.get(defaults.draft_s),
                      rtt_s=self.rtt_s.get(defaults.rtt_s), verify_single_s=single, verify_block_s=a,
-                     verify_per_draft_s=b, cloud_token_s=t_cloud if t_cloud is not None else single)
+                     verify_per_draft_s=b, cloud_token_s=t_cloud if t_cloud is not None else single,
+                     verify_curve_s=self.verify.curve(len(self._tries)))

@@ -29,14 +29,31 @@ class Rates:
     verify_block_s: float  # for γ ≥ 1, t_v(γ) = verify_block_s + verify_per_draft_s · γ
     verify_per_draft_s: float
     cloud_token_s: float  # T
+    # t_v(0), t_v(1), ...: from the cloud's measured pass costs when it reported them; overrides the
+    # line above for every γ it covers (a CPU's t_v is far from linear in γ).
+    verify_curve_s: Sequence[float] = ()
 
     def verify_s(self, gamma: int) -> float:
         """t_v(γ)."""
+        if gamma < len(self.verify_curve_s):
+            return self.verify_curve_s[gamma]
         return self.verify_single_s if gamma == 0 else self.verify_block_s + self.verify_per_draft_s * gamma
 
     def optimistic(self, alpha: float) -> Rates:
         """The same rates with every α_j raised to at least `alpha` (what a good drafter could do)."""
         return replace(self, alphas=[max(a, alpha) for a in self.alphas])
+
+
+def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
+    """The piecewise-linear curve through `points` ((x, y) with x increasing) at x, extended by its
+    last segment beyond either end (by its only point's value when there is one)."""
+    if len(points) == 1:
+        return points[0][1]
+    i = 1
+    while i < len(points) - 1 and points[i][0] < x:
+        i += 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def expected_tokens(alphas: Sequence[float], gamma: int) -> float:

@@ -39,6 +39,7 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
                                      VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import TorchEngine
+from .costs import measure_pass_costs
 from .session import Phase, Session, SessionStore, one_per_session
 from ..specs import VerifierLimits
 from .telemetry import ReplicaTelemetry, Telemetry
@@ -84,6 +85,13 @@ class Verifier:
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release)
         self.telemetry = Telemetry()
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
+
+    def measure_pass_costs(self, max_tokens: int) -> None:
+        """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info`, for the
+        edges' block sizing (cloud/core/costs.py). Run it before serving: it holds the engine meanwhile."""
+        with self._lock:
+            points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, self.limits.max_draft + 1))
+            self.info = replace(self.info, pass_costs=points)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 

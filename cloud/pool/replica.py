@@ -45,6 +45,7 @@ class VerifierReplica:
 
         target, engine = load_engine(spec.target, spec.engine, spec.device, spec.dtype, spec.torch_threads, spec.limits)
         verifier = Verifier(target, spec.limits, engine)
+        verifier.measure_pass_costs(spec.pass_cost_tokens)
         self.scheduler = Scheduler(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
         self._verify_host = spec.verify_host
         self._access = spec.access

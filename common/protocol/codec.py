@@ -1,6 +1,8 @@
 """Protobuf <-> wire dataclasses. The only module that knows both; it never touches tensors."""
 from __future__ import annotations
 
+import math
+
 from .errors import InvalidArgument
 from .proto import verifier_pb2 as pb
 from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DraftBlock, FeatureBlock, FeatureFormat, GenerateSpec, Mode,
@@ -57,7 +59,8 @@ def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
                         model_fingerprint=i.model_fingerprint, max_context=i.max_context,
                         max_draft=i.max_draft, max_sessions=i.max_sessions,
                         idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids),
-                        device=i.device, dtype=i.dtype, feature_dim=i.feature_dim)
+                        device=i.device, dtype=i.dtype, feature_dim=i.feature_dim,
+                        pass_costs=[pb.PassCost(tokens=m, ms=ms) for m, ms in i.pass_costs])
 
 
 def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
@@ -67,7 +70,17 @@ def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
                      model_fingerprint=m.model_fingerprint, max_context=m.max_context,
                      max_draft=m.max_draft, max_sessions=m.max_sessions,
                      idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids),
-                     device=m.device, dtype=m.dtype, feature_dim=m.feature_dim)
+                     device=m.device, dtype=m.dtype, feature_dim=m.feature_dim,
+                     pass_costs=_pass_costs(m.pass_costs))
+
+
+def _pass_costs(points) -> tuple[tuple[int, float], ...]:
+    """A server's cost curve as the edge may use it: nothing unless every point is finite and positive
+    and M strictly increases (a broken or hostile server cannot steer the policy with a bad shape)."""
+    curve = tuple((int(p.tokens), float(p.ms)) for p in points)
+    sane = all(m >= 1 and math.isfinite(ms) and ms > 0 for m, ms in curve) and all(
+        a[0] < b[0] for a, b in zip(curve, curve[1:]))
+    return curve if sane else ()
 
 
 def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:

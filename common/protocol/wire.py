@@ -151,6 +151,9 @@ class ModelInfo:
     device: str = ""  # where the target runs, e.g. "cpu" or "cuda:0"
     dtype: str = ""  # the precision it is served in; greedy output equals its own decoding in this dtype
     feature_dim: int = 0  # size of the final hidden states it can send (0: it sends none)
+    # (M, milliseconds): what a forward pass of M tokens cost the replica's engine when it started,
+    # M increasing; empty when not measured. The shape of t_v(γ) = cost(γ + 1) for the edge's policy.
+    pass_costs: tuple[tuple[int, float], ...] = ()
 
 
 def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:

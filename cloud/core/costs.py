@@ -1,0 +1,61 @@
+"""What a forward pass of M tokens costs this replica's engine: measured once when a replica starts.
+
+The edge sizes its draft blocks from the verify cost t_v(γ) = t(γ + 1) (edge/policy.py). Guessing that
+curve from the few block sizes an edge happens to try goes badly on CPUs, where t(M) is anything but
+linear (llama.cpp's one-row kernels are far cheaper per token than its many-row ones, docs/engine.md);
+the replica knows its own curve, so it measures it and reports it in GetModelInfo. The measurement is
+one session alone over a short cached context, so it is the engine's cost, not the replica's load:
+the edge adds what it measures on top (queueing, batching with others) as a residual.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from ..engine.base import Engine, Feed
+
+CONTEXT_TOKENS = 128  # cached before timing: verify rounds extend a context, never an empty cache
+REPEATS = 3  # per size; the median is reported
+# Every size up to 8 (where CPU kernels change most), then coarser; the edge interpolates between.
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+
+
+def cost_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The pass sizes measured for a curve up to `max_tokens` (which is always among them)."""
+    if max_tokens < 1:
+        return ()
+    return tuple(m for m in SIZES if m < max_tokens) + (max_tokens,)
+
+
+def measure_pass_costs(engine: Engine, vocab_size: int, max_tokens: int,
+                       repeats: int = REPEATS) -> tuple[tuple[int, float], ...]:
+    """(M, median milliseconds) of a scored pass of M tokens after CONTEXT_TOKENS cached ones, for the
+    sizes of `cost_sizes(max_tokens)`; sizes are interleaved across repeats so that a slow moment of the
+    machine spreads over all of them instead of bending the curve. Leaves the engine as it was."""
+    sizes = cost_sizes(max_tokens)
+    if not sizes:
+        return ()
+    kv = engine.new_sequence()
+    try:
+        engine.reserve(kv, CONTEXT_TOKENS)
+        engine.forward([Feed(kv, _tokens(CONTEXT_TOKENS, vocab_size, 0), scored=False)])
+        times: dict[int, list[float]] = {m: [] for m in sizes}
+        for r in range(repeats + 1):  # the first sweep warms the kernels up and is not kept
+            for m in sizes:
+                feed = Feed(kv, _tokens(m, vocab_size, CONTEXT_TOKENS + r), scored=True)
+                engine.reserve(kv, m)
+                start = time.perf_counter()
+                engine.forward([feed])
+                elapsed = (time.perf_counter() - start) * 1e3
+                engine.truncate(kv, CONTEXT_TOKENS)
+                if r:
+                    times[m].append(elapsed)
+    finally:
+        engine.release(kv)
+    return tuple((m, round(statistics.median(times[m]), 3)) for m in sizes)
+
+
+def _tokens(count: int, vocab_size: int, salt: int) -> Sequence[int]:
+    """Ordinary-looking ids spread over the vocabulary (no model cost depends on which)."""
+    return [(7919 * (i + salt) + 17) % vocab_size for i in range(count)]

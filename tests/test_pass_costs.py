@@ -1,0 +1,116 @@
+"""The cloud measures what a pass of M tokens costs and reports it (GetModelInfo); the edge's policy
+sizes blocks by that curve plus what it measures on top."""
+import math
+
+import pytest
+
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.costs import cost_sizes, measure_pass_costs
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.cloud.engine.torch_engine import TorchEngine
+from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.edge import policy
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.estimates import Estimates
+from hybridspec.edge.worker import EdgeWorker
+
+
+def test_sizes_cover_every_small_block_and_end_at_the_largest():
+    assert cost_sizes(0) == ()
+    assert cost_sizes(1) == (1,)
+    assert cost_sizes(5) == (1, 2, 3, 4, 5)
+    sizes = cost_sizes(33)
+    assert sizes[:8] == tuple(range(1, 9)) and sizes[-1] == 33 and list(sizes) == sorted(set(sizes))
+
+
+def test_measuring_leaves_the_engine_as_it_was(target):
+    engine = TorchEngine(target.model, 1024)
+    points = measure_pass_costs(engine, target.vocab_size, 9, repeats=2)
+    assert [m for m, _ in points] == list(cost_sizes(9))
+    assert all(ms > 0 and math.isfinite(ms) for _, ms in points)
+    assert engine.fill() == 0.0  # every page back in the pool
+
+
+def test_get_model_info_reports_the_measured_curve_over_grpc(target):
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=6))
+    verifier.measure_pass_costs(32)  # capped at a whole round: max_draft + 1 tokens
+    server = BackgroundServer(verifier)
+    try:
+        with VerifierClient(server.address) as client:
+            info = client.model_info()
+    finally:
+        server.stop()
+    assert [m for m, _ in info.pass_costs] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(ms > 0 for _, ms in info.pass_costs)
+
+
+def test_a_worker_takes_the_clouds_curve(target, model_dirs):
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=6))
+    verifier.measure_pass_costs(7)
+    server = BackgroundServer(verifier)
+    try:
+        with VerifierClient(server.address) as client:
+            worker = EdgeWorker(target, client, EdgeConfig(cloud=server.address, max_draft=6))
+            curve = worker.estimates.rates(policy.Rates([0.5], 0, 0, 0, 0, 0, 0.01)).verify_curve_s
+    finally:
+        server.stop()
+    reported = dict(verifier.info.pass_costs)
+    assert curve[0] == pytest.approx(reported[1] / 1e3) and curve[4] == pytest.approx(reported[5] / 1e3)
+
+
+@pytest.mark.parametrize("points", [
+    [(2, 1.0), (1, 2.0)],  # M not increasing
+    [(1, 1.0), (1, 2.0)],  # M repeated
+    [(0, 1.0)],  # no pass of 0 tokens
+    [(1, -1.0)],  # negative time
+    [(1, float("nan"))],
+    [(1, float("inf"))],
+])
+def test_an_edge_ignores_a_broken_curve(points):
+    wire = pb.ModelInfo(pass_costs=[pb.PassCost(tokens=m, ms=ms) for m, ms in points])
+    assert codec.model_info_from_pb(wire).pass_costs == ()
+
+
+def test_a_sane_curve_survives_the_wire():
+    wire = pb.ModelInfo(pass_costs=[pb.PassCost(tokens=1, ms=6.5), pb.PassCost(tokens=4, ms=30.25)])
+    assert codec.model_info_from_pb(wire).pass_costs == ((1, 6.5), (4, 30.25))
+
+
+def test_interpolation_is_piecewise_linear_and_extends_the_last_segment():
+    points = [(1, 10.0), (2, 20.0), (4, 30.0)]
+    assert policy.interpolate(points, 1) == 10.0
+    assert policy.interpolate(points, 3) == 25.0
+    assert policy.interpolate(points, 6) == 40.0
+    assert policy.interpolate(points, 0) == 0.0
+    assert policy.interpolate([(1, 7.0)], 5) == 7.0
+
+
+def test_the_curve_sets_the_shape_and_rounds_set_the_level():
+    est = Estimates(8)
+    est.use_pass_costs(((1, 10.0), (5, 50.0)))  # ms: cost linear in tokens, as one CPU's Q4 kernels
+    defaults = policy.Rates([0.5], 0.001, 0.0, 0.01, 0.01, 0.0, 0.01)
+    assert est.rates(defaults).verify_s(4) == pytest.approx(0.050)
+    for _ in range(200):
+        est.observe_verify(4, 0.053)  # every round costs 3 ms more than the bare pass
+    rates = est.rates(defaults)
+    assert rates.verify_s(4) == pytest.approx(0.053, abs=1e-4)
+    assert rates.verify_s(0) == pytest.approx(0.013, abs=1e-4)  # the same residual on every size
+
+
+def test_a_steep_curve_keeps_the_edge_cloud_only_a_flat_one_lets_it_draft():
+    """What the llama.cpp engine measured here: t(5) ≈ 5·t(1) on Q4_1, so even a drafter right 90 % of
+    the time cannot pay; with a GPU-like flat curve the same drafter pays well."""
+    def judged(points_ms):
+        est = Estimates(8, prior_alpha=0.9, prior_weight=100)
+        est.use_pass_costs(points_ms)
+        est.cloud_token_s.add(points_ms[0][1] / 1e3)
+        est.draft_s.add(0.001)
+        return est.rates(policy.Rates([0.5], 0, 0, 0, 0, 0, 0))
+
+    steep = judged(tuple((m, 7.0 * m) for m in range(1, 10)))
+    flat = judged(tuple((m, 7.0 + 0.1 * m) for m in range(1, 10)))
+    assert policy.prefer_cloud_only(steep, 8, pipelined=True, now_cloud_only=True)
+    assert not policy.prefer_cloud_only(flat, 8, pipelined=True, now_cloud_only=True)
+    assert policy.best_speedup(flat, 8, pipelined=True) > 2
