@@ -4,6 +4,7 @@ import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 import ray
 
@@ -143,6 +144,24 @@ def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target
         assert sum(r.failures for r in pool.replicas.values()) == 1
     finally:
         server.stop()
+
+
+def test_replicas_run_at_the_operators_niceness_not_rays(pool_server):
+    """Ray starts workers at niceness 15, where a replica yields its core to anything else on the node;
+    the pool starts them at PoolSpec.niceness (0 by default)."""
+    replicas = [p for p in psutil.process_iter(["cmdline", "nice"])
+                if (p.info["cmdline"] or [""])[0].startswith("ray::VerifierReplica")]
+    assert len(replicas) >= 2
+    assert {p.info["nice"] for p in replicas} == {0}
+
+
+def test_replicas_report_their_pass_costs(pool_server):
+    server, pool = pool_server
+    with VerifierClient(server.address) as client:
+        info = client.model_info()
+    # The default pass_cost_tokens (32), capped at a whole round: max_draft 16 + 1.
+    assert info.pass_costs[0][0] == 1 and info.pass_costs[-1][0] == 17
+    assert all(ms > 0 for _, ms in info.pass_costs)
 
 
 def test_cloud_only_generate_through_the_pool(pool_server, target):

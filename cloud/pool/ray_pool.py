@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def replica_env(niceness: int) -> dict[str, str]:
+    """A replica process's environment: the workers' own, and the niceness the raylet starts it at
+    (Ray reads RAY_worker_niceness from an actor's runtime env; its default is 15)."""
+    return {**WORKER_ENV, "RAY_worker_niceness": str(niceness)}
+
+
 @dataclass
 class _Replica:
     name: str
@@ -107,8 +113,8 @@ class RayPool(Backend):
         for i in range(self.spec.replicas):
             name = f"{self.spec.name}-replica-{i}"
             handle = actor.options(name=name, num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus,
-                                   max_restarts=-1, max_task_retries=0, max_concurrency=1024,
-                                   lifetime=None).remote(self.spec.replica)
+                                   max_restarts=-1, max_task_retries=0, max_concurrency=1024, lifetime=None,
+                                   runtime_env={"env_vars": replica_env(self.spec.niceness)}).remote(self.spec.replica)
             self.replicas[name] = _Replica(name, handle)
         try:
             readies: list[ReplicaReady] = await asyncio.gather(*(r.handle.ready.remote()
