@@ -27,13 +27,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from ..specs import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
+from .decoding import DecodeStream
 from .session import Phase, Session, one_per_session
 from .verifier import Verifier, VerifierStats
 
@@ -85,6 +86,7 @@ class _Round:
     block: DraftBlock
     future: Future
     arrived: float
+    stream: DecodeStream | None = None  # a cloud-only stream's round: its answer queues the next one
 
 
 @dataclass
@@ -163,6 +165,14 @@ class Scheduler:
         """Verify one round in the next step."""
         return await _wait("Verify", self.submit_round(block))
 
+    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+        """Cloud-only decoding of up to `max_tokens` tokens from the empty block `block`, each the next
+        round's bonus token, queued by the model thread itself (cloud/core/decoding.py)."""
+        stream = DecodeStream(block, max_tokens, eos, asyncio.get_running_loop())
+        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream))
+        async for token in stream.tokens():
+            yield token
+
     async def close_session(self, session_id: str) -> bool:
         """Free a session; True if it existed."""
         return await _wait("CloseSession", self.submit_call(lambda: self._close(session_id)))
@@ -184,6 +194,8 @@ class Scheduler:
         gone = Unavailable("the verifier is shutting down")
         for item in [*self._rounds, *self._opens]:
             _resolve(item.future, gone)
+            if getattr(item, "stream", None) is not None:
+                item.stream.answered(item.block, gone)
         for _, future in self._calls:
             _resolve(future, gone)
 
@@ -233,8 +245,19 @@ class Scheduler:
                     # The verifier reported its forward time; the rest of the wait was queueing.
                     total_ms = (done - item.arrived) * 1e3
                     result = replace(result, verify_ms=total_ms, queue_ms=max(0.0, total_ms - result.verify_ms))
+                if item.stream is not None:
+                    self._continue(item.stream, item.stream.answered(item.block, result), done)
                 _resolve(item.future, result)
             self._settle_opens(step.opens)
+
+    def _continue(self, stream: DecodeStream, follow: DraftBlock | None, now: float) -> None:
+        """Queue a decode stream's next round (model thread), or end the stream if the scheduler stops."""
+        if follow is None:
+            return
+        try:
+            self._put(self._rounds, _Round(follow, Future(), now, stream))
+        except Unavailable as exc:
+            stream.answered(follow, exc)
 
     def _close(self, session_id: str) -> bool:
         """Close a session (model thread): it is no longer company to wait for, nor a reason to cut

@@ -120,6 +120,14 @@ class Backend(ABC):
         route = self.table.get(block.session_id, caller)
         return await self._verify_on(route.replica, replace(block, owner=caller.owner))
 
+    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int],
+                     caller: Identity) -> AsyncIterator[int]:
+        """Cloud-only decoding on the replica that holds the session: up to `max_tokens` tokens from
+        the empty block `block`, streamed as the replica decodes them (cloud/core/decoding.py)."""
+        route = self.table.get(block.session_id, caller)
+        async for token in self._decode_on(route.replica, replace(block, owner=caller.owner), max_tokens, eos):
+            yield token
+
     async def close_session(self, session_id: str, caller: Identity) -> bool:
         """Free a session (its owner only); True if it existed."""
         if self.table.lookup(session_id) is None:
@@ -167,6 +175,10 @@ class Backend(ABC):
     @abstractmethod
     async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:
         """Verify on that replica; ReplicaLost if it died."""
+
+    @abstractmethod
+    def _decode_on(self, replica: str, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+        """Decode there (an async generator); ReplicaLost if it died."""
 
     @abstractmethod
     async def _close_on(self, replica: str, session_id: str) -> bool:
@@ -233,6 +245,11 @@ class InProcessBackend(Backend):
     async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:
         return await self._live().verify(block)
 
+    async def _decode_on(self, replica: str, block: DraftBlock, max_tokens: int,
+                         eos: frozenset[int]) -> AsyncIterator[int]:
+        async for token in self._live().decode(block, max_tokens, eos):
+            yield token
+
     async def _close_on(self, replica: str, session_id: str) -> bool:
         return await self._live().close_session(session_id)
 
@@ -268,6 +285,7 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, caller: Identity
 
     Every token is the 'bonus' of an empty block, so cloud-only streams are batched with the
     verification rounds of other sessions, and a lost replica is recovered from the tokens so far.
+    The replica queues each next round itself (`Backend.decode`), so no token waits on this loop.
     Sampling draws as the coupled rule does, by (seed, absolute position): a seed gives the same
     tokens however a generation is split between hybrid rounds and streams (docs/design.md §2.2).
     """
@@ -281,19 +299,22 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, caller: Identity
                           prompt_len=spec.prompt_end)
     committed = list(spec.prompt_ids)
     session_id = (await backend.open_session(session, caller)).session_id
-    eos = set(info.eos_token_ids)
+    eos = frozenset(info.eos_token_ids)
+    reopened_at = -1  # a session lost twice without a token in between is an error, not a retry
     try:
-        for round_index in range(spec.max_new_tokens):
+        while (generated := len(committed) - len(spec.prompt_ids)) < spec.max_new_tokens:
+            block = DraftBlock(session_id, generated, len(committed), ())
             try:
-                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()), caller)
-            except FailedPrecondition:
-                reopen = replace(session, session_id=session_id, committed_ids=tuple(committed),
-                                 next_round=round_index)
+                async for token in backend.decode(block, spec.max_new_tokens - generated, eos, caller):
+                    committed.append(token)
+                    yield token
+                    if token in eos:
+                        return
+            except FailedPrecondition:  # evicted, or its replica was lost: re-open from the tokens so far
+                if reopened_at == generated:
+                    raise
+                reopened_at = generated
+                reopen = replace(session, session_id=session_id, committed_ids=tuple(committed), next_round=generated)
                 session_id = (await backend.open_session(reopen, caller)).session_id
-                result = await backend.verify(DraftBlock(session_id, round_index, len(committed), ()), caller)
-            committed.append(result.next_token)
-            yield result.next_token
-            if result.next_token in eos:
-                return
     finally:
         await backend.close_session(session_id, caller)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
@@ -164,6 +165,23 @@ class RayPool(Backend):
     async def _verify_on(self, replica: str, block: DraftBlock) -> VerifyResult:
         r = self.replicas[replica]
         return await self._call(r, r.handle.verify.remote(block), "Verify")
+
+    async def _decode_on(self, replica: str, block: DraftBlock, max_tokens: int,
+                         eos: frozenset[int]) -> AsyncIterator[int]:
+        r = self.replicas[replica]
+        stream = r.handle.decode.options(num_returns="streaming").remote(block, max_tokens, eos)
+        try:
+            while True:
+                try:
+                    ref = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except RayActorError as exc:
+                    self._lost(r, exc)
+                    raise ReplicaLost("the replica holding the session was lost; re-open it") from None
+                yield await self._call(r, ref, "Generate")
+        finally:
+            ray.cancel(stream)  # a no-op once it ended; stops the replica's loop when the client left early
 
     async def _close_on(self, replica: str, session_id: str) -> bool:
         r = self.replicas[replica]

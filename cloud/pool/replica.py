@@ -11,7 +11,7 @@ directly, saving the front door's hop and the Ray call per round. Protobuf stays
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -72,6 +72,15 @@ class VerifierReplica:
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch."""
         return await _as_value(self.scheduler.verify(block))
+
+    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
+        """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"); a domain
+        error is the last item."""
+        try:
+            async for token in self.scheduler.decode(block, max_tokens, eos):
+                yield token
+        except HybridSpecError as exc:
+            yield exc
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""

@@ -1,0 +1,152 @@
+"""Cloud-only decoding as a stream the model thread drives (cloud/core/decoding.py): the target's
+output, decoded ahead of its consumer, batched with other sessions, stopped by a close, a shutdown or
+a lost replica, over the scheduler, the in-process front door and the Ray pool."""
+import asyncio
+import time
+
+import pytest
+import ray
+
+from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.scheduler import Scheduler
+from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
+from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.common.protocol.errors import FailedPrecondition, Unavailable
+from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
+from hybridspec.edge.client import VerifierClient
+
+from tinymodels import greedy_reference
+
+PROMPT = [5, 17, 33, 80]
+LIMITS = VerifierLimits(max_context=512, max_draft=8, max_sessions=8)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def opened(scheduler: Scheduler, sid: str, prompt=PROMPT) -> DraftBlock:
+    await scheduler.open_session(SessionSpec(session_id=sid, committed_ids=tuple(prompt)))
+    return DraftBlock(sid, 0, len(prompt), ())
+
+
+def test_a_stream_gives_the_targets_greedy_tokens(target):
+    async def main():
+        scheduler = Scheduler(Verifier(target, LIMITS))
+        try:
+            return [t async for t in scheduler.decode(await opened(scheduler, "a"), 12, frozenset())]
+        finally:
+            await scheduler.aclose()
+
+    assert run(main()) == greedy_reference(target, PROMPT, 12)
+
+
+def test_the_model_thread_decodes_ahead_of_a_slow_consumer(target):
+    """The point of the stream: the engine does not wait for the consumer to ask for the next token."""
+    async def main():
+        verifier = Verifier(target, LIMITS)
+        scheduler = Scheduler(verifier)
+        try:
+            tokens = scheduler.decode(await opened(scheduler, "a"), 10, frozenset())
+            first = await tokens.__anext__()
+            deadline = time.monotonic() + 10
+            while (await scheduler.stats()).cached_tokens < len(PROMPT) + 10:
+                assert time.monotonic() < deadline, "the stream waited for its consumer"
+                await asyncio.sleep(0.02)
+            return [first] + [t async for t in tokens]
+        finally:
+            await scheduler.aclose()
+
+    assert run(main()) == greedy_reference(target, PROMPT, 10)
+
+
+def test_streams_stop_at_end_of_sequence_and_batch_with_each_other(target):
+    reference = greedy_reference(target, PROMPT, 8)
+    stop = reference[4]
+    expected = reference[: reference.index(stop) + 1]
+
+    async def main():
+        scheduler = Scheduler(Verifier(target, LIMITS), max_wait_ms=20.0)
+        try:
+            async def one(sid):
+                return [t async for t in scheduler.decode(await opened(scheduler, sid), 8, frozenset({stop}))]
+            return await asyncio.gather(*(one(f"s{i}") for i in range(3)))
+        finally:
+            await scheduler.aclose()
+
+    assert run(main()) == [expected] * 3
+
+
+def test_closing_the_session_ends_its_stream_with_failed_precondition(target):
+    async def main():
+        scheduler = Scheduler(Verifier(target, LIMITS))
+        try:
+            tokens = scheduler.decode(await opened(scheduler, "a"), 400, frozenset())
+            await tokens.__anext__()
+            await scheduler.close_session("a")
+            with pytest.raises(FailedPrecondition):
+                async for _ in tokens:
+                    pass
+        finally:
+            await scheduler.aclose()
+
+    run(main())
+
+
+def test_a_shutdown_ends_every_stream_with_unavailable(target):
+    async def main():
+        scheduler = Scheduler(Verifier(target, LIMITS))
+        tokens = scheduler.decode(await opened(scheduler, "a"), 400, frozenset())
+        await tokens.__anext__()
+        await scheduler.aclose()
+        with pytest.raises(Unavailable):
+            async for _ in tokens:
+                pass
+
+    run(main())
+
+
+def test_generate_over_the_in_process_front_door(target):
+    server = BackgroundServer(Verifier(target, LIMITS))
+    try:
+        with VerifierClient(server.address) as client:
+            tokens = list(client.generate(GenerateSpec(prompt_ids=tuple(PROMPT), max_new_tokens=15)))
+    finally:
+        server.stop()
+    assert tokens == greedy_reference(target, PROMPT, 15)
+
+
+@pytest.fixture(scope="module")
+def stream_pool(ray_cluster, model_dirs):
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, pass_cost_tokens=0,
+                          limits=LIMITS)
+    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="stream-pool"))
+    server = BackgroundServer(pool)
+    yield server, pool
+    server.stop()
+
+
+def test_a_client_leaving_early_stops_the_replicas_stream(stream_pool):
+    server, pool = stream_pool
+    with VerifierClient(server.address) as client:
+        for i, _ in enumerate(client.generate(GenerateSpec(prompt_ids=tuple(PROMPT), max_new_tokens=400))):
+            if i == 2:
+                break
+    deadline = time.monotonic() + 30
+    while server.call(pool.status())[0].sessions:
+        assert time.monotonic() < deadline, "the abandoned stream's session was never closed"
+        time.sleep(0.1)
+
+
+def test_a_replica_killed_mid_stream_is_recovered_from_the_tokens_so_far(stream_pool, target):
+    server, pool = stream_pool
+    new_tokens = 400  # long enough that the kill lands mid-stream
+    with VerifierClient(server.address) as client:
+        tokens = []
+        for token in client.generate(GenerateSpec(prompt_ids=tuple(PROMPT), max_new_tokens=new_tokens)):
+            tokens.append(token)
+            if len(tokens) == 3:  # the replica decodes ahead, so kill it at once
+                ray.kill(next(iter(pool.replicas.values())).handle, no_restart=False)
+    assert sum(r.failures for r in pool.replicas.values()) == 1
+    assert tokens == greedy_reference(target, PROMPT, new_tokens)
