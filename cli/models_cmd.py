@@ -1,10 +1,12 @@
-"""`hybridspec models pull`: make the embedded default checkpoints ready."""
+"""`hybridspec models pull`: make the embedded default checkpoints ready; `models convert-drafter`: write a
+compact drafter's GGUF for the edge's llama.cpp drafter engine."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
+from ..common.models.drafter_gguf import DEFAULT_GGUF_WEIGHTS, GGUF_WEIGHTS
 from ..common.models.gguf import WEIGHT_TYPES, served_weights
 
 
@@ -20,6 +22,13 @@ def register(sub) -> None:
                            "(F16 keeps verify blocks cheap but is not bit-exact: docs/engine.md); default: keep "
                            "the current choice (Q4_1 at first). Restart `cloud serve` to use it")
     pull.set_defaults(run=run_pull)
+    convert = msub.add_parser("convert-drafter", help="write a compact drafter LM as a GGUF beside it, for the "
+                                                      "edge's llama.cpp drafter engine (`models pull` does it "
+                                                      "for the embedded drafter)")
+    convert.add_argument("path", type=Path, help="the compact drafter's directory (as `hybridspec distill` writes it)")
+    convert.add_argument("--weights", choices=list(GGUF_WEIGHTS), default=DEFAULT_GGUF_WEIGHTS,
+                         help=f"the type of its matrices (default: {DEFAULT_GGUF_WEIGHTS})")
+    convert.set_defaults(run=run_convert)
 
 
 def run_pull(args) -> int:
@@ -34,4 +43,19 @@ def run_pull(args) -> int:
         for role, path in paths.items():
             print(f"{role}: {path}")
         print(f"target weights (llama.cpp engine): {weights}")
+    return 0
+
+
+def run_convert(args) -> int:
+    """Convert one compact drafter; prints the GGUF's path."""
+    from ..common.config import ConfigError
+    from ..common.models.drafter_gguf import convert_drafter, convertible
+    from ..common.models.manifest import is_compact
+
+    if not is_compact(args.path):
+        raise FileNotFoundError(f"{args.path} is not a compact drafter directory")
+    if not convertible(args.path):
+        raise ConfigError(f"{args.path} is an EAGLE head, which drafts on torch only")
+    files = convert_drafter(args.path, args.weights, log=lambda msg: print(msg, file=sys.stderr))
+    print(files.gguf)
     return 0

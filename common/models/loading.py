@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from . import compact
 from ..protocol.fingerprints import fingerprint
+from .drafter_gguf import LlamaDraftFiles, pick_engine
 from .manifest import is_compact
 
 
@@ -27,6 +28,8 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     device: torch.device
     head_ids: torch.Tensor | None = None  # compact drafters: the vocabulary ids of the head's rows
+    # A compact drafter that drafts on llama.cpp (its converted GGUF; edge/llamacpp_lm.py); None: torch.
+    llama: LlamaDraftFiles | None = None
 
     @property
     def is_eagle(self) -> bool:
@@ -106,9 +109,13 @@ def classify_model(spec: str | Path) -> SourceKind:
     return SourceKind.HUB_ID
 
 
-def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto", engine: str = "auto",
+               threads: int = 0) -> LoadedModel:
     """Load a causal LM and its tokenizer from a directory, a .gguf file or a cached hub id.
 
+    engine: what a compact drafter drafts with (drafter_gguf.DrafterEngine; auto = llama.cpp on a CPU
+    when it has a converted GGUF), recorded as `llama`; the torch model is loaded either way (its
+    tokenizer, identity and end-of-sequence ids, and the reference). threads: llama.cpp's, 0 = 1.
     Raises FileNotFoundError with a one-line reason when nothing loadable is found.
     """
     spec = str(spec)
@@ -118,8 +125,10 @@ def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto") -> L
     path = Path(spec).expanduser()
     if kind is SourceKind.COMPACT:
         model, tokenizer, head_ids = compact.load_compact(path, kwargs["dtype"])
+        llama = pick_engine(engine, path, dev.type, dtype, threads or 1)
         model.to(dev).eval()
-        return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev, head_ids=None if head_ids is None else head_ids.to(dev))
+        return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev,
+                           head_ids=None if head_ids is None else head_ids.to(dev), llama=llama)
     source, tok_kwargs = {SourceKind.GGUF: (str(path.parent), {"gguf_file": path.name}),
                           SourceKind.DIRECTORY: (str(path), {}), SourceKind.HUB_ID: (spec, {})}[kind]
     kwargs.update(tok_kwargs)
