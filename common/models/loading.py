@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from . import compact
 from ..protocol.fingerprints import fingerprint
+from .checkpoint import ensure_checkpoint
 from .drafter_gguf import LlamaDraftFiles, pick_engine
 from .manifest import is_compact
 
@@ -129,6 +130,8 @@ def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto", engi
         model.to(dev).eval()
         return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev,
                            head_ids=None if head_ids is None else head_ids.to(dev), llama=llama)
+    if kind is SourceKind.DIRECTORY:
+        ensure_checkpoint(path)  # a pulled target keeps only its GGUF until torch needs the weights
     source, tok_kwargs = {SourceKind.GGUF: (str(path.parent), {"gguf_file": path.name}),
                           SourceKind.DIRECTORY: (str(path), {}), SourceKind.HUB_ID: (spec, {})}[kind]
     kwargs.update(tok_kwargs)
