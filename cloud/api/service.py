@@ -189,8 +189,9 @@ class VerifierService:
     async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Awaitable[T]) -> T:
         """Await `work` within the call's deadline; every failure becomes one status with a message."""
         try:
-            remaining = context.time_remaining()
-            return await (asyncio.wait_for(work, remaining) if remaining is not None else work)
+            # asyncio.timeout, not wait_for: no task per call (Generate guards every token).
+            async with asyncio.timeout(context.time_remaining()):
+                return await work
         except HybridSpecError as exc:
             code, message = exc.code, str(exc)
         except asyncio.TimeoutError:
