@@ -1,4 +1,6 @@
-"""`hybridspec demo`: the embedded default pair end to end on this machine.
+"""`hybridspec demo`: the embedded default pair end to end on this machine, and the edge's decision
+with the numbers behind it (cli/demo_report.py): where drafting pays here, by how much it was predicted
+to and did; where the edge chose cloud-only, why.
 
 The verifier runs in its own process; where there are at least two cores, it and the edge are
 pinned to different cores with one torch thread each, so they behave like two hosts.
@@ -10,6 +12,9 @@ from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
+
+from ..edge.controller import DEFAULT_RATES
+from .demo_report import Outcome, explain
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
 # How the demo keeps greedy text from looping, applied identically by drafter and verifier (flags override).
@@ -74,10 +79,13 @@ def run_demo(args) -> int:
             ("switches to cloud-only / back", f"{s.switches_to_cloud} / {s.switches_to_hybrid}"),
             ("uplink bytes", s.uplink_bytes),
             ("downlink bytes", s.downlink_bytes), ("of which target features", s.feature_bytes), ("bytes per token", f"{s.bytes_per_token:.1f}"),
-            ("wall s", f"{s.wall_s:.2f}"), ("tokens/s (hybrid)", f"{s.tokens_per_s:.1f}"),
+            ("wall s", f"{s.wall_s:.2f}"), ("tokens/s (default edge)", f"{s.tokens_per_s:.1f}"),
             ("tokens/s (cloud-only)", f"{baseline.stats.tokens_per_s:.1f}"),
             ("same tokens as cloud-only", "yes" if baseline.token_ids == gen.token_ids else "no")]
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
+    outcome = Outcome(s.rounds, s.drafted, s.accepted, s.tokens_per_s, baseline.stats.tokens_per_s)
+    for line in explain(worker.info, worker.estimates.rates(DEFAULT_RATES), worker.cap, config.pipeline, outcome):
+        console.print(line)
     return 0

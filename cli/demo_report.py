@@ -1,0 +1,75 @@
+"""What `hybridspec demo` says about the edge's decision: the numbers behind it, in a few lines.
+
+A pure function of what the edge measured and what the cloud reported, so the demo can be truthful
+on any machine: where drafting pays it says by how much it was predicted to and did, and where the
+edge chose cloud-only it says why in one line.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..common.protocol.wire import ModelInfo
+from ..edge import policy
+from ..edge.policy import interpolate
+
+PERFECT = 0.999  # "a drafter that is always right", kept below 1 so E(γ) stays finite in the closed form
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One generation against its cloud-only baseline."""
+
+    rounds: int  # verify rounds the default edge's generation ran
+    drafted: int
+    accepted: int
+    hybrid_tokens_per_s: float  # the default edge's, whichever mode it chose
+    cloud_tokens_per_s: float
+
+
+def block_cost(info: ModelInfo, gamma: int) -> float | None:
+    """v(γ) = t(γ + 1) / t(1) from the cloud's measured pass costs; None if it reported none."""
+    if not info.pass_costs:
+        return None
+    return interpolate(info.pass_costs, gamma + 1) / interpolate(info.pass_costs, 1)
+
+
+def explain(info: ModelInfo, rates: policy.Rates, cap: int, pipelined: bool, outcome: Outcome) -> list[str]:
+    """The decision and its numbers, one line each (rich markup)."""
+    gamma = policy.choose_gamma(rates, cap, pipelined)
+    predicted = policy.best_speedup(rates, cap, pipelined)
+    ceiling = policy.best_speedup(rates.optimistic(PERFECT), cap, pipelined)
+    t1 = interpolate(info.pass_costs, 1) if info.pass_costs else None
+    v4 = block_cost(info, 4)
+    cloud = f"cloud: target weights {info.dtype or '?'} on {info.device or '?'}"
+    if t1 is not None and v4 is not None:
+        cloud += f"; one token {t1:.1f} ms, a block of 5 costs v = {v4:.2f} tokens' time"
+    alpha = rates.alphas[0]
+    lines = [
+        cloud,
+        f"edge: the drafter agrees with the target on α = {alpha:.2f} of first drafts; drafting costs "
+        f"c = {rates.draft_s / rates.cloud_token_s:.2f} of a cloud token; RTT {rates.rtt_s * 1e3:.1f} ms; "
+        f"a cloud-only token takes {rates.cloud_token_s * 1e3:.1f} ms",
+        f"policy: best block γ = {gamma}, predicted {predicted:.2f}× cloud-only "
+        f"(a drafter that is always right: {ceiling:.2f}×)",
+        f"measured: the default edge {outcome.hybrid_tokens_per_s:.1f} tokens/s, cloud-only {outcome.cloud_tokens_per_s:.1f} "
+        f"tokens/s: {outcome.hybrid_tokens_per_s / outcome.cloud_tokens_per_s:.2f}×",
+    ]
+    if outcome.rounds:
+        lines.append(f"[bold]decision: hybrid[/] — {outcome.rounds} rounds, {outcome.accepted} of {outcome.drafted} "
+                     "drafts accepted")
+    elif ceiling < 1:
+        lines.append("[bold]decision: cloud-only[/] — even a drafter that is always right would be slower here: "
+                     f"verifying a block of {gamma + 1} costs {rates.verify_s(gamma) / rates.verify_s(0):.1f}× one "
+                     "token on this replica, more than drafting can save")
+    else:
+        lines.append(f"[bold]decision: cloud-only[/] — at the drafter's agreement (α = {alpha:.2f}) hybrid would "
+                     f"reach {predicted:.2f}× cloud-only; it pays only above about α = {_break_even(rates, cap, pipelined):.2f}")
+    return lines
+
+
+def _break_even(rates: policy.Rates, cap: int, pipelined: bool) -> float:
+    """The smallest α (to 0.01) at which hybrid would beat cloud-only with these times."""
+    for hundredths in range(1, 100):
+        if policy.best_speedup(rates.optimistic(hundredths / 100), cap, pipelined) > 1:
+            return hundredths / 100
+    return 1.0

@@ -1,0 +1,51 @@
+"""What the demo says about the edge's decision follows from the numbers it prints."""
+import re
+
+from hybridspec.cli.demo_report import Outcome, block_cost, explain
+from hybridspec.common.protocol.wire import ModelInfo
+from hybridspec.edge import policy
+from hybridspec.edge.estimates import Estimates
+
+STEEP = tuple((m, 7.0 * m) for m in range(1, 10))  # t(M) ≈ M·t(1): llama.cpp's Q4_1 kernels on one core
+FLAT = tuple((m, 7.0 + 0.2 * m) for m in range(1, 10))  # a GPU-like curve
+
+
+def info(points) -> ModelInfo:
+    return ModelInfo("t", 100, "", "", 512, 8, 8, 600, device="cpu", dtype="Q4_1", pass_costs=points)
+
+
+def rates(points, alpha: float) -> policy.Rates:
+    est = Estimates(8, prior_alpha=alpha, prior_weight=100)
+    est.use_pass_costs(points)
+    est.cloud_token_s.add(points[0][1] / 1e3)
+    est.draft_s.add(0.001)
+    est.rtt_s.add(0.002)
+    return est.rates(policy.Rates([0.5], 0, 0, 0, 0, 0, 0))
+
+
+def test_block_cost_is_the_reported_curve():
+    assert block_cost(info(STEEP), 4) == 5.0
+    assert block_cost(info(()), 4) is None
+
+
+def test_a_steep_curve_is_explained_as_no_drafter_could_pay():
+    lines = explain(info(STEEP), rates(STEEP, 0.9), 8, True, Outcome(0, 0, 0, 100.0, 101.0))
+    assert "v = 5.00" in lines[0]
+    assert "decision: cloud-only" in lines[-1] and "always right would be slower" in lines[-1]
+    assert "0.99×" in lines[3]  # measured 100 / 101
+
+
+def test_a_weak_drafter_on_a_flat_curve_is_told_the_break_even_agreement():
+    r = rates(FLAT, 0.05)
+    lines = explain(info(FLAT), r, 8, True, Outcome(0, 0, 0, 100.0, 100.0))
+    assert "decision: cloud-only" in lines[-1]
+    break_even = float(re.search(r"above about α = ([0-9.]+)", lines[-1]).group(1))
+    assert policy.best_speedup(r.optimistic(break_even), 8, True) > 1
+    assert policy.best_speedup(r.optimistic(break_even - 0.01), 8, True) <= 1
+
+
+def test_hybrid_rounds_are_reported_with_the_prediction():
+    r = rates(FLAT, 0.9)
+    lines = explain(info(FLAT), r, 8, True, Outcome(10, 40, 36, 300.0, 100.0))
+    assert f"predicted {policy.best_speedup(r, 8, True):.2f}×" in lines[2]
+    assert "decision: hybrid" in lines[-1] and "36 of 40" in lines[-1] and "3.00×" in lines[3]
