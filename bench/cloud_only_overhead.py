@@ -1,0 +1,176 @@
+"""Where the time of one cloud-only token goes, layer by layer, against llama.cpp alone, in one run.
+
+    python bench/cloud_only_overhead.py [--prompts 4] [--new-tokens 64] [--repeats 2]
+
+Greedy decoding of the embedded target's GGUF on core 1 (one thread), the client on core 0, the same
+chat prompts through each layer in turn, repeated and interleaved so that drift hits every layer:
+
+  llamacpp_alone   llama-cpp-python's own `Llama.generate` (the peer a CPU user would run instead)
+  engine           our LlamaCppEngine, one scored token per pass, argmax in numpy
+  verifier         Verifier.verify of empty blocks (validation, the rule, committing)
+  grpc_inprocess   `cloud serve --backend inprocess` + VerifierClient.generate (scheduler thread,
+                   event loop, a gRPC message per token)
+  grpc_ray         `cloud serve` with its default Ray pool (a Ray actor call per token)
+  edge_ray         `edge generate --cloud-only`'s worker over the Ray pool (text handling, stops)
+
+Milliseconds per token (prompt prefill included, as a user waits for it) and tokens/s relative to
+llama.cpp alone. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+
+from hybridspec.cloud.core.verifier import Verifier
+from hybridspec.cloud.engine.base import Feed
+from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
+from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
+from hybridspec.cloud.specs import VerifierLimits
+from hybridspec.common.models.embedded import default_paths
+from hybridspec.common.models.gguf import GgufTarget, find_gguf
+from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
+from hybridspec.distill.prompts import FREEFORM_PROMPTS
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.prompt import encode_prompt
+from hybridspec.edge.worker import EdgeWorker
+from hybridspec.common.models.loading import load_model
+
+EDGE_CORE, CLOUD_CORE = 0, 1
+
+
+def llamacpp_alone(llm, prompt: list[int], n: int) -> list[int]:
+    """llama-cpp-python greedy, flash attention on, no repetition penalty (as our engine decodes). The
+    cache is emptied first: `generate` would otherwise reuse the prefix the chat prompts share (their
+    system message) and skip most of the prefill that every other layer pays."""
+    llm.reset()
+    out = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(token)
+        if token == llm.token_eos() or len(out) == n:
+            break
+    return out
+
+
+def engine_alone(engine: LlamaCppEngine, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    """Our engine with nothing around it: prefill, then one scored token per pass."""
+    kv = engine.new_sequence()
+    try:
+        engine.reserve(kv, len(prompt))
+        if len(prompt) > 1:  # the prompt's logits are not needed, but its last token's
+            engine.forward([Feed(kv, prompt[:-1], scored=False)])
+        out = [int(np.argmax(engine.forward([Feed(kv, prompt[-1:], scored=True)])[0].logits[-1].numpy()))]
+        while out[-1] not in eos and len(out) < n:
+            engine.reserve(kv, 1)
+            out.append(int(np.argmax(engine.forward([Feed(kv, out[-1:], scored=True)])[0].logits[-1].numpy())))
+        return out
+    finally:
+        engine.release(kv)
+
+
+def verifier_alone(verifier: Verifier, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    """The serving core without scheduler or network: empty blocks, each answered with the next token."""
+    sid = f"s{time.monotonic_ns()}"
+    opened = verifier.open_session(SessionSpec(session_id=sid, committed_ids=tuple(prompt)))
+    length, out = opened.committed_len, []
+    try:
+        while len(out) < n and (not out or out[-1] not in eos):
+            result = verifier.verify(DraftBlock(sid, len(out), length, ()))
+            out.append(result.next_token)
+            length += 1
+        return out
+    finally:
+        verifier.close_session(sid)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    from llama_cpp import Llama
+
+    paths = default_paths()
+    gguf = find_gguf(paths["target"])
+    drafter = load_model(paths["drafter"], device="cpu")  # the edge's tokenizer; never run (cloud-only)
+    prompts = [encode_prompt(drafter.tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
+    n = args.new_tokens
+    os.sched_setaffinity(0, {CLOUD_CORE})
+    llm = Llama(str(gguf), n_ctx=2048, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
+    engine = LlamaCppEngine(gguf, 8192, 4, threads=1)
+    target = GgufTarget(str(gguf), gguf, engine.vocab_size)
+    eos = set(target.eos_token_ids)
+    verifier = Verifier(target, VerifierLimits(max_context=2048, max_sessions=4, kv_cache_tokens=8192), engine)
+    inproc, inproc_address, _ = start_cloud_process({"backend": "inprocess", "engine": "llamacpp", "torch_threads": 1,
+                                                     "pass_cost_tokens": 0}, cores={CLOUD_CORE})
+    ray, ray_address, _ = start_cloud_process({"engine": "llamacpp", "torch_threads": 1, "pass_cost_tokens": 0},
+                                              cores={CLOUD_CORE})
+    clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address)}
+    worker = EdgeWorker(drafter, VerifierClient(ray_address), EdgeConfig(cloud=ray_address, max_new_tokens=n,
+                                                                           cloud_only=True))
+
+    def grpc(name: str, prompt: list[int]) -> list[int]:
+        os.sched_setaffinity(0, {EDGE_CORE})
+        return list(clients[name].generate(GenerateSpec(prompt_ids=tuple(prompt), max_new_tokens=n)))
+
+    def edge(prompt: list[int]) -> list[int]:
+        os.sched_setaffinity(0, {EDGE_CORE})
+        return worker.generate(prompt).token_ids
+
+    def local(fn):
+        def run(prompt):
+            os.sched_setaffinity(0, {CLOUD_CORE})
+            return fn(prompt)
+        return run
+
+    layers = {
+        "llamacpp_alone": local(lambda p: llamacpp_alone(llm, p, n)),
+        "engine": local(lambda p: engine_alone(engine, p, n, eos)),
+        "verifier": local(lambda p: verifier_alone(verifier, p, n, eos)),
+        "grpc_inprocess": lambda p: grpc("grpc_inprocess", p),
+        "grpc_ray": lambda p: grpc("grpc_ray", p),
+        "edge_ray": edge,
+    }
+    try:
+        for fn in layers.values():  # warm every path once
+            fn(prompts[0][:16])
+        ms: dict[str, list[float]] = {k: [] for k in layers}
+        texts: dict[str, list[list[int]]] = {k: [] for k in layers}
+        for r in range(args.repeats):
+            for prompt in prompts:
+                for name, fn in layers.items():
+                    t0 = time.perf_counter()
+                    out = fn(prompt)
+                    ms[name].append((time.perf_counter() - t0) * 1e3 / len(out))
+                    if r == 0:
+                        texts[name].append(out)
+    finally:
+        for c in clients.values():
+            c.close()
+        worker.close()
+        stop_cloud_process(inproc)
+        stop_cloud_process(ray)
+    base = statistics.median(ms["llamacpp_alone"])
+    result = {"cpu": _cpu(), "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
+        name: {"ms_per_token": round(statistics.median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
+               "vs_llamacpp_alone": round(base / statistics.median(v), 3),
+               "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
+        for name, v in ms.items()}}
+    print(json.dumps(result, indent=1))
+
+
+def _cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+
+
+if __name__ == "__main__":
+    main()
