@@ -43,15 +43,15 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             if last is not None:
                 run.estimates.cloud_token_s.add(now - last)
             last = now
+            stats.cloud_only_tokens += 1
+            yield state.commit([token], [Origin.CLOUD])  # the user first: guessing along can wait
+            if state.done:
+                break  # a stop string ends the generation before the stream does
             if shadow:
-                guess = run.drafter.propose(state.committed, 1, fallback=False).ids
+                guess = run.drafter.propose(state.committed[:-1], 1, fallback=False).ids
                 agreed = bool(guess) and guess[0] == token
                 run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
                 streak = streak + 1 if agreed and streak < ctl.policy.cap else 0
-            stats.cloud_only_tokens += 1
-            yield state.commit([token], [Origin.CLOUD])
-            if state.done:
-                break  # a stop string ends the generation before the stream does
             if loading:
                 if not run.drafter_ready():
                     continue
