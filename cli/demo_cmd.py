@@ -59,6 +59,7 @@ def run_demo(args) -> int:
             worker.generate(prompt, replace(config, max_new_tokens=WARMUP_TOKENS))  # as a long-lived edge has
         with console.status("edge drafting, cloud verifying..."):
             gen = worker.generate(prompt)
+        rates = worker.estimates.rates(DEFAULT_RATES)  # what the edge decided on, before the baseline adds to it
         console.print(legend())
         console.print(render_origins(worker.codec, gen.token_ids, gen.origins))
         with console.status("cloud-only baseline (target decodes alone, same settings)..."):
@@ -86,6 +87,6 @@ def run_demo(args) -> int:
         table.add_row(name, str(value))
     console.print(table)
     outcome = Outcome(s.rounds, s.drafted, s.accepted, s.tokens_per_s, baseline.stats.tokens_per_s)
-    for line in explain(worker.info, worker.estimates.rates(DEFAULT_RATES), worker.cap, config.pipeline, outcome):
+    for line in explain(worker.info, rates, worker.cap, config.pipeline, outcome):
         console.print(line)
     return 0

@@ -6,7 +6,7 @@ edge chose cloud-only it says why in one line.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..common.protocol.wire import ModelInfo
 from ..edge import policy
@@ -61,15 +61,22 @@ def explain(info: ModelInfo, rates: policy.Rates, cap: int, pipelined: bool, out
         lines.append("[bold]decision: cloud-only[/] — even a drafter that is always right would be slower here: "
                      f"verifying a block of {gamma + 1} costs {rates.verify_s(gamma) / rates.verify_s(0):.1f}× one "
                      "token on this replica, more than drafting can save")
-    else:
+    elif predicted <= 1:
         lines.append(f"[bold]decision: cloud-only[/] — at the drafter's agreement (α = {alpha:.2f}) hybrid would "
                      f"reach {predicted:.2f}× cloud-only; it pays only above about α = {_break_even(rates, cap, pipelined):.2f}")
+    else:
+        lines.append(f"[bold]decision: cloud-only[/] — the edge switches only for a predicted gain of more than "
+                     f"{policy.HYSTERESIS:.0%} over the tokens left; with what it measured by the end it predicts "
+                     f"{predicted:.2f}× (drafting pays above about α = {_break_even(rates, cap, pipelined):.2f}), so a "
+                     "longer generation or the next one drafts")
     return lines
 
 
 def _break_even(rates: policy.Rates, cap: int, pipelined: bool) -> float:
-    """The smallest α (to 0.01) at which hybrid would beat cloud-only with these times."""
+    """The smallest α (to 0.01), the same at every position, at which hybrid would beat cloud-only
+    with these times."""
     for hundredths in range(1, 100):
-        if policy.best_speedup(rates.optimistic(hundredths / 100), cap, pipelined) > 1:
+        alike = replace(rates, alphas=[hundredths / 100] * len(rates.alphas))
+        if policy.best_speedup(alike, cap, pipelined) > 1:
             return hundredths / 100
     return 1.0

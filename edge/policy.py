@@ -105,8 +105,11 @@ def best_speedup(rates: Rates, max_gamma: int, pipelined: bool) -> float:
     return hybrid_rate(rates, gamma, pipelined) / cloud_only_rate(rates)
 
 
+HYSTERESIS = 0.05  # the other mode must be predicted this much faster (a fraction) before the edge switches
+
+
 def prefer_cloud_only(rates: Rates, max_gamma: int, pipelined: bool, now_cloud_only: bool,
-                      hysteresis: float = 0.05, remaining_tokens: int | None = None,
+                      hysteresis: float = HYSTERESIS, remaining_tokens: int | None = None,
                       switch_cost_s: float = 0.0) -> bool:
     """Should the edge let the cloud decode alone?
 

@@ -49,3 +49,13 @@ def test_hybrid_rounds_are_reported_with_the_prediction():
     lines = explain(info(FLAT), r, 8, True, Outcome(10, 40, 36, 300.0, 100.0))
     assert f"predicted {policy.best_speedup(r, 8, True):.2f}×" in lines[2]
     assert "decision: hybrid" in lines[-1] and "36 of 40" in lines[-1] and "3.00×" in lines[3]
+
+
+def test_the_break_even_agreement_is_set_not_just_raised():
+    """Regression: the search raised α to at least each candidate, so with a measured α already above
+    break-even it answered 0.01."""
+    r = rates(FLAT, 0.9)
+    lines = explain(info(FLAT), r, 8, True, Outcome(0, 0, 0, 100.0, 100.0))
+    break_even = float(re.search(r"above about α = ([0-9.]+)", lines[-1]).group(1))
+    assert 0.01 < break_even < 0.9
+    assert "more than 5%" in lines[-1] and "next one drafts" in lines[-1]
