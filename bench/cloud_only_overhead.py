@@ -42,6 +42,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
+from machine import cpu_model
 
 EDGE_CORE, CLOUD_CORE = 0, 1
 
@@ -159,17 +160,13 @@ def main() -> None:
         stop_cloud_process(inproc)
         stop_cloud_process(ray)
     base = statistics.median(ms["llamacpp_alone"])
-    result = {"cpu": _cpu(), "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
+    result = {"cpu": cpu_model(), "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
         name: {"ms_per_token": round(statistics.median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
                "vs_llamacpp_alone": round(base / statistics.median(v), 3),
                "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
         for name, v in ms.items()}}
     print(json.dumps(result, indent=1))
 
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

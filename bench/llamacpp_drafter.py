@@ -47,6 +47,7 @@ from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
+from machine import cpu_model
 
 QUESTIONS = ("Why is the sky blue?", "Write a haiku about autumn leaves.", "What is 17 times 3? Explain.",
              "Give me three tips for learning Python.", "Summarise the plot of Romeo and Juliet.",
@@ -161,7 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     plain = default_paths()["plain"]
-    result: dict = {"cpu": _cpu(), "cores": sorted(os.sched_getaffinity(0)), "threads": 1, "context": args.context,
+    result: dict = {"cpu": cpu_model(), "cores": sorted(os.sched_getaffinity(0)), "threads": 1, "context": args.context,
                     "block": args.block, "drafter": str(plain)}
     with tempfile.TemporaryDirectory() as workdir:
         drafters = {"torch": load_model(plain, device="cpu", engine="torch")}
@@ -189,10 +190,6 @@ def main() -> None:
     args.out.write_text(text + "\n")
     print(text)
 
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
+from machine import cpu_model
 
 EDGE_CORE, CLOUD_CORE = 0, 1
 
@@ -174,7 +175,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--skip-curve", action="store_true", help="only the end-to-end comparison")
     args = parser.parse_args()
-    result = {"cpu": _cpu()}
+    result = {"cpu": cpu_model()}
     if not args.skip_curve:
         result["cost"] = cost_curve(args.context, args.repeats)
         with tempfile.TemporaryDirectory() as workdir:
@@ -188,10 +189,6 @@ def main() -> None:
                             "same_text": sum(a == b for a, b in zip(ours_texts, alone_texts))}
     print(json.dumps(result, indent=1))
 
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":
