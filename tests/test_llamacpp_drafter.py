@@ -25,9 +25,13 @@ from hybridspec.edge.proposal import DraftSettings
 llama_lm = pytest.importorskip("hybridspec.edge.llamacpp_lm")  # llama-cpp-python is a dependency; its build may fail
 
 VOCAB = 256
-# Logits of the tiny drafter span about ±5 (sd 1.5); F16 matrices (activations rounded to fp16 by llama.cpp) and
-# Q8_0 blocks stay well inside these, a wrong layout (an unpermuted q/k, a shifted head row) far outside.
-TOLERANCE = {"F16": 0.05, "Q8_0": 0.6}
+# Logits of the tiny drafter span about ±5 (sd 1.5). Measured here: F16 0.02 from the torch drafter, Q8_0 0.59
+# (llama.cpp also rounds the activations to 8 bits); a wrong layout (an unpermuted q/k) gives 8.3. The bounds
+# leave the correct conversion 2x room for other CPUs' kernels and the wrong one none.
+TOLERANCE = {"F16": 0.05, "Q8_0": 1.2}
+# A reused prefix against a fresh context: F16 rounds a block's products differently from a row's (up to
+# about 2e-3 seen); a wrongly cut cache differs by whole units.
+F16_REUSE_TOLERANCE = 1e-2
 # Of 6 greedy blocks of 8 from the random drafter (whose logits are full of near-ties), how many must
 # match the torch drafter's whole; every block that parts must part at a near-tie within the tolerance.
 MIN_IDENTICAL_BLOCKS = {"F16": 5, "Q8_0": 2}
@@ -102,7 +106,7 @@ def test_converted_logits_match_the_torch_drafter(converted):
             worst = max(worst, (a[head] - b[head]).abs().max().item())
             a, b = ours.feed([token]), theirs.feed([token])
     print(f"{weights}: largest logit difference {worst:.4f}")
-    assert 0 < worst < TOLERANCE[weights]
+    assert 0 < worst < TOLERANCE[weights], worst
 
 
 def test_greedy_proposals_are_the_torch_drafters(converted):
@@ -143,9 +147,9 @@ def test_a_shared_prefix_is_reused_and_the_rest_cut_as_a_fresh_context_would(con
     if weights == "Q8_0":
         assert torch.equal(reused, fresh)
     else:
-        assert torch.allclose(reused[finite], fresh[finite], atol=2e-3)
+        assert torch.allclose(reused[finite], fresh[finite], atol=F16_REUSE_TOLERANCE)
     # A context that is a prefix of the cache (the verifier rejected the whole block) and one that grows it.
-    assert torch.allclose(lm.advance(second[:30]), llama_lm_of(path).advance(second[:30]), atol=2e-3)
+    assert torch.allclose(lm.advance(second[:30]), llama_lm_of(path).advance(second[:30]), atol=F16_REUSE_TOLERANCE)
     assert lm.cached == second[:30]
 
 
@@ -169,7 +173,7 @@ def test_a_long_prompt_is_fed_in_chunks_and_the_context_is_bounded(converted):
         short.feed(prompt[n - 4:n + 6])
     assert short.cached == prompt[:n - 4]
     fresh = llama_lm.LlamaCppLM(model, VOCAB, n_ctx=64).advance(prompt[:n - 2])
-    assert torch.allclose(short.feed(prompt[n - 4:n - 2]), fresh, atol=2e-3, equal_nan=True)
+    assert torch.allclose(short.feed(prompt[n - 4:n - 2]), fresh, atol=F16_REUSE_TOLERANCE, equal_nan=True)
 
 
 def test_proposals_after_a_rollback_equal_a_fresh_drafters(converted):
