@@ -1,7 +1,8 @@
 """The cloud-only phase: the target decodes alone on one `Generate` stream, while the edge keeps
 measuring — the cloud's time per token T and, at temperature 0, the drafter's guesses against the
-cloud's tokens ("shadow drafting", which measures α without risking a block) — and every
-`probe_tokens` tokens asks the controller whether hybrid decoding would now be faster."""
+cloud's tokens ("shadow drafting", which measures α and the drafter's time per token without
+risking a block) — and every `probe_tokens` tokens asks the controller whether hybrid decoding
+would now be faster."""
 from __future__ import annotations
 
 import threading
@@ -48,7 +49,9 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             if state.done:
                 break  # a stop string ends the generation before the stream does
             if shadow:
+                started = time.perf_counter()
                 guess = run.drafter.propose(state.committed[:-1], 1, fallback=False).ids
+                run.estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
                 agreed = bool(guess) and guess[0] == token
                 run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
                 streak = streak + 1 if agreed and streak < ctl.policy.cap else 0

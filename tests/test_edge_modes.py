@@ -186,3 +186,14 @@ def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(se
     assert run.generation.token_ids == greedy_reference(target, PROMPT, 12)
     assert guessed_after and guessed_after[0] >= 1, "the drafter guessed before the first token was handed on"
     assert run.generation.stats.cloud_only_tokens == 12
+
+
+def test_shadow_drafting_measures_the_drafters_time(server, target):
+    """Regression: an edge that stayed cloud-only judged hybrid with the default drafting time (5 ms per
+    token) however fast its drafter was, since only hybrid rounds timed drafting."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        gen = worker.generate(PROMPT)
+    assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == 12
+    assert worker.estimates.draft_s.value is not None and worker.estimates.draft_s.value < 1.0
