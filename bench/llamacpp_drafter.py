@@ -47,6 +47,7 @@ from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
+from llamacpp_engine import pass_ms
 from machine import cpu_model
 
 QUESTIONS = ("Why is the sky blue?", "Write a haiku about autumn leaves.", "What is 17 times 3? Explain.",
@@ -135,21 +136,9 @@ def target_ms(context_len: int, repeats: int) -> dict:
     engines = {"llamacpp": LlamaCppEngine(find_gguf(target), 4096, 1, threads=1),
                "torch": TorchEngine(load_model(target, device="cpu", engine="torch").model, 4096)}
     context = list(range(1000, 1000 + context_len))
-    out = {}
-    for name, engine in engines.items():
-        kv = engine.new_sequence()
-        engine.reserve(kv, len(context))
-        engine.forward([Feed(kv, context, scored=False)])
-        times = []
-        for i in range(4 * repeats):
-            engine.reserve(kv, 1)
-            t0 = time.perf_counter()
-            engine.forward([Feed(kv, [2000 + i], scored=True)])
-            times.append((time.perf_counter() - t0) * 1000)
-            engine.truncate(kv, len(context))
-        engine.release(kv)
-        out[name] = {"weights": engine.capabilities.dtype, "t1_ms": round(statistics.median(times), 3)}
-    return out
+    return {name: {"weights": engine.capabilities.dtype,
+                   "t1_ms": round(statistics.median(pass_ms(engine, context, 1, 4 * repeats)), 3)}
+            for name, engine in engines.items()}
 
 
 def main() -> None:

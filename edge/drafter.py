@@ -35,8 +35,6 @@ class ModelDrafter:
         self.generator = None if self.sampling.greedy or settings.coupled else round_generator(settings.seed, -1)
         self._prompt_len = settings.prompt_len  # 0 until the first proposal says where the prompt ends
         self.lm: DraftLM = lm if lm is not None else TorchLM(loaded, settings.vocab_size)
-        # The torch cache, for subclasses that run their own model over it (edge/eagle.py).
-        self._cache = getattr(self.lm, "cache", None)
         self._head_ids = None if loaded.head_ids is None else loaded.head_ids.cpu()
 
     def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,

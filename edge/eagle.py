@@ -12,6 +12,7 @@ instead and `notice` says so once.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from ..common.maths.features import decode_features
 from ..common.models.loading import LoadedModel, truncate_cache
@@ -59,6 +60,7 @@ class EagleDrafter(ModelDrafter):
     def __init__(self, loaded: LoadedModel, settings: DraftSettings, log: FeatureLog, fallback: Drafter) -> None:
         super().__init__(loaded, settings)
         self.head = loaded.model
+        self._cache = DynamicCache(config=loaded.model.config)  # the head's own: it drafts without self.lm
         self.log = log
         self.fallback = fallback
         self.notice = ""  # set when the fallback drafter takes over (or hands back); read and cleared by the caller

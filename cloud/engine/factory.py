@@ -1,21 +1,14 @@
 """Which engine serves a target, and loading the two: the one place `engine: auto` is decided."""
 from __future__ import annotations
 
-import importlib.util
-
 from ...common.config import ConfigError, DType
-from ...common.models.gguf import GgufTarget, find_gguf
+from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads
 from ...common.models.loading import load_model, pick_device
 from ..specs import EngineKind, VerifierLimits
 from .base import Engine, Target
 
 
 MAX_LLAMACPP_SESSIONS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold
-
-
-def llamacpp_installed() -> bool:
-    """True when llama-cpp-python can be imported here."""
-    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType, max_sessions: int = 1) -> EngineKind:
@@ -25,7 +18,7 @@ def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType, max_
     Hugging Face checkpoints, an explicit dtype)."""
     on_cpu = pick_device(device).type == "cpu"
     if engine is EngineKind.AUTO:
-        usable = on_cpu and dtype is DType.AUTO and find_gguf(target) is not None and llamacpp_installed()
+        usable = on_cpu and dtype is DType.AUTO and find_gguf(target) is not None and llama_cpp_loads()
         engine = EngineKind.LLAMACPP if usable and max_sessions <= MAX_LLAMACPP_SESSIONS else EngineKind.TORCH
     elif engine is EngineKind.LLAMACPP:
         if not on_cpu:
@@ -36,7 +29,7 @@ def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType, max_
         if find_gguf(target) is None:
             raise ConfigError(f"the llamacpp engine serves GGUF files: {target} is not a .gguf file and holds "
                              "no model.gguf")
-        if not llamacpp_installed():
+        if not llama_cpp_loads():
             raise ConfigError("the llamacpp engine needs llama-cpp-python (pip install -e .)")
     if engine is EngineKind.LLAMACPP and max_sessions > MAX_LLAMACPP_SESSIONS:
         raise ConfigError(f"the llamacpp engine holds at most {MAX_LLAMACPP_SESSIONS} sessions per replica; "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Choice, choice
+from .gguf import llama_cpp_loads
 from .manifest import EAGLE_KIND, MANIFEST, WEIGHTS
 
 GGUF_NAME = "drafter.gguf"
@@ -81,15 +82,6 @@ def find_converted(path: Path, threads: int = 1) -> LlamaDraftFiles | None:
     if meta.get("source") != source_digest(path) or not (files.gguf.is_file() and files.embeddings.is_file()):
         return None
     return files
-
-
-def llama_cpp_loads() -> bool:
-    """True when llama-cpp-python imports and its library loads (it is compiled on install, which can fail)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
 
 
 def pick_engine(engine: str, path: Path, device_type: str, dtype: str, threads: int = 1) -> LlamaDraftFiles | None:

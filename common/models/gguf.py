@@ -51,6 +51,16 @@ def select_weights(directory: Path, shipped: str, weights: str, log=print) -> No
             other.unlink()
 
 
+def llama_cpp_loads() -> bool:
+    """True when llama-cpp-python imports and its library loads (it is compiled on install, which can
+    fail): the one check both the cloud's engine choice and the edge's drafter engine make."""
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
 def find_gguf(spec: str | Path) -> Path | None:
     """The GGUF file a target option names (the file itself, or a directory's model.gguf), or None."""
     path = Path(str(spec)).expanduser()
