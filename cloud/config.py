@@ -45,6 +45,7 @@ class ServeConfig:
     pass_cost_tokens: int = like(ReplicaSpec, "pass_cost_tokens")
     max_context: int = like(VerifierLimits, "max_context")
     max_draft: int = like(VerifierLimits, "max_draft")
+    max_tree_nodes: int = like(VerifierLimits, "max_tree_nodes")
     max_sessions: int = like(VerifierLimits, "max_sessions")
     kv_cache_tokens: int = like(VerifierLimits, "kv_cache_tokens")
     max_sessions_per_client: int = like(PoolSpec, "max_sessions_per_client")
@@ -83,7 +84,7 @@ class ServeConfig:
     def limits(self) -> VerifierLimits:
         """The per-session limits each replica enforces."""
         return VerifierLimits(max_context=self.max_context, max_draft=self.max_draft,
-                              max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s,
+                              max_tree_nodes=self.max_tree_nodes, max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s,
                               kv_cache_tokens=self.kv_cache_tokens, prefill_chunk=self.prefill_chunk)
 
     def replica_spec(self, target: str) -> ReplicaSpec:

@@ -30,7 +30,9 @@ class VerifierLimits:
     """Per-replica limits; requests beyond them get an explicit status."""
 
     max_context: int = setting(4096, "committed + draft tokens per session", ge=1)
-    max_draft: int = setting(32, "longest draft block accepted", ge=1)
+    max_draft: int = setting(32, "longest draft block accepted (and deepest draft tree)", ge=1)
+    max_tree_nodes: int = setting(64, "most nodes of a draft tree scored in one pass; 0 = chains only (also "
+                                      "when the engine cannot score trees)", ge=0)
     max_sessions: int = setting(64, "sessions per replica; more get RESOURCE_EXHAUSTED", ge=1)
     idle_timeout_s: int = setting(600, "an idle session is dropped after this many seconds", ge=1)
     kv_cache_tokens: int = setting(65536, "KV pool per replica in tokens, allocated once; when it is full the "

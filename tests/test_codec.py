@@ -11,9 +11,13 @@ def test_round_trips():
     assert codec.session_from_pb(codec.session_to_pb(spec)) == spec
     block = DraftBlock("s1", 4, 10, (5, 6), ((5, 9), (6,)), ((0.75, 0.25), (1.0,)))
     assert codec.block_from_pb(codec.block_to_pb(block)) == block
+    tree = DraftBlock("s1", 4, 10, (5, 6, 7), parents=(-1, -1, 1))
+    assert codec.block_from_pb(codec.block_to_pb(tree)) == tree
     result = VerifyResult(4, 1, 8, 12, 0.5)
     assert codec.result_from_pb(codec.result_to_pb(result)) == result
-    info = ModelInfo("m", 100, "t", "f", 10, 4, 2, 60, (2, 3), feature_dim=64)
+    tree_result = VerifyResult(4, 2, 8, 13, 0.5, accepted_path=(1, 2))
+    assert codec.result_from_pb(codec.result_to_pb(tree_result)) == tree_result
+    info = ModelInfo("m", 100, "t", "f", 10, 4, 2, 60, (2, 3), feature_dim=64, max_tree_nodes=32)
     assert codec.model_info_from_pb(codec.model_info_to_pb(info)) == info
     gen = GenerateSpec((1, 2), sampling, 9, 3, "t")
     assert codec.generate_from_pb(codec.generate_to_pb(gen)) == gen

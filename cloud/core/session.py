@@ -18,7 +18,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ...common.maths.features import join_blocks
-from ...common.maths.verification import Outcome
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, PermissionDenied, ResourceExhausted
 from ...common.protocol.wire import DraftBlock, FeatureBlock, SessionOpened, SessionSpec, VerifyResult
 from ..engine.base import KVSequence
@@ -98,9 +97,9 @@ class Session:
         """What a round feeds: the newest committed token, then the drafts."""
         return [self.committed[-1], *block.draft_ids]
 
-    def commit(self, block: DraftBlock, outcome: Outcome, result: VerifyResult) -> None:
+    def commit(self, block: DraftBlock, accepted: list[int], result: VerifyResult) -> None:
         """Record an answered round: its accepted drafts and new token are committed for good."""
-        self.committed += [*block.draft_ids[:outcome.num_accepted], outcome.token]
+        self.committed += [*accepted, result.next_token]
         self.next_round = block.round + 1
         self.last_block, self.last_result = block, result
 

@@ -30,16 +30,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...common.maths import verification as rules
 from ...common.maths.features import encode_features
-from ...common.maths.sampling import logits_to_probs, penalize, round_generator
 from ...common.models.loading import tokenizer_fingerprint
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
+from ...common.protocol.tree import feed_parents
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import TorchEngine
 from .costs import measure_pass_costs
+from .rules import apply_rule
 from .session import Phase, Session, SessionStore, one_per_session
 from ..specs import VerifierLimits
 from .telemetry import ReplicaTelemetry, Telemetry
@@ -81,7 +81,8 @@ class Verifier:
             model_fingerprint=target.fingerprint, max_context=self.limits.max_context,
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
-            device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim)
+            device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim,
+            max_tree_nodes=self.limits.max_tree_nodes if caps.tree_masks else 0)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release)
         self.telemetry = Telemetry()
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
@@ -90,7 +91,8 @@ class Verifier:
         """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info`, for the
         edges' block sizing (cloud/core/costs.py). Run it before serving: it holds the engine meanwhile."""
         with self._lock:
-            points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, self.limits.max_draft + 1))
+            largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
+            points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, largest))
             self.info = replace(self.info, pass_costs=points)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
@@ -203,7 +205,8 @@ class Verifier:
             try:
                 session = self._sessions.get(block.session_id)
                 block.validate(self.info.vocab_size, self.limits.max_draft,
-                               needs_probs=session.spec.mode.uses_draft_probs)
+                               needs_probs=session.spec.mode.uses_draft_probs,
+                               max_tree_nodes=self.info.max_tree_nodes, trees=session.spec.mode.verifies_trees)
                 if session.admit(block, self.limits.max_context):
                     results[i] = session.last_result
                 else:
@@ -225,7 +228,8 @@ class Verifier:
             except HybridSpecError as exc:
                 results[i] = exc
                 continue
-            feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec)))
+            feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec),
+                              parents=feed_parents(block.parents) if block.is_tree else None))
             rounds.append((i, block, session))
         budget = prefill_tokens
         for session in openings:
@@ -268,18 +272,24 @@ class Verifier:
         """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
         token is fed at the head of the next block) and commit. A failure is this session's alone."""
         try:
-            outcome = _apply_rule(session.spec, block, scores.logits, session.committed)
-            # Features of the tokens now committed context: the newest committed one and the accepted.
-            features = _features(session.spec, scores.hidden, len(session.committed) - 1, outcome.num_accepted + 1)
-            self.engine.truncate(session.kv, len(session.committed) + outcome.num_accepted)
+            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed)
+            # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
+            # features are the session's next committed context, and only their keys stay cached.
+            rows = [0, *(node + 1 for node in nodes)]
+            features = _features(session.spec, scores.hidden, len(session.committed) - 1, rows)
+            if block.is_tree:
+                self.engine.keep_rows(session.kv, len(session.committed) - 1, rows)
+            else:
+                self.engine.truncate(session.kv, len(session.committed) + len(nodes))
         except Exception as exc:
             session.roll_back(self.engine.truncate)
             return incident(log, exc, "a verification rule")
-        self._observe_latency(session, outcome.num_accepted + 1, answered)
-        result = VerifyResult(round=block.round, num_accepted=outcome.num_accepted, next_token=outcome.token,
-                              committed_len=len(session.committed) + outcome.num_accepted + 1,
-                              verify_ms=forward_ms, batch_size=batch_size, features=features)
-        session.commit(block, outcome, result)
+        self._observe_latency(session, len(nodes) + 1, answered)
+        result = VerifyResult(round=block.round, num_accepted=len(nodes), next_token=token,
+                              committed_len=len(session.committed) + len(nodes) + 1,
+                              verify_ms=forward_ms, batch_size=batch_size, features=features,
+                              accepted_path=tuple(nodes) if block.is_tree else ())
+        session.commit(block, [block.draft_ids[node] for node in nodes], result)
         return result
 
     def _keep_prefill_features(self, session: Session, scores: Scores, position: int) -> None:
@@ -313,37 +323,11 @@ def _wants_features(spec: SessionSpec) -> bool:
 
 
 def _features(spec: SessionSpec, hidden: torch.Tensor | None, position: int,
-              count: int | None = None) -> FeatureBlock | None:
-    """The features of a feed's first `count` tokens (all if None), the first being the session's
-    position `position`, in the format the session asked for; None if it asked for none."""
+              rows: list[int] | None = None) -> FeatureBlock | None:
+    """The features of a feed's `rows` (all if None) as the session's consecutive positions from
+    `position`, in the format the session asked for; None if it asked for none."""
     if hidden is None:
         return None
-    return encode_features(hidden[:count], position, spec.features)
-
-
-def _apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int]) -> rules.Outcome:
-    """The session's acceptance rule on one block. logits: [γ+1, V] float32 on the model's device,
-    scoring the positions after committed + draft[:j].
-
-    Greedy needs only argmaxes, taken on the device; the sampling rules get probabilities on the CPU
-    so that a seeded round draws the same numbers on CPU and GPU replicas. Penalties come first in
-    every mode (docs/design.md §2.1).
-    """
-    if spec.mode is Mode.GREEDY:
-        logits = penalize(logits, spec.sampling, committed, spec.prompt_end, block.draft_ids)
-        return rules.verify_greedy(torch.tensor(block.draft_ids, dtype=torch.long, device=logits.device), logits)
-    draft = torch.tensor(block.draft_ids, dtype=torch.long)
-    logits = penalize(logits.cpu(), spec.sampling, committed, spec.prompt_end, block.draft_ids)
-    target_probs = logits_to_probs(logits, spec.sampling)
-    if spec.mode is Mode.COUPLED:
-        # Row 0 scores the position after the committed tokens: noise by position, never by round.
-        return rules.verify_coupled(draft, target_probs, spec.seed, len(committed))
-    generator = round_generator(spec.seed, block.round)
-    if spec.mode is Mode.BILD:
-        return rules.verify_bild(draft, target_probs, spec.rollback_threshold,
-                                 None if spec.sampling.greedy else generator)
-    draft_probs = torch.zeros(len(block.draft_ids), logits.shape[-1], dtype=torch.float32)
-    for i, (ids, ps) in enumerate(zip(block.support_ids, block.probs)):
-        draft_probs[i, list(ids)] = torch.tensor(ps, dtype=torch.float32)
-    lenience = spec.lenience if spec.mode is Mode.LENIENT else 1.0
-    return rules.verify_speculative(draft, draft_probs, target_probs, generator, lenience)
+    if rows is not None:
+        hidden = hidden[torch.tensor(rows, device=hidden.device)]
+    return encode_features(hidden, position, spec.features)

@@ -32,6 +32,10 @@ class Feed:
     tokens: Sequence[int]
     scored: bool  # True: logits at every fed position (a round); False: a prefill chunk, no logits
     features: bool = False  # True: also the final hidden states at every fed position
+    # A draft tree (common/protocol/tree.py `feed_parents`): token j's parent among the fed tokens,
+    # -1 for the first (it follows the cached context). Token j sits at position length + its depth
+    # and attends to the cache, its ancestors and itself only. None: a chain, every token after the last.
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Capabilities:
     device: str  # where the weights live, e.g. "cpu", "cuda:0"
     dtype: str  # the weights' type, e.g. "float32", "bfloat16", "Q4_1"
     feature_dim: int  # size of a final hidden state (0: the engine cannot return features)
-    tree_masks: bool = False  # can score a draft tree in one pass (not yet: chains only)
+    tree_masks: bool = False  # can score a draft tree (a feed with parents) in one pass
     max_sequence_tokens: int = 0  # most tokens one session may cache (0: only the whole cache bounds it)
 
 
@@ -102,6 +106,11 @@ class Engine(Protocol):
 
     def truncate(self, kv: KVSequence, length: int) -> None:
         """Keep the first `length` cached tokens of `kv` (a rejected suffix, a failed round)."""
+
+    def keep_rows(self, kv: KVSequence, start: int, rows: Sequence[int]) -> None:
+        """After a tree pass: keep the tokens fed at `start + rows[i]` (increasing, rows[0] = 0: the
+        accepted root path) as tokens `start + i`, and drop everything after them. Their keys were
+        computed at the positions they now hold, so only storage moves. For a chain this is truncate."""
 
     def release(self, kv: KVSequence) -> None:
         """Give back everything `kv` holds; the handle is empty afterwards."""

@@ -34,8 +34,8 @@ class _Row:
 
     queries: slice  # its tokens in the packed sequence
     keys: slice  # its cached + new keys in the gathered keys
-    mask: torch.Tensor | None  # [n, past + n] causal mask when it is neither one token nor a fresh start
-    causal: bool  # a fresh start (no past): plain causal attention
+    mask: torch.Tensor | None  # [n, past + n] causal (or tree) mask unless one token or a fresh chain
+    causal: bool  # a fresh chain (no past): plain causal attention
 
 
 _active = threading.local()  # the rows of the pass this thread is running, if any
@@ -109,7 +109,8 @@ class TorchEngine:
         # A 4-D mask is used as given: this one only skips mask building, packed_attention ignores it.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.capabilities = Capabilities(name="torch", device=str(model.device),
-                                         dtype=str(model.dtype).removeprefix("torch."), feature_dim=config.hidden_size)
+                                         dtype=str(model.dtype).removeprefix("torch."), feature_dim=config.hidden_size,
+                                         tree_masks=True)
 
     @property
     def capacity_tokens(self) -> int:
@@ -140,6 +141,17 @@ class TorchEngine:
         """Every page back to the pool."""
         kv.release()
 
+    def keep_rows(self, kv: PageTable, start: int, rows: Sequence[int]) -> None:
+        """Move the accepted path's keys and values to consecutive rows, then cut the rest (see Engine)."""
+        moved = [(start + i, start + r) for i, r in enumerate(rows) if r != i]
+        if moved:
+            table = kv.rows(kv.length, self.device)
+            dst = table[torch.tensor([d for d, _ in moved], device=self.device)]
+            src = table[torch.tensor([s for _, s in moved], device=self.device)]
+            for store in (*self.pool.keys, *self.pool.values):
+                store.index_copy_(1, dst, store.index_select(1, src))  # index_select copies: overlap is safe
+        kv.truncate(start + len(rows))
+
     @torch.inference_mode()
     def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
         """Append every feed's tokens to its session in one pass.
@@ -157,15 +169,20 @@ class TorchEngine:
                 raise ValueError("every feed needs at least one token")
             pool_rows = feed.kv.rows(past + n, self.device)
             ids += feed.tokens
-            positions.append(torch.arange(past, past + n, device=self.device))
             write.append(pool_rows[past:])
             read.append(pool_rows)
             if feed.scored:
                 keep.append(torch.arange(queries, queries + n, device=self.device))
-            mask = None if n == 1 or past == 0 else torch.ones(n, past + n, dtype=torch.bool,
-                                                               device=self.device).tril(past)
-            rows.append(_Row(slice(queries, queries + n), slice(keys, keys + past + n), mask,
-                             causal=past == 0 and n > 1))
+            if feed.parents is not None:
+                # A tree: each node at its depth's position, seeing the cache, its ancestors and itself.
+                positions.append(past + torch.tensor(_feed_depths(feed.parents), device=self.device))
+                mask, causal = _tree_mask(feed.parents, past, self.device), False
+            else:
+                positions.append(torch.arange(past, past + n, device=self.device))
+                mask = None if n == 1 or past == 0 else torch.ones(n, past + n, dtype=torch.bool,
+                                                                   device=self.device).tril(past)
+                causal = past == 0 and n > 1
+            rows.append(_Row(slice(queries, queries + n), slice(keys, keys + past + n), mask, causal))
             queries += n
             keys += past + n
         # 2. One forward pass; logits only at scored positions (one throw-away row if none is). The
@@ -201,6 +218,26 @@ class TorchEngine:
                 start += len(feed.tokens)
             results.append(Scores(scored, hidden[0][0, row.queries] if feed.features else None))
         return results
+
+
+def _feed_depths(parents: Sequence[int]) -> list[int]:
+    """Each fed token's distance from the first (which follows the cache: depth 0)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def _tree_mask(parents: Sequence[int], past: int, device: torch.device) -> torch.Tensor:
+    """[n, past + n]: token j sees every cached token, its ancestors among the fed ones and itself."""
+    n = len(parents)
+    mask = torch.zeros(n, past + n, dtype=torch.bool)
+    mask[:, :past] = True
+    for j, p in enumerate(parents):
+        if p >= 0:
+            mask[j, past:] = mask[p, past:]
+        mask[j, past + j] = True
+    return mask.to(device)
 
 
 def _last_hidden_state(output) -> torch.Tensor:

@@ -60,7 +60,8 @@ def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
                         max_draft=i.max_draft, max_sessions=i.max_sessions,
                         idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids),
                         device=i.device, dtype=i.dtype, feature_dim=i.feature_dim,
-                        pass_costs=[pb.PassCost(tokens=m, ms=ms) for m, ms in i.pass_costs])
+                        pass_costs=[pb.PassCost(tokens=m, ms=ms) for m, ms in i.pass_costs],
+                        max_tree_nodes=i.max_tree_nodes)
 
 
 def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
@@ -71,7 +72,7 @@ def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
                      max_draft=m.max_draft, max_sessions=m.max_sessions,
                      idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids),
                      device=m.device, dtype=m.dtype, feature_dim=m.feature_dim,
-                     pass_costs=_pass_costs(m.pass_costs))
+                     pass_costs=_pass_costs(m.pass_costs), max_tree_nodes=m.max_tree_nodes)
 
 
 def _pass_costs(points) -> tuple[tuple[int, float], ...]:
@@ -129,7 +130,8 @@ def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:
         session_id=b.session_id, round=b.round, committed_len=b.committed_len,
         draft_ids=list(b.draft_ids),
         draft_probs=[pb.DraftPosition(support_ids=list(ids), probs=list(ps))
-                     for ids, ps in zip(b.support_ids, b.probs)])
+                     for ids, ps in zip(b.support_ids, b.probs)],
+        draft_parents=list(b.parents))
 
 
 def block_from_pb(m: pb.VerifyRequest) -> DraftBlock:
@@ -138,14 +140,16 @@ def block_from_pb(m: pb.VerifyRequest) -> DraftBlock:
         session_id=m.session_id, round=m.round, committed_len=m.committed_len,
         draft_ids=tuple(m.draft_ids),
         support_ids=tuple(tuple(d.support_ids) for d in m.draft_probs),
-        probs=tuple(tuple(d.probs) for d in m.draft_probs))
+        probs=tuple(tuple(d.probs) for d in m.draft_probs),
+        parents=tuple(m.draft_parents))
 
 
 def result_to_pb(r: VerifyResult) -> pb.VerifyReply:
     """Encode a verification result."""
     return pb.VerifyReply(round=r.round, num_accepted=r.num_accepted, next_token=r.next_token,
                           committed_len=r.committed_len, verify_ms=r.verify_ms, batch_size=r.batch_size,
-                          queue_ms=r.queue_ms, features=_optional_features(r.features))
+                          queue_ms=r.queue_ms, features=_optional_features(r.features),
+                          accepted_nodes=list(r.accepted_path))
 
 
 def result_from_pb(m: pb.VerifyReply) -> VerifyResult:
@@ -153,7 +157,8 @@ def result_from_pb(m: pb.VerifyReply) -> VerifyResult:
     return VerifyResult(round=m.round, num_accepted=m.num_accepted, next_token=m.next_token,
                         committed_len=m.committed_len, verify_ms=m.verify_ms, batch_size=m.batch_size,
                         queue_ms=m.queue_ms,
-                        features=features_from_pb(m.features) if m.HasField("features") else None)
+                        features=features_from_pb(m.features) if m.HasField("features") else None,
+                        accepted_path=tuple(m.accepted_nodes))
 
 
 def generate_to_pb(g: GenerateSpec) -> pb.GenerateRequest:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from .tree import check_tree, children, is_chain
 
 PROB_SUM_TOLERANCE = 1e-3  # float32 renormalisation error stays far below this
 # Below this temperature logits / T overflows float32 for ordinary logits (1e-40 gives NaN
@@ -35,6 +36,12 @@ class Mode(str, Enum):
     def uses_draft_probs(self) -> bool:
         """True for the rules that read q; the others get token ids only."""
         return self in (Mode.SPECULATIVE, Mode.LENIENT)
+
+    @property
+    def verifies_trees(self) -> bool:
+        """True for the rules with a tree form (common/maths/tree_verification.py); BiLD's rollback
+        and lenient sampling verify chains only."""
+        return self in (Mode.GREEDY, Mode.SPECULATIVE, Mode.COUPLED)
 
     @staticmethod
     def default_for(temperature: float) -> Mode:
@@ -154,6 +161,7 @@ class ModelInfo:
     # (M, milliseconds): what a forward pass of M tokens cost the replica's engine when it started,
     # M increasing; empty when not measured. The shape of t_v(γ) = cost(γ + 1) for the edge's policy.
     pass_costs: tuple[tuple[int, float], ...] = ()
+    max_tree_nodes: int = 0  # most nodes of a draft tree (depth at most max_draft); 0: chains only
 
 
 def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:
@@ -237,7 +245,9 @@ class SessionOpened:
 
 @dataclass(frozen=True)
 class DraftBlock:
-    """One round's draft. At temperature 0, support_ids and probs are empty (q is one-hot)."""
+    """One round's draft: a chain, or a tree when `parents` is given (common/protocol/tree.py). At
+    temperature 0, support_ids and probs are empty (q is one-hot). In a tree each node carries the q
+    of its parent, which it was drawn from: siblings carry the same one."""
 
     session_id: str
     round: int
@@ -245,15 +255,29 @@ class DraftBlock:
     draft_ids: tuple[int, ...]
     support_ids: tuple[tuple[int, ...], ...] = ()  # per draft position, the support of q
     probs: tuple[tuple[float, ...], ...] = ()  # per draft position, q over that support
+    parents: tuple[int, ...] = ()  # per node, its parent (-1: the newest committed token); () = a chain
     # Never on the wire: the authenticated identity that sent the block, set by the server that took it
     # ("" on a server without credentials); the session's owner must match.
     owner: str = ""
 
-    def validate(self, vocab_size: int, max_draft: int, needs_probs: bool) -> None:
-        """Raise InvalidArgument naming the first bad field."""
+    @property
+    def is_tree(self) -> bool:
+        """True when `parents` makes the draft anything but a chain."""
+        return bool(self.parents) and not is_chain(self.parents)
+
+    def validate(self, vocab_size: int, max_draft: int, needs_probs: bool, max_tree_nodes: int = 0,
+                 trees: bool = True) -> None:
+        """Raise InvalidArgument naming the first bad field. max_tree_nodes: the server's node limit
+        for trees (0: chains only); trees: whether the session's rule verifies trees."""
         check_session_id(self.session_id)
         gamma = len(self.draft_ids)
-        if gamma > max_draft:
+        if self.parents:
+            check_tree(self.parents, self.draft_ids, max(max_tree_nodes, max_draft), max_draft)
+            if self.is_tree and not max_tree_nodes:
+                raise InvalidArgument("this server verifies chains only: send draft_parents empty")
+            if self.is_tree and not trees:
+                raise InvalidArgument("this session's mode verifies chains only: send draft_parents empty")
+        elif gamma > max_draft:
             raise InvalidArgument(f"draft_ids holds {gamma} tokens; this server allows at most {max_draft}")
         _check_ids("draft_ids", self.draft_ids, vocab_size)
         if not needs_probs:
@@ -277,6 +301,13 @@ class DraftBlock:
                 raise InvalidArgument(f"{where}.probs sum to {total:.6f}, not 1")
             if x not in ids:
                 raise InvalidArgument(f"{where}.support_ids does not contain the draft token {x}")
+        if self.is_tree:
+            for siblings in children(self.parents):
+                first = siblings[0] if siblings else None
+                for i in siblings[1:]:
+                    if self.support_ids[i] != self.support_ids[first] or self.probs[i] != self.probs[first]:
+                        raise InvalidArgument(f"draft_probs[{i}] differs from draft_probs[{first}]: siblings "
+                                              "are drawn from one q and must carry it alike")
 
 
 @dataclass(frozen=True)
@@ -291,6 +322,7 @@ class VerifyResult:
     batch_size: int = 1  # rounds scored in the same forward pass
     queue_ms: float = 0.0  # of verify_ms, the time the round waited before its forward pass began
     features: FeatureBlock | None = None  # asked-for features of the last committed token + accepted drafts
+    accepted_path: tuple[int, ...] = ()  # a tree's accepted nodes from depth 1 down; () for a chain
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype", "feature_dim", "pass_costs")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype", "feature_dim", "pass_costs", "max_tree_nodes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     PASS_COSTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -64,7 +65,8 @@ class ModelInfo(_message.Message):
     dtype: str
     feature_dim: int
     pass_costs: _containers.RepeatedCompositeFieldContainer[PassCost]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_dim: _Optional[int] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ...) -> None: ...
+    max_tree_nodes: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_dim: _Optional[int] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class PassCost(_message.Message):
     __slots__ = ("tokens", "ms")
@@ -155,21 +157,23 @@ class DraftPosition(_message.Message):
     def __init__(self, support_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "round", "committed_len", "draft_ids", "draft_probs")
+    __slots__ = ("session_id", "round", "committed_len", "draft_ids", "draft_probs", "draft_parents")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round: int
     committed_len: int
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[DraftPosition]
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_len: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftPosition, _Mapping]]] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_len: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[DraftPosition, _Mapping]]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size", "queue_ms", "features")
+    __slots__ = ("round", "num_accepted", "next_token", "committed_len", "verify_ms", "batch_size", "queue_ms", "features", "accepted_nodes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +182,7 @@ class VerifyReply(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -186,7 +191,8 @@ class VerifyReply(_message.Message):
     batch_size: int
     queue_ms: float
     features: Features
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_len: _Optional[int] = ..., verify_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., queue_ms: _Optional[float] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
