@@ -4,6 +4,7 @@ and every malformed tree is refused before anything changes."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,3 +143,21 @@ def test_trees_and_chains_of_other_sessions_share_a_pass_unchanged(target):
     for e, g in zip(expected, got):
         assert (e.num_accepted, e.next_token, e.accepted_path) == (g.num_accepted, g.next_token, g.accepted_path)
     assert got[0].batch_size == 2
+
+
+def test_trees_beyond_an_engines_leaf_limit_wait_for_the_next_pass(target):
+    """An engine that takes only so many tree leaves per pass (llama.cpp: 256) gets the rest in a later
+    pass; every round is answered as it would be alone, and a tree never exceeds the limit by itself."""
+    engine = TorchEngine(target.model, 4096)
+    engine.capabilities = replace(engine.capabilities, max_tree_leaves=4)
+    limited = Verifier(target, LIMITS, engine=engine)
+    assert limited.info.max_tree_nodes == 4
+    alone = Verifier(target, LIMITS)
+    blocks = [DraftBlock(f"s{i}", 0, 20, (40 + i, 50 + i, 60 + i), parents=(-1, -1, 0)) for i in range(4)]
+    for v in (limited, alone):
+        for i in range(4):
+            v.open_session(SessionSpec(f"s{i}", tuple(range(10 + i, 30 + i))))
+    got = limited.verify_batch(blocks)
+    expected = [alone.verify(b) for b in blocks]
+    assert [(g.accepted_path, g.next_token) for g in got] == [(e.accepted_path, e.next_token) for e in expected]
+    assert [g.batch_size for g in got] == [2, 2, 2, 2]  # two trees of two leaves per pass

@@ -33,10 +33,10 @@ import torch
 from ...common.maths.features import encode_features
 from ...common.models.loading import tokenizer_fingerprint
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
-from ...common.protocol.tree import feed_parents
+from ...common.protocol.tree import feed_parents, leaves
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
-from ..engine.base import Engine, Feed, KVSequence, Scores, Target
+from ..engine.base import Capabilities, Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import TorchEngine
 from .costs import measure_pass_costs
 from .rules import apply_rule
@@ -82,7 +82,7 @@ class Verifier:
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
             device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim,
-            max_tree_nodes=self.limits.max_tree_nodes if caps.tree_masks else 0)
+            max_tree_nodes=_tree_nodes(self.limits.max_tree_nodes, caps))
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release)
         self.telemetry = Telemetry()
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
@@ -169,11 +169,30 @@ class Verifier:
             feeding = [s for s in openings if s.phase is Phase.PREFILLING]
             while True:
                 now, pending = one_per_session(pending, lambda item: item[1].session_id)
+                now, later = self._within_tree_leaves(now)
+                pending = later + pending
                 self._run_pass(now, feeding, results, budget)
                 feeding = []
                 if not pending:
                     break
         return results  # type: ignore[return-value]
+
+    def _within_tree_leaves(self, items: list[tuple[int, DraftBlock]]) -> tuple[list, list]:
+        """Split rounds so that the trees of one pass stay within the engine's leaf limit; the rest wait
+        for the next pass (a tree can always run: max_tree_nodes is capped to that limit)."""
+        limit = self.engine.capabilities.max_tree_leaves
+        if not limit:
+            return items, []
+        now, later, used = [], [], 0
+        for item in items:
+            block = item[1]
+            count = leaves(block.parents) if block.is_tree else 0
+            if used + count > limit and now:
+                later.append(item)
+            else:
+                now.append(item)
+                used += count
+        return now, later
 
     def _run_pass(self, items: list[tuple[int, DraftBlock]], openings: list[Session], results: list,
                   prefill_tokens: int) -> None:
@@ -316,6 +335,14 @@ class Verifier:
         if not self.engine.fits(kv, tokens):
             self._sessions.make_room(lambda: self.engine.fits(kv, tokens), keep)
         self.engine.reserve(kv, tokens)
+
+
+def _tree_nodes(limit: int, caps: Capabilities) -> int:
+    """The tree size a replica offers: the configured limit, none without tree masks, and never more
+    leaves than one pass may carry."""
+    if not caps.tree_masks:
+        return 0
+    return min(limit, caps.max_tree_leaves) if caps.max_tree_leaves else limit
 
 
 def _wants_features(spec: SessionSpec) -> bool:

@@ -55,6 +55,11 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
     return path[::-1]
 
 
+def leaves(parents: Sequence[int]) -> int:
+    """Nodes that are nobody's parent (any list of ints: counted before validation)."""
+    return len(parents) - len({p for p in parents if p >= 0})
+
+
 def feed_parents(parents: Sequence[int]) -> tuple[int, ...]:
     """The tree as an engine feeds it: the root first (index 0, its parent the cached context, -1),
     then node i at index i + 1 with its parent shifted by one as well."""
