@@ -18,8 +18,9 @@ from .proposal import DraftSettings, DrafterKind
 class GammaPolicy(Choice):
     """How long a block to draft."""
 
-    ADAPTIVE = "adaptive"  # γ each round for the most tokens/s, from measured rates
-    FIXED = "fixed"  # always max_draft
+    ADAPTIVE = "adaptive"  # γ (or a tree's size) each round for the most tokens/s, from measured rates
+    FIXED = "fixed"  # always a chain of max_draft
+    TREE = "tree"  # always a tree of tree_nodes nodes, max_draft deep, tree_top_k children per node
 
 
 class WireFeatures(Choice):
@@ -84,9 +85,14 @@ class EdgeConfig:
     mode: str = setting("", "acceptance rule; none: greedy at temperature 0, else coupled with a seed and "
                             "speculative without", choices=("", *(m.value for m in Mode)))
     max_draft: int = setting(8, "most tokens drafted per round (the server's limit caps it too)", ge=1)
-    gamma_policy: GammaPolicy = setting(GammaPolicy.ADAPTIVE, "adaptive: the block length per round from "
-                                                              "measured acceptance, RTT and costs; fixed: "
-                                                              "max_draft")
+    tree_nodes: int = setting(32, "most nodes of a draft tree per round; the policy sends a tree only when it "
+                                  "predicts one faster than a chain (greedy, speculative and coupled modes, "
+                                  "model drafters, servers that verify trees); 0 or 1 = chains only", ge=0)
+    tree_top_k: int = setting(4, "most children per node of a draft tree", ge=1)
+    gamma_policy: GammaPolicy = setting(GammaPolicy.ADAPTIVE, "adaptive: the block length (or tree size) per "
+                                                              "round from measured acceptance, RTT and costs; "
+                                                              "fixed: a chain of max_draft; tree: a tree of "
+                                                              "tree_nodes (where trees are possible)")
     fallback_threshold: float = setting(0.6, "BiLD alpha_FB: end a block when the drafter's top probability "
                                              "falls below this", ge=0, le=1)
     keep_low_confidence: bool = setting(True, "send the token that triggered alpha_FB, or drop it (BiLD)")

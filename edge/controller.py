@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from . import policy
+from . import policy, tree_policy
 from .estimates import Estimates
+from .tree_policy import Shape
 
 # Until these are measured, the policy assumes them (seconds); the first rounds measure them all.
 DEFAULT_RATES = policy.Rates(alphas=[0.5], draft_s=0.005, rtt_s=0.02, verify_single_s=0.03, verify_block_s=0.03,
@@ -42,11 +43,14 @@ class Policy:
     """The settings the controller follows (from EdgeConfig)."""
 
     cap: int  # most tokens per block: min(the edge's and the server's max_draft)
-    adaptive: bool = True  # choose γ per round; False: always `cap`
+    adaptive: bool = True  # choose γ (or a tree) per round; False: always `cap`
+    fixed_tree: bool = False  # not adaptive: always a tree of tree_nodes, `cap` deep (where trees are possible)
     pipeline: bool = True  # blocks are drafted ahead while waiting
     cloud_only_switch: bool = True  # may hand decoding to the cloud
     probe_tokens: int = 32  # while cloud-only: tokens between decisions; 0 = never reconsider
     cloud_only: bool = False  # the baseline: cloud-only from start to end, nothing measured or drafted
+    tree_nodes: int = 0  # most nodes of a draft tree; 0 = chains only
+    tree_top_k: int = 4  # most children per tree node
 
 
 class Controller:
@@ -66,7 +70,7 @@ class Controller:
         """Cloud-only while warming up or when earlier measurements favour it; else hybrid."""
         p = self.policy
         if p.cloud_only or self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
-                self.rates(), p.cap, p.pipeline, now_cloud_only=False)):
+                self.rates(), p.cap, p.pipeline, now_cloud_only=False, hybrid=self._best_hybrid(self.rates()))):
             return Phase.CLOUD_ONLY
         return Phase.HYBRID
 
@@ -83,6 +87,36 @@ class Controller:
         if self.estimates.draft_s.value is None:
             return min(FIRST_GAMMA, p.cap)
         return policy.choose_gamma(rates, p.cap, p.pipeline)
+
+    def next_shape(self, remaining_tokens: int, context_tokens: int) -> Shape | None:
+        """The next round's draft: a chain of γ or a tree (whichever is predicted faster), or None to
+        hand decoding to the cloud."""
+        gamma = self.next_gamma(remaining_tokens, context_tokens)
+        if gamma is None:
+            return None
+        chain = Shape(gamma, gamma, 1)
+        p = self.policy
+        if p.tree_nodes < 2:
+            return chain
+        if not p.adaptive:
+            return Shape(p.tree_nodes, p.cap, p.tree_top_k) if p.fixed_tree else chain
+        if self.estimates.draft_s.value is None:
+            return chain
+        rates = self.rates()
+        tree_rate, tree = self._tree(rates)
+        return tree if not tree.is_chain and tree_rate > policy.hybrid_rate(rates, gamma, p.pipeline) else chain
+
+    def _tree(self, rates: policy.Rates) -> tuple[float, Shape]:
+        p = self.policy
+        return tree_policy.choose_tree(rates, self.estimates.ranks, p.tree_nodes, p.cap, p.tree_top_k)
+
+    def _best_hybrid(self, rates: policy.Rates) -> float | None:
+        """Hybrid's predicted rate with trees if they are on (None: the chain policy's own)."""
+        if self.policy.tree_nodes < 2:
+            return None
+        p = self.policy
+        chain = policy.hybrid_rate(rates, policy.choose_gamma(rates, p.cap, p.pipeline), p.pipeline)
+        return max(chain, self._tree(rates)[0])
 
     def observed_hybrid_round(self) -> None:
         """One more hybrid round measured since the last switch."""
@@ -125,12 +159,13 @@ class Controller:
 
     def hybrid_could_win(self) -> bool:
         """Could hybrid beat cloud-only here even with a drafter accepted OPTIMISTIC_ALPHA of the time?"""
-        return not policy.prefer_cloud_only(self.rates().optimistic(OPTIMISTIC_ALPHA), self.policy.cap,
-                                            self.policy.pipeline, now_cloud_only=True, hysteresis=0.0)
+        rates = self.rates().optimistic(OPTIMISTIC_ALPHA)
+        return not policy.prefer_cloud_only(rates, self.policy.cap, self.policy.pipeline, now_cloud_only=True,
+                                            hysteresis=0.0, hybrid=self._best_hybrid(rates))
 
     def _prefer_cloud(self, rates: policy.Rates, now_cloud_only: bool, remaining_tokens: int,
                       context_tokens: int) -> bool:
         """The policy's verdict, with what a switch would cost here and what is left to gain."""
         return policy.prefer_cloud_only(rates, self.policy.cap, self.policy.pipeline, now_cloud_only,
-                                        remaining_tokens=remaining_tokens,
+                                        hybrid=self._best_hybrid(rates), remaining_tokens=remaining_tokens,
                                         switch_cost_s=self.estimates.switch_cost_s(context_tokens))

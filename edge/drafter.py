@@ -10,6 +10,7 @@ current one is verified. A proposal's `dists` is None at temperature 0, where q 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -20,6 +21,7 @@ from ..common.maths.sampling import gumbel_max, logits_to_probs, penalize, round
 from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.wire import SamplingParams
 from .draft_lm import DraftLM, TorchLM, to_vocab
+from .estimates import RANKS
 from .proposal import DraftSettings, Drafter, Interrupt, Proposal
 
 
@@ -45,6 +47,7 @@ class ModelDrafter:
         threshold = s.fallback_threshold if fallback else 0.0
         ids: list[int] = []
         dists: list[SparseDist] = []
+        ranked: list[tuple[int, ...]] = []
         fell_back = False
         logits = None
         while len(ids) < max_tokens and not (interrupt is not None and interrupt()):
@@ -52,6 +55,7 @@ class ModelDrafter:
             logits = self._advance(context) if logits is None else self._feed([ids[-1]])
             penalized = penalize(logits[None], self.sampling, context + ids, self._prompt_len)[0]
             probs = logits_to_probs(penalized, self.sampling)
+            ranked.append(tuple(torch.topk(probs, RANKS).indices.tolist()))
             if should_fall_back(probs, threshold):
                 fell_back = True
                 if not s.keep_low_confidence:
@@ -67,9 +71,9 @@ class ModelDrafter:
             ids.append(token)
             if fell_back or token in s.stop_ids:
                 break
-        return Proposal(ids, None if self.sampling.greedy else dists, fell_back)
+        return Proposal(ids, None if self.sampling.greedy else dists, fell_back, ranked=ranked[:len(ids)])
 
-    def observe(self, num_accepted: int, token: int) -> None:
+    def observe(self, accepted: list[int], token: int) -> None:
         """Nothing to do now: the next `propose` keeps the cached prefix it shares with the new
         context, which also keeps the work of a block drafted ahead when its guess came true."""
 
@@ -112,7 +116,7 @@ class NgramDrafter:
             SparseDist(torch.tensor([t]), torch.tensor([1.0])) for t in ids]
         return Proposal(ids, dists, False)
 
-    def observe(self, num_accepted: int, token: int) -> None:
+    def observe(self, accepted: list[int], token: int) -> None:
         """Prompt lookup learns nothing from a verdict."""
 
     def _lookup(self, context: list[int], max_tokens: int) -> list[int]:
@@ -144,18 +148,27 @@ class Lookahead:
             return replace(ahead.head(max_tokens), drafted_ahead=True)
         return self.inner.propose(context, max_tokens, interrupt=interrupt, fallback=fallback)
 
+    def propose_tree(self, max_depth: int, draft: Callable[[Drafter], Proposal]) -> Proposal:
+        """The block drafted ahead, if the last verdict kept it (a chain, ready now, at most `max_depth`
+        long); else `draft(inner drafter)`, which builds a tree (edge/tree_draft.py)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            return replace(ahead.head(max_depth), drafted_ahead=True)
+        return draft(self.inner)
+
     def prefetch(self, context: list[int], block: Proposal, max_tokens: int, interrupt: Interrupt) -> None:
         """Draft up to `max_tokens` after `context + block` until `interrupt()` (the reply) turns true."""
         self._block = block
         self._ahead = self.inner.propose(context + block.ids, max_tokens, interrupt=interrupt)
         self.predrafted += len(self._ahead.ids)
 
-    def observe(self, num_accepted: int, token: int) -> None:
-        """Keep what was drafted ahead only if the whole block was accepted and the guess was right."""
-        self.inner.observe(num_accepted, token)
+    def observe(self, accepted: list[int], token: int) -> None:
+        """Keep what was drafted ahead only if the verifier accepted exactly the block it was drafted
+        after (a tree's main path, whole) and the guess was right."""
+        self.inner.observe(accepted, token)
         block, ahead, self._block, self._ahead = self._block, self._ahead, None, None
         self.guess_right = None if not ahead or not ahead.ids else ahead.ids[0] == token
-        if block is not None and ahead is not None and self.guess_right and num_accepted == len(block.ids) \
+        if block is not None and ahead is not None and self.guess_right and list(accepted) == block.ids \
                 and len(ahead.ids) > 1:
             self._ahead = ahead.tail(1)
 

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from .policy import Rates, interpolate
 
 DECAY = 0.9  # weight of the past per new observation (≈ the last 10 observations count)
+RANKS = 8  # the drafter's choices whose agreement with the target is counted (ρ_1..ρ_8, for trees)
+# Before any observation: first choice as prior_alpha says, then a quickly thinning tail (weights of
+# the prior's rounds; a few rounds outweigh it).
+PRIOR_RANK_SHARES = (0.15, 0.07, 0.04, 0.03, 0.02, 0.015, 0.01)
 
 
 @dataclass
@@ -106,7 +110,10 @@ class Estimates:
     def __init__(self, max_positions: int, prior_alpha: float = 0.5, prior_weight: float = 2.0) -> None:
         self._tries = [prior_weight] * (max_positions + 1)
         self._hits = [prior_weight * prior_alpha] * (max_positions + 1)
+        self._rank_seen = prior_weight
+        self._rank_hits = [prior_weight * share for share in (prior_alpha, *PRIOR_RANK_SHARES)]
         self.draft_s = Ewma()
+        self.tree_node_s = Ewma()  # a tree's drafting time per node (its levels batch nodes, its Python does not)
         self.rtt_s = Ewma()
         self.cloud_token_s = Ewma()
         self.prefill_per_token_s = Ewma()  # opening a session: the verifier's cost per context token
@@ -152,6 +159,20 @@ class Estimates:
                 self._tries[drafted] += 1
                 self._hits[drafted] += bonus_guess_right
 
+    @property
+    def ranks(self) -> list[float]:
+        """ρ_1..ρ_RANKS: how often the target's token was the drafter's r-th choice."""
+        with self._lock:
+            return [h / self._rank_seen for h in self._rank_hits]
+
+    def observe_ranks(self, ranks: list[int | None]) -> None:
+        """Ranks (1-based) of the target's tokens among the drafter's choices where both are known;
+        None: outside the drafter's first RANKS choices."""
+        with self._lock:
+            for rank in ranks:
+                self._rank_seen = self._rank_seen * DECAY + 1
+                self._rank_hits = [h * DECAY + (rank == r + 1) for r, h in enumerate(self._rank_hits)]
+
     def observe_shadow(self, agreed: bool, position: int = 0) -> None:
         """A drafter guess checked against a token the cloud decoded alone (cloud-only mode)."""
         j = min(position, len(self._tries) - 1)
@@ -175,4 +196,4 @@ class Estimates:
         return Rates(alphas=self.alphas, draft_s=self.draft_s.get(defaults.draft_s),
                      rtt_s=self.rtt_s.get(defaults.rtt_s), verify_single_s=single, verify_block_s=a,
                      verify_per_draft_s=b, cloud_token_s=t_cloud if t_cloud is not None else single,
-                     verify_curve_s=self.verify.curve(len(self._tries)))
+                     verify_curve_s=self.verify.curve(len(self._tries)), tree_node_s=self.tree_node_s.get(0.0))

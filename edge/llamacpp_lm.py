@@ -8,10 +8,20 @@ Python exactly as it does for torch, so the q it sends is exactly what it sample
 
 Built on llama-cpp-python's low-level API, like the cloud's engine (cloud/engine/llamacpp_engine.py).
 The model is loaded once per process and file; each `LlamaCppLM` (one per generation's drafter) has
-its own context: one sequence whose cached prefix is cut with `llama_memory_seq_rm`. Flash attention
-is on, as in the engine: with it a block of rows is computed like the same rows one at a time, so a
-reused prefix gives the logits a fresh context would. This module is the only one of the edge that
-imports llama_cpp, and only `make_drafter` imports it, when a drafter runs on llama.cpp.
+its own context: the committed context is sequence 0, whose cached prefix is cut with
+`llama_memory_seq_rm`. Flash attention is on, as in the engine: with it a block of rows is computed
+like the same rows one at a time, so a reused prefix gives the logits a fresh context would. This
+module is the only one of the edge that imports llama_cpp, and only `make_drafter` imports it, when a
+drafter runs on llama.cpp.
+
+Draft trees: llama.cpp takes no attention mask; a token attends to the cells of its (first) sequence
+id at positions up to its own. So every sequence holds the context and one root path of the tree, a
+branch: a node continues its parent's sequence when the parent is that sequence's newest cell and no
+sibling took it yet, and else opens a sequence of its own with `llama_memory_seq_cp` of the parent's
+up to the parent's position. In a unified cache (kv_unified) that copy only tags the cells with one
+more sequence id; nothing moves. Siblings share a position but never a sequence, so none sees another.
+Tree nodes are fed a depth at a time (those whose parents are cached), and dropped with
+`llama_memory_seq_keep` of sequence 0 and a cut of sequence 0 after the context.
 """
 from __future__ import annotations
 
@@ -23,9 +33,13 @@ import numpy as np
 import torch
 
 from ..common.models.drafter_gguf import LlamaDraftFiles
-from .draft_lm import reusable_prefix, to_vocab
+from ..common.protocol.tree import ROOT
+from .draft_lm import TreeNodes, reusable_prefix, to_vocab
 
 MAX_BATCH = 512  # rows per llama_decode: a longer prompt is fed in chunks
+# Sequences a context holds: the committed context and a branch per tree leaf at most (a draft tree of
+# up to 255 nodes); llama.cpp's own limit (LLAMA_MAX_SEQ) is 256. They cost nothing in a unified cache.
+MAX_SEQUENCES = 256
 
 
 def _quiet(level: int, text: bytes, data: ctypes.c_void_p) -> None:
@@ -72,7 +86,8 @@ class LlamaDraftModel:
 
 
 class LlamaCppLM:
-    """One generation's drafter LM on llama.cpp (a DraftLM): a context holding one sequence."""
+    """One generation's drafter LM on llama.cpp (a DraftLM): a context holding the committed context as
+    sequence 0 and a draft tree's branches as sequences of their own (see the module's docstring)."""
 
     def __init__(self, model: LlamaDraftModel, vocab_size: int, threads: int = 1, n_ctx: int = 0) -> None:
         """n_ctx: tokens the context holds; 0 = what the drafter was trained for (its target's)."""
@@ -81,7 +96,9 @@ class LlamaCppLM:
         params = llama.llama_context_default_params()
         params.n_ctx = n_ctx or model.n_ctx_train
         params.n_batch = params.n_ubatch = min(params.n_ctx, MAX_BATCH)
-        params.n_seq_max = 1
+        # llama.cpp keeps an output row per sequence, and a batch must have room for them all.
+        params.n_seq_max = min(MAX_SEQUENCES, params.n_batch)
+        params.kv_unified = True  # one buffer for every sequence: a branch is a tag on shared cells
         params.n_threads = params.n_threads_batch = threads
         params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED  # see the module's docstring
         params.embeddings = False  # logits, not hidden states
@@ -91,10 +108,14 @@ class LlamaCppLM:
         self.n_ctx = llama.llama_n_ctx(self._ctx)
         self._memory = llama.llama_get_memory(self._ctx)
         self._batch_size = params.n_batch
+        self._sequences = params.n_seq_max
         # A batch of embeddings (embd = hidden): llama.cpp reads batch.embd instead of batch.token.
         self._batch = llama.llama_batch_init(self._batch_size, model.hidden, 1)
         self._rows = model.head_ids.numel()
-        self.cached: list[int] = []  # the tokens whose KV is in the context
+        self.cached: list[int] = []  # the context's tokens whose KV is in sequence 0
+        self.tree = TreeNodes()
+        self._seq_of: list[int] = []  # each tree node's sequence
+        self._tip: dict[int, int] = {0: ROOT}  # each sequence's newest node (ROOT: the context's last token)
 
     @classmethod
     def open(cls, files: LlamaDraftFiles, head_ids, vocab_size: int) -> LlamaCppLM:
@@ -110,6 +131,7 @@ class LlamaCppLM:
 
     def advance(self, context: list[int]) -> torch.Tensor:
         """See DraftLM.advance."""
+        self._drop_tree()
         keep = reusable_prefix(self.cached, context)
         if keep < len(self.cached):
             llama.llama_memory_seq_rm(self._memory, 0, keep, -1)
@@ -120,35 +142,98 @@ class LlamaCppLM:
         """See DraftLM.feed. ValueError past the context's size (the cache is left as it was)."""
         if not ids:
             raise ValueError("feed at least one token")
-        if len(self.cached) + len(ids) > self.n_ctx:
-            raise ValueError(f"the llama.cpp drafter holds {self.n_ctx} tokens; the context grew to "
-                             f"{len(self.cached) + len(ids)}")
+        self._drop_tree()
+        self._check_room(len(ids))
         start = len(self.cached)
         try:
             for offset in range(0, len(ids), self._batch_size):
-                self._decode(ids[offset:offset + self._batch_size], start + offset, last=offset + self._batch_size >= len(ids))
+                chunk = ids[offset:offset + self._batch_size]
+                self._decode(chunk, range(start + offset, start + offset + len(chunk)), [0] * len(chunk),
+                             outputs=1 if offset + self._batch_size >= len(ids) else 0)
         except BaseException:
             llama.llama_memory_seq_rm(self._memory, 0, start, -1)
             raise
         self.cached.extend(ids)
-        pointer = llama.llama_get_logits_ith(self._ctx, -1)
-        if not pointer:
-            raise RuntimeError("llama.cpp returned no logits")
-        # A copy: llama.cpp reuses the buffer on the next decode.
-        head = torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self._rows,)).copy())
-        return to_vocab(head, self.model.head_ids, self.vocab_size)
+        return self._logits([-1])[0]
 
-    def _decode(self, chunk: list[int], pos: int, last: bool) -> None:
-        """One llama_decode of `chunk`'s embeddings at positions pos..; logits only for the final row
-        of the final chunk (the only one drafting reads)."""
+    def feed_tree(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """See DraftLM.feed_tree. ValueError past the context's size (the cache is left as it was) or
+        past the sequences a context holds (the tree is dropped)."""
+        self._check_room(len(tokens))
+        start = len(self.tree)
+        depths = self.tree.add(tokens, parents)
+        rows: dict[int, torch.Tensor] = {}
+        try:
+            pending = list(range(start, len(self.tree)))
+            while pending:
+                # A depth at a time: a node's sequence is opened from its parent's cell, so that must exist.
+                ready = [i for i in pending if self.tree.parents[i] < start or self.tree.parents[i] in rows]
+                for offset in range(0, len(ready), self._batch_size):
+                    chunk = ready[offset:offset + self._batch_size]
+                    seqs = [self._branch(i) for i in chunk]
+                    self._decode([tokens[i - start] for i in chunk],
+                                 [len(self.cached) + depths[i - start] - 1 for i in chunk], seqs, outputs=len(chunk))
+                    rows.update(zip(chunk, self._logits(range(len(chunk)))))
+                pending = [i for i in pending if i not in rows]
+        except BaseException:
+            self._drop_tree()
+            raise
+        return torch.stack([rows[i] for i in range(start, len(self.tree))])
+
+    def _check_room(self, extra: int) -> None:
+        """ValueError when `extra` more cells would not fit the context."""
+        if len(self.cached) + len(self.tree) + extra > self.n_ctx:
+            raise ValueError(f"the llama.cpp drafter holds {self.n_ctx} tokens; the context grew to "
+                             f"{len(self.cached) + len(self.tree) + extra}")
+
+    def _branch(self, node: int) -> int:
+        """The sequence `node` goes into: its parent's when the parent is that sequence's newest cell,
+        else a new one holding the context and the path to the parent (module docstring)."""
+        parent = self.tree.parents[node]
+        seq = 0 if parent == ROOT else self._seq_of[parent]
+        if self._tip[seq] != parent:
+            # The parent has a child already (a sibling of this node, cached or in this batch).
+            if len(self._tip) == self._sequences:
+                raise ValueError(f"this llama.cpp drafter holds draft trees of {self._sequences - 1} leaves at most")
+            new = len(self._tip)
+            end = len(self.cached) + (0 if parent == ROOT else self.tree.depths[parent])
+            llama.llama_memory_seq_cp(self._memory, seq, new, 0, end)
+            seq = new
+        self._tip[seq] = node
+        self._seq_of.append(seq)
+        return seq
+
+    def _drop_tree(self) -> None:
+        """Remove every branch and the tree nodes of sequence 0: the cache holds the context again."""
+        if len(self.tree):
+            llama.llama_memory_seq_keep(self._memory, 0)
+            llama.llama_memory_seq_rm(self._memory, 0, len(self.cached), -1)
+            self.tree.clear()
+            self._seq_of.clear()
+        self._tip = {0: ROOT}
+
+    def _logits(self, rows) -> torch.Tensor:
+        """The last decode's logits at batch rows `rows` (-1: its last), [len(rows), V]."""
+        out = []
+        for row in rows:
+            pointer = llama.llama_get_logits_ith(self._ctx, row)
+            if not pointer:
+                raise RuntimeError("llama.cpp returned no logits")
+            # A copy: llama.cpp reuses the buffer on the next decode.
+            out.append(torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(self._rows,)).copy()))
+        return to_vocab(torch.stack(out), self.model.head_ids, self.vocab_size)
+
+    def _decode(self, chunk: list[int], positions, seqs: list[int], outputs: int) -> None:
+        """One llama_decode of `chunk`'s embeddings at `positions`, row i in sequence seqs[i]; logits
+        for the last `outputs` rows (a chain reads only its final row's, a tree every node's)."""
         batch, n, hidden = self._batch, len(chunk), self.model.hidden
         rows = np.ascontiguousarray(self.model.embeddings[chunk], dtype=np.float32)
         ctypes.memmove(batch.embd, rows.ctypes.data, n * hidden * 4)
-        for i in range(n):
-            batch.pos[i] = pos + i
+        for i, (pos, seq) in enumerate(zip(positions, seqs)):
+            batch.pos[i] = pos
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = last and i == n - 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = i >= n - outputs
         batch.n_tokens = n
         status = llama.llama_decode(self._ctx, batch)
         if status != 0:

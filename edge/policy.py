@@ -32,6 +32,7 @@ class Rates:
     # t_v(0), t_v(1), ...: from the cloud's measured pass costs when it reported them; overrides the
     # line above for every γ it covers (a CPU's t_v is far from linear in γ).
     verify_curve_s: Sequence[float] = ()
+    tree_node_s: float = 0.0  # drafting time per node of a draft tree (0: not measured, taken as draft_s)
 
     def verify_s(self, gamma: int) -> float:
         """t_v(γ)."""
@@ -110,14 +111,16 @@ HYSTERESIS = 0.05  # the other mode must be predicted this much faster (a fracti
 
 def prefer_cloud_only(rates: Rates, max_gamma: int, pipelined: bool, now_cloud_only: bool,
                       hysteresis: float = HYSTERESIS, remaining_tokens: int | None = None,
-                      switch_cost_s: float = 0.0) -> bool:
-    """Should the edge let the cloud decode alone?
+                      switch_cost_s: float = 0.0, hybrid: float | None = None) -> bool:
+    """Should the edge let the cloud decode alone? `hybrid`: hybrid decoding's predicted rate when the
+    caller knows better than the best chain (draft trees: edge/tree_policy.py).
 
     The answer only flips when the other mode is faster by more than `hysteresis` (a fraction) and,
     given `remaining_tokens`, when the time it saves over them exceeds `switch_cost_s` (a session
     re-open or a new stream: a round trip and a prefill of the whole context).
     """
-    hybrid = hybrid_rate(rates, choose_gamma(rates, max_gamma, pipelined), pipelined)
+    if hybrid is None:
+        hybrid = hybrid_rate(rates, choose_gamma(rates, max_gamma, pipelined), pipelined)
     cloud = cloud_only_rate(rates)
     current, other = (cloud, hybrid) if now_cloud_only else (hybrid, cloud)
     if other <= current * (1 + hysteresis):

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ..common.config import Choice
-from ..common.protocol.wire import DraftBlock, SamplingParams
+from ..common.protocol.errors import Internal
+from ..common.protocol.tree import ROOT, children, is_chain, path_to
+from ..common.protocol.wire import DraftBlock, SamplingParams, VerifyResult
 
 if TYPE_CHECKING:
     from ..common.maths.sparse import SparseDist
@@ -52,6 +54,12 @@ class Proposal:
     dists: list[SparseDist] | None  # the q each token was sampled from; None at temperature 0
     fell_back: bool  # the block ended because the drafter's confidence dropped below α_FB
     drafted_ahead: bool = False  # drafted during the previous round's wait (pipelining)
+    # A draft tree (common/protocol/tree.py): each node's parent, -1 for the root's children; None for
+    # a chain. A tree's dists hold, per node, the q of its parent that it was drawn from.
+    parents: tuple[int, ...] | None = None
+    # Per node, the drafter's most likely tokens (best first) where the node was drawn: what the
+    # target's token is ranked against (edge/tree_policy.py). None when the drafter does not say.
+    ranked: list[tuple[int, ...]] | None = None
 
     def block(self, session_id: str, round_index: int, committed_len: int, with_probs: bool) -> DraftBlock:
         """This proposal as a verify request; with_probs: send q (the modes that read it)."""
@@ -59,18 +67,75 @@ class Proposal:
         return DraftBlock(session_id=session_id, round=round_index, committed_len=committed_len,
                           draft_ids=tuple(self.ids),
                           support_ids=tuple(tuple(d.ids.tolist()) for d in dists or ()),
-                          probs=tuple(tuple(d.probs.tolist()) for d in dists or ()))
+                          probs=tuple(tuple(d.probs.tolist()) for d in dists or ()),
+                          parents=self.parents or ())
+
+    def accepted(self, result: VerifyResult) -> list[int]:
+        """The node indices a verdict kept, checked against this proposal: a reply that names
+        anything else comes from a broken or hostile verifier and commits nothing."""
+        if self.parents is None or is_chain(self.parents):  # the verifier answers chain-shaped trees as chains
+            if not 0 <= result.num_accepted <= len(self.ids) or result.accepted_path:
+                raise Internal(f"the verifier accepted {result.num_accepted} of a {len(self.ids)}-token chain")
+            return list(range(result.num_accepted))
+        path = list(result.accepted_path)
+        if len(path) != result.num_accepted or any(not 0 <= n < len(self.ids) for n in path) or (
+                path and path_to(self.parents, path[-1]) != path):
+            raise Internal("the verifier's accepted_nodes are not a root path of the draft tree")
+        return path
+
+    def is_leaf(self, nodes: list[int]) -> bool:
+        """True when the accepted path ends where nothing more was drafted (the verifier's token is a bonus)."""
+        kids = children(self.parents) if self.parents is not None else None
+        if kids is None:
+            return len(nodes) == len(self.ids)
+        return not kids[(nodes[-1] if nodes else ROOT) + 1]
+
+    def ranks_seen(self, nodes: list[int], token: int) -> list[int | None]:
+        """Where the target's tokens stood among the drafter's choices along the accepted path and at
+        the node where it stopped (1 = its first choice, None = outside its ranked choices); nothing
+        where the drafter's choices are unknown (past a leaf, or a drafter that does not rank)."""
+        if self.ranked is None:
+            return []
+        seen = [_rank(self.ranked[n], self.ids[n]) for n in nodes]
+        if self.parents is None:
+            after = len(nodes) if len(nodes) < len(self.ids) else None
+        else:
+            kids = children(self.parents)[(nodes[-1] if nodes else ROOT) + 1]
+            after = kids[0] if kids else None
+        if after is not None:
+            seen.append(_rank(self.ranked[after], token))
+        return seen
+
+    def main_nodes(self) -> list[int]:
+        """The drafter's most likely root path, every node's first child (a chain: all of it)."""
+        if self.parents is None:
+            return list(range(len(self.ids)))
+        kids, nodes, node = children(self.parents), [], ROOT
+        while kids[node + 1]:
+            node = kids[node + 1][0]
+            nodes.append(node)
+        return nodes
+
+    def main_path(self) -> Proposal:
+        """The main path as a chain: what the pipelined drafter drafts ahead of."""
+        if self.parents is None:
+            return self
+        return Proposal([self.ids[n] for n in self.main_nodes()], None, self.fell_back, self.drafted_ahead)
 
     def head(self, n: int) -> Proposal:
         """The first `n` tokens (the fallback flag holds only if the cut keeps the block's end)."""
         return Proposal(self.ids[:n], None if self.dists is None else self.dists[:n],
-                        self.fell_back and len(self.ids) <= n, self.drafted_ahead)
+                        self.fell_back and len(self.ids) <= n, self.drafted_ahead,
+                        ranked=None if self.ranked is None else self.ranked[:n])
 
     def tail(self, start: int) -> Proposal:
         """The proposal without its first `start` tokens."""
         return Proposal(self.ids[start:], None if self.dists is None else self.dists[start:], self.fell_back,
-                        self.drafted_ahead)
+                        self.drafted_ahead, ranked=None if self.ranked is None else self.ranked[start:])
 
+
+def _rank(ranked: tuple[int, ...], token: int) -> int | None:
+    return ranked.index(token) + 1 if token in ranked else None
 
 
 class Drafter(Protocol):
@@ -82,6 +147,7 @@ class Drafter(Protocol):
         fallback=False drafts without the BiLD confidence test (drafting alone, shadow guesses)."""
         ...
 
-    def observe(self, num_accepted: int, token: int) -> None:
-        """The verifier kept `num_accepted` tokens of the last proposal and added `token`."""
+    def observe(self, accepted: list[int], token: int) -> None:
+        """The verifier kept the tokens `accepted` of the last proposal (its accepted root path) and
+        added `token`."""
         ...

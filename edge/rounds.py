@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from ..common.protocol.tree import depths
 from ..common.protocol.wire import DraftBlock, FeatureBlock, VerifyResult
 from .proposal import Drafter, Proposal
 from .state import Event, EventKind, GenerationState
@@ -65,15 +66,16 @@ class VerifyRound:
             while_waiting(in_flight)
         # 3. The verdict.
         result = in_flight.result()
-        k, token = result.num_accepted, result.next_token
+        nodes, token = proposal.accepted(result), result.next_token
         # 4. Commit, count, learn.
         if unverified:
-            events = state.reconcile(proposal, k, token)
+            events = state.reconcile(proposal, len(nodes), token)
             self.stats.rolled_back += sum(len(e.tokens) for e in events if e.kind is EventKind.ROLLBACK)
         else:
-            events = [state.commit_verdict(proposal, k, token)]
-        self.stats.observe_round(len(proposal.ids), k, gamma, proposal.fell_back, proposal.drafted_ahead)
+            events = [state.commit_verdict(proposal, nodes, token)]
+        self.stats.observe_round(len(proposal.ids), len(nodes), gamma, proposal.fell_back, proposal.drafted_ahead,
+                                 depth=None if proposal.parents is None else max(depths(proposal.parents), default=0))
         if result.features is not None and self.features is not None:
             self.features.add(result.features)
-        self.drafter.observe(k, token)
+        self.drafter.observe([proposal.ids[n] for n in nodes], token)
         return result, events

@@ -47,9 +47,10 @@ class Event:
     text: str = ""  # COMMIT: text that became final (joined, they give the generated text)
 
 
-def verdict_origins(num_accepted: int, drafted: int) -> list[Origin]:
-    """Origins of what a round commits: the accepted drafts, then the verifier's own token."""
-    return [Origin.ACCEPTED] * num_accepted + [Origin.BONUS if num_accepted == drafted else Origin.CORRECTED]
+def verdict_origins(num_accepted: int, bonus: bool) -> list[Origin]:
+    """Origins of what a round commits: the accepted drafts, then the verifier's own token (a bonus
+    when nothing more was drafted after them, else a correction)."""
+    return [Origin.ACCEPTED] * num_accepted + [Origin.BONUS if bonus else Origin.CORRECTED]
 
 
 class GenerationState:
@@ -101,10 +102,12 @@ class GenerationState:
             self.unverified, self.unverified_q = [], []
         return Event(EventKind.COMMIT, tuple(tokens), tuple(origins), tuple(self.unverified), text=text)
 
-    def commit_verdict(self, proposal: Proposal, num_accepted: int, token: int) -> Event:
-        """Commit what a verify round kept of `proposal`, then the verifier's token; next round."""
+    def commit_verdict(self, proposal: Proposal, nodes: list[int], token: int) -> Event:
+        """Commit the nodes a verify round kept of `proposal` (its accepted root path), then the
+        verifier's token; next round."""
         self.round += 1
-        return self.commit([*proposal.ids[:num_accepted], token], verdict_origins(num_accepted, len(proposal.ids)))
+        return self.commit([*(proposal.ids[n] for n in nodes), token],
+                           verdict_origins(len(nodes), proposal.is_leaf(nodes)))
 
     def add_unverified(self, proposal: Proposal) -> Event:
         """Keep tokens drafted while the cloud is away, with the q each was sampled from."""
@@ -129,7 +132,7 @@ class GenerationState:
         if not keep_rest:
             self.unverified, self.unverified_q = [], []
         events = [Event(EventKind.ROLLBACK, tuple(rejected), provisional=tuple(self.unverified))] if rejected else []
-        return events + [self.commit_verdict(block, num_accepted, token)]
+        return events + [self.commit_verdict(block, list(range(num_accepted)), token)]
 
     def result(self) -> tuple[list[int], list[Origin]]:
         """Generated tokens (committed, then any unverified tail) and their origins."""

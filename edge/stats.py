@@ -26,7 +26,8 @@ class Stats:
     offline_tokens: int = 0  # tokens drafted while the cloud was unreachable
     rolled_back: int = 0  # of those, rejected once the cloud was back
     unverified: int = 0  # of those, still unverified at the end
-    gamma_sum: int = 0  # block lengths the policy chose, summed over rounds
+    gamma_sum: int = 0  # block lengths (a tree's node budget) the policy chose, summed over rounds
+    tree_rounds: int = 0  # of the rounds, those that sent a draft tree (the rest sent chains)
     drafted_at: list[int] = field(default_factory=list)  # per draft position j: rounds that drafted it
     accepted_at: list[int] = field(default_factory=list)  # per draft position j: rounds that had it accepted
     uplink_bytes: int = 0
@@ -39,18 +40,21 @@ class Stats:
     notices: list[str] = field(default_factory=list)  # every mode switch, with its reason
 
     def observe_round(self, drafted: int, accepted: int, gamma: int, fell_back: bool = False,
-                      drafted_ahead: bool = False) -> None:
-        """One verify round: `drafted` tokens sent (γ chosen: `gamma`), the first `accepted` kept."""
+                      drafted_ahead: bool = False, depth: int | None = None) -> None:
+        """One verify round: `drafted` tokens sent (γ chosen: `gamma`), `accepted` of them kept. A tree
+        gives its `depth`: the per-position counts are then per depth."""
         self.rounds += 1
+        self.tree_rounds += depth is not None
         self.drafted += drafted
         self.accepted += accepted
         self.gamma_sum += gamma
         self.fallbacks += fell_back
         self.pipeline_hits += drafted_ahead
-        while len(self.drafted_at) < drafted:
+        positions = drafted if depth is None else depth
+        while len(self.drafted_at) < positions:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
-        for j in range(drafted):
+        for j in range(positions):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < accepted
 

@@ -13,18 +13,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
-from .config import EdgeConfig
+from .config import EdgeConfig, GammaPolicy
 from .controller import Controller, Phase, Policy
 from .estimates import Estimates
 from .offline import run_offline
-from .proposal import Proposal
+from .proposal import DrafterKind, Proposal
 from .rounds import InFlight, VerifyRound
 from .session import CloudSession
 from .startup import DrafterLoad
@@ -184,9 +184,11 @@ class GenerationRun:
         self.text = TextTracker(worker.codec, cfg.stop)
         self.state = GenerationState(prompt, cfg.max_new_tokens, frozenset(self.info.eos_token_ids), self.text)
         self.stats = Stats()
-        self.controller = Controller(Policy(cap=cap, adaptive=cfg.gamma_policy == "adaptive",
+        self.controller = Controller(Policy(cap=cap, adaptive=cfg.gamma_policy is GammaPolicy.ADAPTIVE,
+                                            fixed_tree=cfg.gamma_policy is GammaPolicy.TREE,
                                             pipeline=cfg.pipeline, cloud_only_switch=cfg.cloud_only_switch,
-                                            probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only),
+                                            probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only,
+                                            tree_nodes=self._tree_nodes(), tree_top_k=cfg.tree_top_k),
                                      self.estimates)
         self._drafter: Lookahead | None = None  # built once the drafter model is there
         self.eagle = None  # the EagleDrafter, when the drafter is an eagle head
@@ -199,6 +201,14 @@ class GenerationRun:
         self.error = ""
         self.generation: Generation | None = None
         self._build_session()
+
+    def _tree_nodes(self) -> int:
+        """The tree budget this generation may use: 0 unless the server verifies trees, the rule has a
+        tree form and a model drafts (an eagle head, found once it loads, drafts chains)."""
+        cfg = self.cfg
+        if cfg.drafter_kind is not DrafterKind.MODEL or not cfg.resolved_mode.verifies_trees:
+            return 0
+        return min(cfg.tree_nodes, self.info.max_tree_nodes)
 
     def drafter_ready(self) -> bool:
         """The drafter model has loaded (a worker started in the background may still be loading it)."""
@@ -222,7 +232,7 @@ class GenerationRun:
 
     def _build_drafter(self) -> None:
         model, fallback = self.worker.load.get()  # first: it may still be importing torch on its thread
-        from .drafter import Lookahead
+        from .drafter import Lookahead, ModelDrafter
         from .drafters import make_drafter
         from .eagle import EagleDrafter
 
@@ -230,8 +240,11 @@ class GenerationRun:
         settings = cfg.draft_settings(self.info.vocab_size, frozenset(self.info.eos_token_ids), len(self.prompt))
         inner = make_drafter(cfg.drafter_kind, model, settings, fallback)
         self._drafter = Lookahead(inner)
-        # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only decoding.
+        # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only
+        # decoding, and it drafts chains.
         self.eagle = inner if isinstance(inner, EagleDrafter) else None
+        if self.eagle is not None or not isinstance(inner, ModelDrafter):
+            self.controller.policy = replace(self.controller.policy, tree_nodes=0)
         self._build_session()  # no session is open yet: hybrid decoding needs the drafter first
         self.verify_round = VerifyRound(self.state, self.stats, self._drafter, self.session.send,
                                         with_q=cfg.resolved_mode.uses_draft_probs,
@@ -327,44 +340,56 @@ class GenerationRun:
 
     def _hybrid_round(self) -> Generator[Event, None, Phase]:
         state = self.state
-        # 1. Decide: a block of γ, or let the cloud decode alone. The verifier always adds a token.
-        gamma = self.controller.next_gamma(state.max_new_tokens - state.generated, len(state.committed))
-        if gamma is None:
+        # 1. Decide: a chain of γ, a tree, or let the cloud decode alone. The verifier always adds a token.
+        shape = self.controller.next_shape(state.max_new_tokens - state.generated, len(state.committed))
+        if shape is None:
             yield self._to_cloud_only("hybrid is predicted slower than cloud-only decoding")
             return Phase.CLOUD_ONLY
-        gamma = min(gamma, state.max_new_tokens - state.generated - 1)
+        depth = min(shape.depth, state.max_new_tokens - state.generated - 1)
         # 2. Draft (unless the last wait already did).
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(state.committed, gamma)
+        if shape.is_chain or depth == 0:  # the last token of the budget is the verifier's alone
+            proposal = self.drafter.propose(state.committed, depth)
+        else:
+            from .tree_draft import TreeBudget, draft_tree  # with the drafter: a tree needs its torch
+
+            budget = TreeBudget(shape.nodes, depth, shape.top_k)
+            proposal = self.drafter.propose_tree(depth, lambda inner: draft_tree(inner, state.committed, budget))
         yield from self.drafter_notice()
         if not proposal.drafted_ahead:
             spent = time.perf_counter() - t0
             self.stats.draft_s += spent
             if proposal.ids:
-                self.estimates.draft_s.add(spent / len(proposal.ids))
+                per_token = self.estimates.draft_s if proposal.parents is None else self.estimates.tree_node_s
+                per_token.add(spent / len(proposal.ids))
         if proposal.ids:
-            yield Event(EventKind.DRAFT, provisional=tuple(proposal.ids))
+            yield Event(EventKind.DRAFT, provisional=tuple(proposal.main_path().ids))
         # 3. Verify it, drafting the next block meanwhile.
         try:
             result, events = self.verify_round(
-                proposal, gamma, while_waiting=lambda flight: self._draft_ahead(proposal, gamma, flight))
+                proposal, shape.nodes, while_waiting=lambda flight: self._draft_ahead(proposal, depth, flight))
         except Unavailable as exc:
             return self.lost(exc, proposal)
         yield from events
-        # 4. Learn: acceptance per position, the verifier's time per block size, the network's share.
-        drafted = len(proposal.ids)
-        self.estimates.observe_round(drafted, result.num_accepted, self.drafter.guess_right)
-        self.estimates.observe_verify(drafted, result.verify_ms / 1e3)
+        # 4. Learn: acceptance per position (a tree's main path stands for the chain it contains) and
+        #    per rank, the verifier's time per block size, the network's share.
+        nodes, main = proposal.accepted(result), proposal.main_nodes()
+        kept = next((i for i, (a, b) in enumerate(zip(nodes, main)) if a != b), min(len(nodes), len(main)))
+        self.estimates.observe_round(len(main), kept, self.drafter.guess_right)
+        self.estimates.observe_ranks(proposal.ranks_seen(nodes, result.next_token))
+        self.estimates.observe_verify(len(proposal.ids), result.verify_ms / 1e3)
         self.controller.observed_hybrid_round()
         return Phase.HYBRID
 
-    def _draft_ahead(self, proposal: Proposal, gamma: int, flight: InFlight) -> None:
-        """Pipelining: the guessed bonus token and the next block, drafted until the reply arrives."""
-        if not self.cfg.pipeline or gamma == 0 or (proposal.ids and proposal.ids[-1] in self.state.stop_ids):
+    def _draft_ahead(self, proposal: Proposal, depth: int, flight: InFlight) -> None:
+        """Pipelining: the guessed bonus token and the next block, drafted until the reply arrives,
+        after the block (a tree's main path) as if all of it were accepted."""
+        main = proposal.main_path()
+        if not self.cfg.pipeline or depth == 0 or (main.ids and main.ids[-1] in self.state.stop_ids):
             return
-        room = self.state.max_new_tokens - self.state.generated - len(proposal.ids) - 1
+        room = self.state.max_new_tokens - self.state.generated - len(main.ids) - 1
         if room >= 2:
-            self.drafter.prefetch(self.state.committed, proposal, min(gamma + 1, room), interrupt=flight.done)
+            self.drafter.prefetch(self.state.committed, main, min(depth + 1, room), interrupt=flight.done)
 
     def _to_cloud_only(self, why: str) -> Event:
         self.drafter.drop()

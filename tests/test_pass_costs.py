@@ -34,8 +34,8 @@ def test_measuring_leaves_the_engine_as_it_was(target):
 
 
 def test_get_model_info_reports_the_measured_curve_over_grpc(target):
-    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=6))
-    verifier.measure_pass_costs(32)  # capped at a whole round: max_draft + 1 tokens
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=6, max_tree_nodes=0))
+    verifier.measure_pass_costs(32)  # capped at a whole round: max_draft + 1 tokens (no trees here)
     server = BackgroundServer(verifier)
     try:
         with VerifierClient(server.address) as client:
@@ -44,6 +44,12 @@ def test_get_model_info_reports_the_measured_curve_over_grpc(target):
         server.stop()
     assert [m for m, _ in info.pass_costs] == [1, 2, 3, 4, 5, 6, 7]
     assert all(ms > 0 for _, ms in info.pass_costs)
+
+
+def test_a_server_with_trees_measures_up_to_its_largest_tree(target):
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=6, max_tree_nodes=11))
+    verifier.measure_pass_costs(32)  # a round of a tree: its 11 nodes and the root
+    assert verifier.info.pass_costs[-1][0] == 12
 
 
 def test_a_worker_takes_the_clouds_curve(target, model_dirs):

@@ -159,8 +159,8 @@ def test_replicas_report_their_pass_costs(pool_server):
     server, pool = pool_server
     with VerifierClient(server.address) as client:
         info = client.model_info()
-    # The default pass_cost_tokens (32), capped at a whole round: max_draft 16 + 1.
-    assert info.pass_costs[0][0] == 1 and info.pass_costs[-1][0] == 17
+    # The default pass_cost_tokens (32): below a whole round of the largest tree (64 nodes + the root).
+    assert info.pass_costs[0][0] == 1 and info.pass_costs[-1][0] == 32
     assert all(ms > 0 for _, ms in info.pass_costs)
 
 

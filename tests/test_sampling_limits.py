@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridspec.cloud.core.verifier import _apply_rule
+from hybridspec.cloud.core.rules import apply_rule
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.common.maths.sampling import logits_to_probs, penalize, sample
@@ -100,8 +100,8 @@ def test_drafting_and_every_rule_run_for_every_accepted_setting(target_case, dra
     draft = DraftBlock("s", 0, len(context), tuple(block),
                        tuple(support) if mode.uses_draft_probs else (), tuple(probs) if mode.uses_draft_probs else ())
     draft.validate(VOCAB, 16, needs_probs=mode.uses_draft_probs)
-    outcome = _apply_rule(spec, draft, target_logits, list(context))
-    assert 0 <= outcome.num_accepted <= gamma and 0 <= outcome.token < VOCAB
+    nodes, token = apply_rule(spec, draft, target_logits, list(context))
+    assert nodes == list(range(len(nodes))) and 0 <= len(nodes) <= gamma and 0 <= token < VOCAB
 
 
 # ---- over gRPC: the reported request -----------------------------------------------------------
