@@ -14,7 +14,8 @@ from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.torch_engine import TorchEngine
 from hybridspec.common.protocol.errors import InvalidArgument
 from hybridspec.common.protocol.tree import feed_parents, path_to
-from hybridspec.common.protocol.wire import DraftBlock, Mode, SamplingParams, SessionSpec
+from hybridspec.common.maths.features import decode_features
+from hybridspec.common.protocol.wire import DraftBlock, FeatureFormat, Mode, SamplingParams, SessionSpec
 
 LIMITS = VerifierLimits(max_context=512, max_draft=8, max_sessions=8, max_tree_nodes=16, kv_cache_tokens=4096)
 
@@ -161,3 +162,21 @@ def test_trees_beyond_an_engines_leaf_limit_wait_for_the_next_pass(target):
     expected = [alone.verify(b) for b in blocks]
     assert [(g.accepted_path, g.next_token) for g in got] == [(e.accepted_path, e.next_token) for e in expected]
     assert [g.batch_size for g in got] == [2, 2, 2, 2]  # two trees of two leaves per pass
+
+
+def test_a_tree_round_returns_the_features_of_the_accepted_path(target):
+    """An EAGLE edge drafts chains, but a session that asked for features and sends a tree gets the
+    features of the context it now holds: the root and the accepted path, as a chain would give them."""
+    tree_side, chain_side = Verifier(target, LIMITS), Verifier(target, LIMITS)
+    prompt = tuple(range(10, 30))
+    for v in (tree_side, chain_side):
+        v.open_session(SessionSpec("f", prompt, features=FeatureFormat.FP16))
+    engine = TorchEngine(target.model, 2048)
+    first = int(chain_logits(engine, list(prompt), []).argmax())
+    wrong = (first + 1) % 252 + 4
+    tree = tree_side.verify(DraftBlock("f", 0, 20, (wrong, first), parents=(-1, -1)))
+    assert tree.accepted_path == (1,)
+    chain = chain_side.verify(DraftBlock("f", 0, 20, (first,)))
+    assert (tree.num_accepted, tree.next_token) == (chain.num_accepted, chain.next_token)
+    assert tree.features.start == chain.features.start and tree.features.count == chain.features.count == 2
+    torch.testing.assert_close(decode_features(tree.features), decode_features(chain.features), atol=2e-3, rtol=2e-3)
