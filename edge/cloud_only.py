@@ -50,10 +50,13 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
                 break  # a stop string ends the generation before the stream does
             if shadow:
                 started = time.perf_counter()
-                guess = run.drafter.propose(state.committed[:-1], 1, fallback=False).ids
+                proposal = run.drafter.propose(state.committed[:-1], 1, fallback=False)
+                guess = proposal.ids
                 run.estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
                 agreed = bool(guess) and guess[0] == token
                 run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
+                # Where the cloud's token stood among the drafter's choices: what sizes trees.
+                run.estimates.observe_ranks(proposal.ranks_seen([], token))
                 streak = streak + 1 if agreed and streak < ctl.policy.cap else 0
             if loading:
                 if not run.drafter_ready():

@@ -197,3 +197,15 @@ def test_shadow_drafting_measures_the_drafters_time(server, target):
         gen = worker.generate(PROMPT)
     assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == 12
     assert worker.estimates.draft_s.value is not None and worker.estimates.draft_s.value < 1.0
+
+
+def test_shadow_drafting_measures_where_the_clouds_tokens_rank(server, target):
+    """While cloud-only, the drafter's guesses also count where the cloud's token stood among its
+    choices, so the tree policy knows ρ_r before the first round is risked."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        prior = worker.estimates.ranks[0]
+        gen = worker.generate(PROMPT)
+    assert gen.stats.rounds == 0
+    assert worker.estimates.ranks[0] > 0.9 > prior  # the drafter is the target: always its first choice
