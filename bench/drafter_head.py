@@ -47,7 +47,7 @@ from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
-from llamacpp_drafter import block_ms, feed_ms
+from llamacpp_drafter import time_drafters
 from llamacpp_engine import pass_ms
 from machine import cpu_model
 from tree_tau import greedy_continuations
@@ -226,17 +226,9 @@ def timing_round(drafters: dict[int, LoadedModel], engine: LlamaCppEngine, conte
     context = list(range(1000, 1000 + context_len))
     runs = {rows: ModelDrafter(d, settings, LlamaCppLM.open(d.llama, d.head_ids, engine.vocab_size))
             for rows, d in drafters.items()}
-    for run in runs.values():
-        run.propose(context, block, fallback=False)  # warm: the context's KV is cached from here on
-    times: dict[int, dict[str, list[float]]] = {rows: {"block": [], "feed": []} for rows in runs}
-    for _ in range(repeats):
-        for rows, run in runs.items():
-            times[rows]["block"].append(block_ms(run, context, block))
-            times[rows]["feed"].append(feed_ms(run.lm, context, block))
+    drafting = time_drafters(runs, context, block, repeats)
     target = statistics.median(pass_ms(engine, context, 1, 4 * repeats))
-    return {"target_ms": round(target, 3),
-            "drafters": {rows: {"draft_ms_per_token": round(statistics.median(t["block"]), 3),
-                                "feed_ms": round(statistics.median(t["feed"]), 3)} for rows, t in times.items()}}
+    return {"target_ms": round(target, 3), "drafters": drafting}
 
 
 def fit(rows: list[int], ms: list[float]) -> dict:

@@ -134,15 +134,9 @@ def start_edge(cloud: str, mode: str, cores: set[int] | None, logs: Path) -> tup
 
 
 def stop(proc: subprocess.Popen | None, timeout_s: float = 60) -> None:
-    """SIGTERM (the servers drain and exit 0), kill if it does not stop in time."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """Stop a server this bench started, if it is still running (SIGTERM, then kill)."""
+    if proc is not None and proc.poll() is None:
+        stop_cloud_process(proc, timeout_s)
 
 
 def stop_group(proc: subprocess.Popen, timeout_s: float = 10) -> None:

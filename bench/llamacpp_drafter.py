@@ -117,16 +117,22 @@ def drafting(drafters: dict[str, LoadedModel], context_len: int, block: int, rep
     context = list(range(1000, 1000 + context_len))
     lms = {name: (TorchLM(d, 49152) if d.llama is None else LlamaCppLM.open(d.llama, d.head_ids, 49152))
            for name, d in drafters.items()}
-    runs = {name: ModelDrafter(drafters[name], settings, lm) for name, lm in lms.items()}
+    return time_drafters({name: ModelDrafter(drafters[name], settings, lm) for name, lm in lms.items()},
+                         context, block, repeats)
+
+
+def time_drafters(runs: dict, context: list[int], block: int, repeats: int) -> dict:
+    """Per drafter (by key): the median ms per drafted token of a greedy block of `block` after
+    `context`, and of the LM's one-token feed, alternating drafters repeat by repeat."""
     for run in runs.values():
         run.propose(context, block, fallback=False)  # warm: the context's KV is cached from here on
-    times: dict[str, dict[str, list[float]]] = {name: {"block": [], "feed": []} for name in runs}
+    times: dict = {key: {"block": [], "feed": []} for key in runs}
     for _ in range(repeats):
-        for name, run in runs.items():
-            times[name]["block"].append(block_ms(run, context, block))
-            times[name]["feed"].append(feed_ms(run.lm, context, block))
-    return {name: {"draft_ms_per_token": round(statistics.median(t["block"]), 3),
-                   "feed_ms": round(statistics.median(t["feed"]), 3)} for name, t in times.items()}
+        for key, run in runs.items():
+            times[key]["block"].append(block_ms(run, context, block))
+            times[key]["feed"].append(feed_ms(run.lm, context, block))
+    return {key: {"draft_ms_per_token": round(statistics.median(t["block"]), 3),
+                  "feed_ms": round(statistics.median(t["feed"]), 3)} for key, t in times.items()}
 
 
 @torch.inference_mode()

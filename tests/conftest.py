@@ -80,3 +80,24 @@ def require_embedded() -> None:
     if not is_pulled():
         pytest.fail(f"embedded models not pulled into {models_home()}: run `make models` "
                     "(or deselect these tests with -m 'not embedded')", pytrace=False)
+
+
+LLAMA_CAPACITY = 4096  # the llama.cpp engine fixture's cache: four sessions' streams of 1,024 tokens
+
+
+@pytest.fixture(scope="module")
+def llama_engine():
+    """The embedded target on the llama.cpp engine, one thread; a fresh one per test module."""
+    require_embedded()
+    from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
+    from hybridspec.common.models.embedded import default_paths
+    from hybridspec.common.models.gguf import find_gguf
+
+    return LlamaCppEngine(find_gguf(default_paths()["target"]), LLAMA_CAPACITY, max_sequences=4, threads=1)
+
+
+def random_ids(seed: int, n: int) -> list[int]:
+    """n token ids of the embedded vocabulary's ordinary range, fixed by `seed`."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(100, 40000, n).tolist()

@@ -1,11 +1,10 @@
 """The llama.cpp engine on the embedded target's shipped GGUF: the Engine contract (lengths, rollback,
 capacity, features), and bit-for-bit agreement between a block scored at once, the same tokens decoded
 one by one, and the block batched with other sessions (what makes hybrid output equal --cloud-only's)."""
-import numpy as np
 import pytest
 import torch
 
-from conftest import require_embedded
+from conftest import LLAMA_CAPACITY, random_ids, require_embedded
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import find_gguf
@@ -13,127 +12,112 @@ from hybridspec.common.protocol.errors import ResourceExhausted
 
 pytestmark = pytest.mark.embedded
 
-CAPACITY = 4096  # four sessions' streams of 1,024 tokens
-
-
-@pytest.fixture(scope="module")
-def engine():
-    require_embedded()
-    from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-
-    return LlamaCppEngine(find_gguf(default_paths()["target"]), CAPACITY, max_sequences=4, threads=1)
-
-
-def ids(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(100, 40000, n).tolist()
-
-
-def open_seq(engine, tokens):
-    kv = engine.new_sequence()
-    engine.reserve(kv, len(tokens))
+def open_seq(llama_engine, tokens):
+    kv = llama_engine.new_sequence()
+    llama_engine.reserve(kv, len(tokens))
     for start in range(0, len(tokens), 256):
         chunk = tokens[start:start + 256]
-        engine.reserve(kv, len(chunk))
-        engine.forward([Feed(kv, chunk, scored=False)])
+        llama_engine.reserve(kv, len(chunk))
+        llama_engine.forward([Feed(kv, chunk, scored=False)])
     return kv
 
 
-def score(engine, kv, block, **kw):
-    engine.reserve(kv, len(block))
-    return engine.forward([Feed(kv, block, scored=True, **kw)])[0]
+def score(llama_engine, kv, block, **kw):
+    llama_engine.reserve(kv, len(block))
+    return llama_engine.forward([Feed(kv, block, scored=True, **kw)])[0]
 
 
 @pytest.mark.parametrize("context", [40, 700])  # below and above 512 cached tokens
-def test_a_block_scores_exactly_as_its_tokens_one_by_one(engine, context):
-    kv = open_seq(engine, ids(context, context))
-    block = ids(1, 8)
-    at_once = score(engine, kv, block).logits
-    assert at_once.shape == (8, engine.vocab_size) and at_once.dtype == torch.float32
-    engine.truncate(kv, context)
-    one_by_one = torch.cat([score(engine, kv, [t]).logits for t in block])
+def test_a_block_scores_exactly_as_its_tokens_one_by_one(llama_engine, context):
+    kv = open_seq(llama_engine, random_ids(context, context))
+    block = random_ids(1, 8)
+    at_once = score(llama_engine, kv, block).logits
+    assert at_once.shape == (8, llama_engine.vocab_size) and at_once.dtype == torch.float32
+    llama_engine.truncate(kv, context)
+    one_by_one = torch.cat([score(llama_engine, kv, [t]).logits for t in block])
     assert torch.equal(at_once, one_by_one)
-    engine.release(kv)
+    llama_engine.release(kv)
 
 
-def test_a_block_batched_with_other_sessions_scores_as_alone(engine):
-    a, b = open_seq(engine, ids(2, 300)), open_seq(engine, ids(3, 57))
-    block_a, block_b = ids(4, 5), ids(5, 3)
-    alone = score(engine, a, block_a).logits
-    engine.truncate(a, 300)
+def test_a_block_batched_with_other_sessions_scores_as_alone(llama_engine):
+    a, b = open_seq(llama_engine, random_ids(2, 300)), open_seq(llama_engine, random_ids(3, 57))
+    block_a, block_b = random_ids(4, 5), random_ids(5, 3)
+    alone = score(llama_engine, a, block_a).logits
+    llama_engine.truncate(a, 300)
     for kv, n in ((a, 5), (b, 3)):
-        engine.reserve(kv, n)
-    both = engine.forward([Feed(b, block_b, scored=False), Feed(a, block_a, scored=True)])
+        llama_engine.reserve(kv, n)
+    both = llama_engine.forward([Feed(b, block_b, scored=False), Feed(a, block_a, scored=True)])
     assert both[0].logits is None  # a prefill chunk: no logits
     assert torch.equal(both[1].logits, alone)
     assert (a.length, b.length) == (305, 60)
-    engine.release(a)
-    engine.release(b)
+    llama_engine.release(a)
+    llama_engine.release(b)
 
 
-def test_a_rejected_suffix_is_cut_and_scored_again_identically(engine):
-    kv = open_seq(engine, ids(6, 64))
-    first = score(engine, kv, [11, 12, 13, 14]).logits
-    engine.truncate(kv, 65)  # keep the first drafted token only
+def test_a_rejected_suffix_is_cut_and_scored_again_identically(llama_engine):
+    kv = open_seq(llama_engine, random_ids(6, 64))
+    first = score(llama_engine, kv, [11, 12, 13, 14]).logits
+    llama_engine.truncate(kv, 65)  # keep the first drafted token only
     assert kv.length == 65
-    again = score(engine, kv, [12, 13, 14]).logits
+    again = score(llama_engine, kv, [12, 13, 14]).logits
     assert torch.equal(again, first[1:])
-    engine.release(kv)
+    llama_engine.release(kv)
 
 
-def test_a_failed_pass_changes_no_cache(engine):
-    good, bad = open_seq(engine, ids(7, 30)), open_seq(engine, ids(8, 30))
-    expected = score(engine, good, [21, 22]).logits
-    engine.truncate(good, 30)
-    engine.reserve(good, 2)
-    engine.reserve(bad, 1)
+def test_a_failed_pass_changes_no_cache(llama_engine):
+    good, bad = open_seq(llama_engine, random_ids(7, 30)), open_seq(llama_engine, random_ids(8, 30))
+    expected = score(llama_engine, good, [21, 22]).logits
+    llama_engine.truncate(good, 30)
+    llama_engine.reserve(good, 2)
+    llama_engine.reserve(bad, 1)
     with pytest.raises(RuntimeError, match="llama_decode failed"):
-        engine.forward([Feed(good, [21, 22], scored=True), Feed(bad, [engine.vocab_size + 5], scored=True)])
+        llama_engine.forward([Feed(good, [21, 22], scored=True), Feed(bad, [llama_engine.vocab_size + 5], scored=True)])
     assert (good.length, bad.length) == (30, 30)
-    assert torch.equal(engine.forward([Feed(good, [21, 22], scored=True)])[0].logits, expected)
-    engine.release(good)
-    engine.release(bad)
+    assert torch.equal(llama_engine.forward([Feed(good, [21, 22], scored=True)])[0].logits, expected)
+    llama_engine.release(good)
+    llama_engine.release(bad)
 
 
-def test_each_session_has_its_own_bounded_stream_and_gives_it_back(engine):
-    share = engine.capabilities.max_sequence_tokens
-    assert share == CAPACITY // 4
-    fill = engine.fill()
-    kv = engine.new_sequence()
+def test_each_session_has_its_own_bounded_stream_and_gives_it_back(llama_engine):
+    share = llama_engine.capabilities.max_sequence_tokens
+    assert share == LLAMA_CAPACITY // 4
+    fill = llama_engine.fill()
+    kv = llama_engine.new_sequence()
     with pytest.raises(ResourceExhausted):
-        engine.reserve(kv, share + 1)
-    assert engine.fill() == fill and kv.seq_id is None  # nothing taken
-    held = [open_seq(engine, [5]) for _ in range(4)]  # every stream of this engine
-    assert not engine.fits(engine.new_sequence(), 1)
+        llama_engine.reserve(kv, share + 1)
+    assert llama_engine.fill() == fill and kv.seq_id is None  # nothing taken
+    held = [open_seq(llama_engine, [5]) for _ in range(4)]  # every stream of this llama_engine
+    assert not llama_engine.fits(llama_engine.new_sequence(), 1)
     for h in held:
-        engine.release(h)
-    assert engine.fill() == fill and engine.fits(engine.new_sequence(), 1)
+        llama_engine.release(h)
+    assert llama_engine.fill() == fill and llama_engine.fits(llama_engine.new_sequence(), 1)
 
 
-def test_a_sessions_logits_do_not_depend_on_other_sessions(engine):
+def test_a_sessions_logits_do_not_depend_on_other_sessions(llama_engine):
     """Regression: in a KV cache shared by all sessions, a session opened after another (its cells
     10 places further on) scored a block differently (logits off by 0.8): flash attention walks the
     cache in tiles of 64 cells. With a stream per session, other sessions change nothing."""
-    context, block = ids(10, 300), ids(11, 5)
-    kv = open_seq(engine, context)
-    alone = score(engine, kv, block).logits
-    engine.release(kv)
-    other = open_seq(engine, ids(12, 10))
-    kv = open_seq(engine, context)
-    assert torch.equal(score(engine, kv, block).logits, alone)
-    engine.release(kv)
-    engine.release(other)
+    context, block = random_ids(10, 300), random_ids(11, 5)
+    kv = open_seq(llama_engine, context)
+    alone = score(llama_engine, kv, block).logits
+    llama_engine.release(kv)
+    other = open_seq(llama_engine, random_ids(12, 10))
+    kv = open_seq(llama_engine, context)
+    assert torch.equal(score(llama_engine, kv, block).logits, alone)
+    llama_engine.release(kv)
+    llama_engine.release(other)
 
 
-def test_features_are_the_final_hidden_states(engine):
-    kv = open_seq(engine, ids(9, 20))
-    plain = score(engine, kv, [31, 32, 33]).logits
-    engine.truncate(kv, 20)
-    scores = score(engine, kv, [31, 32, 33], features=True)
-    assert scores.hidden.shape == (3, engine.capabilities.feature_dim) and torch.isfinite(scores.hidden).all()
+def test_features_are_the_final_hidden_states(llama_engine):
+    kv = open_seq(llama_engine, random_ids(9, 20))
+    plain = score(llama_engine, kv, [31, 32, 33]).logits
+    llama_engine.truncate(kv, 20)
+    scores = score(llama_engine, kv, [31, 32, 33], features=True)
+    assert scores.hidden.shape == (3, llama_engine.capabilities.feature_dim) and torch.isfinite(scores.hidden).all()
     assert torch.equal(scores.logits, plain)  # asking for features changes no logit
     # Features for the next pass only when asked again.
-    assert score(engine, kv, [34]).hidden is None
-    engine.release(kv)
+    assert score(llama_engine, kv, [34]).hidden is None
+    llama_engine.release(kv)
 
 
 @pytest.mark.parametrize("role", ["plain", "eagle"])

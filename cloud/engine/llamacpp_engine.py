@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from ...common.protocol.errors import ResourceExhausted
+from ...common.protocol.tree import feed_depths
 from .base import Capabilities, Feed, Scores
 
 FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 15: "Q4_K_M", 17: "Q5_K_M",
@@ -387,10 +388,7 @@ def _plant(feed: Feed, free: Iterator[int]) -> _Tree:
         while node >= 0:
             sequences[node].append(seq_id)
             node = parents[node]
-    depths: list[int] = []
-    for p in parents:
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return _Tree(feed.kv.length, parents, tuple(depths), tuple(map(tuple, sequences)))
+    return _Tree(feed.kv.length, parents, tuple(feed_depths(parents)), tuple(map(tuple, sequences)))
 
 
 def _row(pointer, size: int) -> np.ndarray:

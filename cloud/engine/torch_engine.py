@@ -22,6 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from ...common.protocol.tree import feed_depths
 from .base import Capabilities, Feed, Scores
 from .kvpool import KVPool, PageTable
 
@@ -175,7 +176,7 @@ class TorchEngine:
                 keep.append(torch.arange(queries, queries + n, device=self.device))
             if feed.parents is not None:
                 # A tree: each node at its depth's position, seeing the cache, its ancestors and itself.
-                positions.append(past + torch.tensor(_feed_depths(feed.parents), device=self.device))
+                positions.append(past + torch.tensor(feed_depths(feed.parents), device=self.device))
                 mask, causal = _tree_mask(feed.parents, past, self.device), False
             else:
                 positions.append(torch.arange(past, past + n, device=self.device))
@@ -218,14 +219,6 @@ class TorchEngine:
                 start += len(feed.tokens)
             results.append(Scores(scored, hidden[0][0, row.queries] if feed.features else None))
         return results
-
-
-def _feed_depths(parents: Sequence[int]) -> list[int]:
-    """Each fed token's distance from the first (which follows the cache: depth 0)."""
-    out: list[int] = []
-    for p in parents:
-        out.append(0 if p < 0 else out[p] + 1)
-    return out
 
 
 def _tree_mask(parents: Sequence[int], past: int, device: torch.device) -> torch.Tensor:

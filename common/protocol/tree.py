@@ -66,6 +66,15 @@ def feed_parents(parents: Sequence[int]) -> tuple[int, ...]:
     return (-1, *(p + 1 for p in parents))
 
 
+def feed_depths(parents: Sequence[int]) -> list[int]:
+    """Each fed token's distance from the first (the root, which follows the cache: depth 0), for
+    parents in the fed layout of `feed_parents`."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
 def check_tree(parents: Sequence[int], tokens: Sequence[int], max_nodes: int, max_depth: int) -> None:
     """InvalidArgument naming the first defect: a parent that does not precede its child, a tree
     deeper than `max_depth` or larger than `max_nodes`, or two siblings with the same token."""
