@@ -21,7 +21,6 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -242,21 +241,15 @@ class VerifierClient:
         """Send one round and wait for its reply."""
         return self.wait(self.submit(block))
 
-    def generate(self, spec: GenerateSpec) -> Iterator[int]:
-        """Cloud-only decoding: yields the target's tokens as they stream in; closing the iterator
-        early cancels the stream."""
+    def generate(self, spec: GenerateSpec) -> TokenStream:
+        """Cloud-only decoding: the request leaves now, and the TokenStream returned yields the target's
+        tokens as they stream in (closing it early cancels the stream). Sending before the first read
+        lets the caller's own set-up overlap the cloud's prefill and the round trip."""
         request = codec.generate_to_pb(spec)
         self._count(up=request.ByteSize())
         # The whole stream's deadline: the usual timeout plus a generous second per token.
         call = self._front.stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens, metadata=self.metadata)
-        try:
-            for reply in call:
-                self._count(down=reply.ByteSize())
-                yield reply.token_id
-        except grpc.RpcError as exc:
-            raise _domain_error(exc, self.address) from None
-        finally:
-            call.cancel()  # a no-op after the last token; ends the stream when the caller stops early
+        return TokenStream(call, self)
 
     def _unary(self, method, request, timeout_s: float | None = None):
         self._count(up=request.ByteSize())
@@ -314,3 +307,30 @@ def _domain_error(exc: grpc.RpcError, address: str) -> HybridSpecError:
     elif code is grpc.StatusCode.UNAUTHENTICATED:
         detail = f"the cloud verifier at {address} refused this edge's credentials: {detail}"
     return error_for_code(code.name, detail)
+
+
+class TokenStream:
+    """The target's tokens of one `Generate` call, as they stream in; `close` (or dropping it) cancels
+    the call, which is a no-op once the stream has ended."""
+
+    def __init__(self, call, client: VerifierClient) -> None:
+        self._call, self._client = call, client
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> int:
+        try:
+            reply = next(self._call)
+        except grpc.RpcError as exc:
+            self._call.cancel()
+            raise _domain_error(exc, self._client.address) from None
+        self._client._count(down=reply.ByteSize())
+        return reply.token_id
+
+    def close(self) -> None:
+        """Stop the stream (the server stops decoding for it)."""
+        self._call.cancel()
+
+    def __del__(self) -> None:
+        self._call.cancel()

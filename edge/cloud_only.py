@@ -29,15 +29,17 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
                         max_new_tokens=cfg.max_new_tokens - state.generated, seed=cfg.seed,
                         tokenizer_fingerprint=run.tokenizer_fp, prompt_len=len(state.prompt))
     stats.cloud_streams += 1
-    loading = not run.drafter_ready()  # the drafter still loads: no guesses, no decisions until it is there
-    can_shadow = run.can_shadow
-    shadow = ctl.shadow_worthwhile(can_shadow) and not loading
-    streak = 0  # consecutive shadow agreements: the position a block would have reached
-    last = None
-    next_check, since_check = ctl.first_check_after(can_shadow), 0
-    ping = _ping_in_background(run)
+    # The request leaves first: setting up the drafter (a llama.cpp context takes about 15 ms) and the
+    # round-trip probe then overlap the cloud's prefill and the link, instead of delaying the first token.
     stream = run.client.generate(spec)
     try:
+        ping = _ping_in_background(run)
+        loading = not run.drafter_ready()  # the drafter still loads: no guesses, no decisions until it is there
+        can_shadow = run.can_shadow
+        shadow = ctl.shadow_worthwhile(can_shadow) and not loading
+        streak = 0  # consecutive shadow agreements: the position a block would have reached
+        last = None
+        next_check, since_check = ctl.first_check_after(can_shadow), 0
         for token in stream:
             # 2. Measure: T from the gaps (the first token's wait holds the round trip and prefill), α by shadow.
             now = time.perf_counter()

@@ -117,6 +117,23 @@ def test_generate_over_the_in_process_front_door(target):
     assert tokens == greedy_reference(target, PROMPT, 15)
 
 
+def test_generate_sends_its_request_before_the_first_token_is_read(target):
+    """A cloud-only edge starts its stream, then sets up its drafter: the drafter's context (about 15 ms
+    with llama.cpp) must overlap the cloud's prefill and round trip instead of delaying the first token."""
+    server = BackgroundServer(Verifier(target, LIMITS))
+    try:
+        with VerifierClient(server.address) as client:
+            tokens = client.generate(GenerateSpec(prompt_ids=tuple(PROMPT), max_new_tokens=3))
+            streamed = server.running.metrics.registry
+            deadline = time.monotonic() + 30
+            while (streamed.get_sample_value("hybridspec_generate_tokens_total") or 0) < 3:
+                assert time.monotonic() < deadline, "the server never saw the request: it waits for the first read"
+                time.sleep(0.05)
+            assert list(tokens) == greedy_reference(target, PROMPT, 3)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def stream_pool(ray_cluster, model_dirs):
     replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, pass_cost_tokens=0,

@@ -205,3 +205,31 @@ def test_greedy_tree_rounds_through_the_verifier_commit_the_engines_own_tokens()
     result = verifier.verify(DraftBlock("tree", 0, opened.committed_len, tokens, parents=parents))
     assert result.accepted_path == (1, 3, 4) and result.next_token == greedy[3]
     assert verifier.verify(DraftBlock("tree", 1, result.committed_len, ())).next_token == greedy[4]
+
+
+def _resident_mb() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) // 1024
+
+
+def test_the_tree_context_is_ready_before_the_first_tree_and_bounds_trees_per_pass():
+    """Made at the first tree, the tree context (1.5 GB cleared at the default 65,536 cells) stalled that
+    pass, and every session's round in it, for seconds. It is made with the engine, of TREE_STREAMS
+    streams, and a pass with more trees than that is refused (the verifier defers them)."""
+    require_embedded()
+    from hybridspec.cloud.engine.llamacpp_engine import TREE_STREAMS, LlamaCppEngine
+    from hybridspec.common.models.gguf import find_gguf
+
+    engine = LlamaCppEngine(find_gguf(default_paths()["target"]), 32 * 1024, max_sequences=32, threads=1)
+    assert engine.capabilities.max_trees == TREE_STREAMS
+    kvs = [open_seq(engine, random_ids(i, 20)) for i in range(TREE_STREAMS + 1)]
+    before = _resident_mb()
+    feed_tree(engine, kvs[0], 7, [-1, -1, 0], [100, 101, 102])
+    assert _resident_mb() - before < 64  # 188 MB of cells (8,192 of 1,024-token streams) were made here
+    engine.truncate(kvs[0], 20)
+    for kv in kvs:
+        engine.reserve(kv, 3)
+    with pytest.raises(ResourceExhausted, match="draft trees a pass"):
+        engine.forward([Feed(kv, [7, 100, 101], scored=True, parents=(-1, 0, 0)) for kv in kvs])
+    assert all(kv.tree is None for kv in kvs)
+    assert len(engine.forward([Feed(kv, [7, 100, 101], scored=True, parents=(-1, 0, 0)) for kv in kvs[:-1]])) == 8

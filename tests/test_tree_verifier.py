@@ -146,13 +146,15 @@ def test_trees_and_chains_of_other_sessions_share_a_pass_unchanged(target):
     assert got[0].batch_size == 2
 
 
-def test_trees_beyond_an_engines_leaf_limit_wait_for_the_next_pass(target):
-    """An engine that takes only so many tree leaves per pass (llama.cpp: 256) gets the rest in a later
-    pass; every round is answered as it would be alone, and a tree never exceeds the limit by itself."""
+@pytest.mark.parametrize("limit", [{"max_tree_leaves": 4}, {"max_trees": 2}])
+def test_trees_beyond_an_engines_limits_wait_for_the_next_pass(target, limit):
+    """An engine that takes only so many tree leaves or trees per pass (llama.cpp: 256 and 8) gets the
+    rest in a later pass; every round is answered as it would be alone, and a tree never exceeds the
+    leaf limit by itself."""
     engine = TorchEngine(target.model, 4096)
-    engine.capabilities = replace(engine.capabilities, max_tree_leaves=4)
+    engine.capabilities = replace(engine.capabilities, **limit)
     limited = Verifier(target, LIMITS, engine=engine)
-    assert limited.info.max_tree_nodes == 4
+    assert limited.info.max_tree_nodes == limit.get("max_tree_leaves", LIMITS.max_tree_nodes)
     alone = Verifier(target, LIMITS)
     blocks = [DraftBlock(f"s{i}", 0, 20, (40 + i, 50 + i, 60 + i), parents=(-1, -1, 0)) for i in range(4)]
     for v in (limited, alone):
@@ -161,7 +163,7 @@ def test_trees_beyond_an_engines_leaf_limit_wait_for_the_next_pass(target):
     got = limited.verify_batch(blocks)
     expected = [alone.verify(b) for b in blocks]
     assert [(g.accepted_path, g.next_token) for g in got] == [(e.accepted_path, e.next_token) for e in expected]
-    assert [g.batch_size for g in got] == [2, 2, 2, 2]  # two trees of two leaves per pass
+    assert [g.batch_size for g in got] == [2, 2, 2, 2]  # two trees (of two leaves) per pass
 
 
 def test_a_tree_round_returns_the_features_of_the_accepted_path(target):

@@ -169,7 +169,7 @@ class Verifier:
             feeding = [s for s in openings if s.phase is Phase.PREFILLING]
             while True:
                 now, pending = one_per_session(pending, lambda item: item[1].session_id)
-                now, later = self._within_tree_leaves(now)
+                now, later = self._within_tree_limits(now)
                 pending = later + pending
                 self._run_pass(now, feeding, results, budget)
                 feeding = []
@@ -177,21 +177,21 @@ class Verifier:
                     break
         return results  # type: ignore[return-value]
 
-    def _within_tree_leaves(self, items: list[tuple[int, DraftBlock]]) -> tuple[list, list]:
-        """Split rounds so that the trees of one pass stay within the engine's leaf limit; the rest wait
-        for the next pass (a tree can always run: max_tree_nodes is capped to that limit)."""
-        limit = self.engine.capabilities.max_tree_leaves
-        if not limit:
-            return items, []
-        now, later, used = [], [], 0
+    def _within_tree_limits(self, items: list[tuple[int, DraftBlock]]) -> tuple[list, list]:
+        """Split rounds so that the trees of one pass stay within the engine's limits on leaves and on
+        trees; the rest wait for the next pass (a tree can always run: max_tree_nodes is capped to the
+        leaf limit)."""
+        caps = self.engine.capabilities
+        leaf_limit, tree_limit = caps.max_tree_leaves or float("inf"), caps.max_trees or float("inf")
+        now, later, used, trees = [], [], 0, 0
         for item in items:
             block = item[1]
             count = leaves(block.parents) if block.is_tree else 0
-            if used + count > limit and now:
+            if block.is_tree and now and (used + count > leaf_limit or trees + 1 > tree_limit):
                 later.append(item)
             else:
                 now.append(item)
-                used += count
+                used, trees = used + count, trees + block.is_tree
         return now, later
 
     def _run_pass(self, items: list[tuple[int, DraftBlock]], openings: list[Session], results: list,

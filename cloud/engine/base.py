@@ -57,6 +57,7 @@ class Capabilities:
     feature_dim: int  # size of a final hidden state (0: the engine cannot return features)
     tree_masks: bool = False  # can score a draft tree (a feed with parents) in one pass
     max_tree_leaves: int = 0  # leaves of all trees in one pass at most (0: no limit); the core defers the rest
+    max_trees: int = 0  # trees in one pass at most (0: no limit); the core defers the rest
     max_sequence_tokens: int = 0  # most tokens one session may cache (0: only the whole cache bounds it)
 
 

@@ -27,8 +27,11 @@ One cache for all sessions (`kv_unified`) scores trees exactly but no longer cha
 another session opened: logits 0.57 apart; see streams above). Depth first in the session's stream, a
 decode per leaf, is exact but a decode costs ~4.5 ms beyond its tokens: +23 % at 4 nodes, +59 % at 32.
 
-Chosen: a second context, `kv_unified` on, for trees only, made at the first tree with as many cells as
-all streams so any pass's trees fit (KV memory doubles once trees are used). A pass copies each tree's
+Chosen: a second context, `kv_unified` on, for trees only, of TREE_STREAMS streams' cells: a tree
+with its session's context fits in one stream's share, so that many trees fit a pass and the core
+defers the rest (`Capabilities.max_trees`); KV memory grows by TREE_STREAMS / max_sequences. It is made
+with the engine: made at the first tree (65,536 cells: 0.8 s, 1.5 GB cleared) it stalled that pass,
+every session's round in it, by seconds. A pass copies each tree's
 session cells there (llama.cpp's sequence state), gives them every leaf's id (`llama_memory_seq_cp`
 within a stream moves no data) and decodes the pass's trees at once; keep_rows copies context and kept
 path back over the session's stream, consecutive. It costs a chain of as many tokens plus the copies:
@@ -37,7 +40,8 @@ bench/tree_verify_cost.py). Exact, bit for bit (tests/test_llamacpp_trees.py): t
 session's cells in order, so flash attention visits a node's context and ancestors as a chain's, given
 under 64 rows per ubatch (from 64 query rows its tiled kernel rounds otherwise, logits 1.1 apart;
 63-row ubatches cost nothing measurable). A chain-shaped tree is scored as a chain. Limits: a pass's
-trees are kept or cut (keep_rows, truncate, release) before the next with trees; 256 leaves a pass.
+trees are kept or cut (keep_rows, truncate, release) before the next with trees; 256 leaves and
+TREE_STREAMS trees a pass.
 
 ctypes releases the GIL during every llama.cpp call, so the replica's gRPC threads run during a pass.
 """
@@ -61,6 +65,7 @@ FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5
           18: "Q6_K", 32: "BF16"}  # llama_ftype values of the weight types a user is likely to bring
 MAX_BATCH_TOKENS = 2048  # tokens per llama_decode call; a larger pass is split (the logits are read in between)
 TREE_BRANCHES = 256  # llama.cpp's LLAMA_MAX_SEQ: the tree context's sequence ids, one per leaf of a pass's trees
+TREE_STREAMS = 8  # the tree context holds this many streams' cells: trees a pass (module doc)
 TREE_UBATCH = 63  # tree rows per ubatch: below the 64 query rows where flash attention goes tiled (module doc)
 STATE_HEADER = struct.Struct("<IiI")  # a sequence state's magic, sequence id and stream count
 
@@ -138,29 +143,33 @@ class LlamaCppEngine:
     engine.base.Engine; its handles are LlamaSequences)."""
 
     def __init__(self, gguf: str | Path, kv_tokens: int, max_sequences: int, threads: int = 1,
-                 flash_attention: bool = True) -> None:
+                 flash_attention: bool = True, trees: bool = True) -> None:
         """`flash_attention` off only to measure what it buys (bench/llamacpp_engine.py): without it
-        blocks are not scored exactly as single tokens (docs/engine.md)."""
+        blocks are not scored exactly as single tokens (docs/engine.md). `trees` off: no tree context,
+        and the engine scores chains only."""
         llama.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
         llama.llama_backend_init()
         self._model = llama.llama_model_load_from_file(str(gguf).encode(), llama.llama_model_default_params())
         if not self._model:
             raise ValueError(f"llama.cpp cannot load {gguf}")
-        self._source, self._threads, self._flash_attention = str(gguf), threads, flash_attention
+        self._source = str(gguf)
         # kv_unified off: a stream per session (see the module's docstring).
         self._main = _Context(self._model, self._source, kv_tokens, max_sequences, False, MAX_BATCH_TOKENS, threads,
                               flash_attention)
-        self._trees: _Context | None = None  # made at the first tree pass
         self._pending = 0  # trees scored and not yet kept or cut
         self._state = bytearray()  # a sequence state on its way between the two contexts
         self._vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self._model))
         self._hidden, self._capacity = llama.llama_model_n_embd(self._model), kv_tokens
         self._per_sequence = llama.llama_n_ctx_seq(self._main.ctx)
+        streams = min(TREE_STREAMS, max_sequences)
+        self._trees = _Context(self._model, self._source, streams * self._per_sequence, TREE_BRANCHES, True,
+                               TREE_UBATCH, threads, flash_attention) if trees else None
         self._free_ids = list(range(max_sequences - 1, -1, -1))
         self._held = 0
         ftype = llama.llama_model_ftype(self._model)
         self.capabilities = Capabilities(name="llamacpp", device="cpu", dtype=FTYPES.get(ftype, f"ftype {ftype}"),
-                                         feature_dim=self._hidden, tree_masks=True, max_tree_leaves=TREE_BRANCHES,
+                                         feature_dim=self._hidden, tree_masks=trees, max_tree_leaves=TREE_BRANCHES,
+                                         max_trees=streams,
                                          max_sequence_tokens=self._per_sequence)
 
     def __del__(self) -> None:
@@ -304,14 +313,13 @@ class LlamaCppEngine:
             raise ValueError(f"a draft tree has more than {MAX_BATCH_TOKENS} tokens")
         if sum(len(feeds[f].parents) - len(set(feeds[f].parents[1:])) for f in trees) > TREE_BRANCHES:  # leaves
             raise ResourceExhausted(f"the pass's draft trees have more than {TREE_BRANCHES} leaves")
+        if trees and (self._trees is None or len(trees) > self.capabilities.max_trees):
+            raise ResourceExhausted(f"this engine scores at most {self.capabilities.max_trees} draft trees a pass")
 
     def _score_trees(self, feeds: Sequence[Feed], trees: list[int], planted: dict[int, _Tree],
                      logits: list[list[np.ndarray]], hidden: list[list[np.ndarray]]) -> None:
         """Copy each tree's session cells into the tree context under every leaf's sequence id and
         decode the trees, whole trees per decode (llama.cpp checks each sequence's positions per call)."""
-        if self._trees is None:  # one stream of as many cells as all the session streams
-            self._trees = _Context(self._model, self._source, llama.llama_n_ctx(self._main.ctx), TREE_BRANCHES,
-                                   True, TREE_UBATCH, self._threads, self._flash_attention)
         context = self._trees
         llama.llama_memory_clear(context.memory, False)  # nothing is pending (checked): cells fill in order
         context.set_embeddings(any(feeds[f].features for f in trees))
