@@ -370,11 +370,11 @@ def _panel_markdown(panel: agg.Facet, kinds: dict[str, str]) -> list[str]:
     if measured:
         lines += ["", "Measured by the edge (means over prompts): the RTT it saw, time to first token, and the "
                   "time between commits (a round, or a streamed token), median and 90th percentile:", "",
-                  "| strategy | RTT set (ms) | RTT measured (ms) | TTFT (s) | step p50 (ms) | step p90 (ms) |",
+                  "| strategy | RTT set (ms) | RTT measured (ms) | TTFT (s) | step p50 (ms) | step p95 (ms) |",
                   "|---|---|---|---|---|---|"]
         for strategy, rtt in sorted(measured, key=lambda sr: (sr[0], sr[1])):
             at = [r for r in panel.rows if r["strategy"] == strategy and r.get("rtt_ms") == rtt]
             cells = [_cell(agg.estimate(at, f), d) for f, d in (("measured_rtt_ms", 1), ("ttft_s", 2),
-                                                                ("step_ms_p50", 1), ("step_ms_p90", 1))]
+                                                                ("step_ms_p50", 1), ("step_ms_p95", 1))]
             lines.append(f"| {strategy} | {rtt:g} | " + " | ".join(cells) + " |")
     return lines + [""]

@@ -11,7 +11,7 @@ from .spec import GridPoint
 
 CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "loss_pct", "link", "temperature", "edges",
               "drafter", "drafter_used", "edge", "prompt_set", "prompt", "repeat", "new_tokens", "wall_s", "tokens_per_s",
-              "ttft_s", "measured_rtt_ms", "step_ms_p50", "step_ms_p90", "same_as_target", "acceptance_rate",
+              "ttft_s", "measured_rtt_ms", "step_ms_p50", "step_ms_p95", "same_as_target", "acceptance_rate",
               "mean_tokens_per_round", "rounds", "mean_gamma", "cloud_calls_per_token", "bytes_per_token",
               "uplink_bytes", "downlink_bytes", "cloud_only_tokens", "switches_to_cloud", "pipeline_hits",
               "fallbacks"]

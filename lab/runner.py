@@ -139,25 +139,30 @@ class Lab:
     # ---- strategies over the link -----------------------------------------------------------
 
     def _run_linked(self, point: GridPoint, strategies: list[Strategy], address: str, bar) -> int:
+        """Every strategy on each prompt (group) in turn, the order rotating, so that the machine's drift
+        lands on all strategies alike and a prompt's speed-up compares runs minutes apart at most."""
         ran = 0
         with self._link(point, address) as link:
-            for strategy in strategies:
-                # One edge per concurrent slot, kept across prompts: like a device serving many requests,
-                # it keeps its connection and its measured rates from one generation to the next.
-                edges = [_Edge(self, strategy, point, link.address) for _ in range(point.edges)]
-                try:
-                    for repeat in range(self.spec.repeats):
-                        for first in range(0, len(self.prompts), point.edges):
+            # One edge per concurrent slot and strategy, kept across prompts: like a device serving many
+            # requests, it keeps its connection and its measured rates from one generation to the next.
+            edges = {s.name: [_Edge(self, s, point, link.address) for _ in range(point.edges)] for s in strategies}
+            try:
+                turn = 0
+                for repeat in range(self.spec.repeats):
+                    for first in range(0, len(self.prompts), point.edges):
+                        turn += 1
+                        for strategy in strategies[turn % len(strategies):] + strategies[:turn % len(strategies)]:
                             keys = [row_key(strategy.name, point, first, repeat, e) for e in range(point.edges)]
                             if all(k in self.done for k in keys):
                                 continue
-                            rows = self._concurrent(point, strategy, edges, first, repeat)
+                            rows = self._concurrent(point, strategy, edges[strategy.name], first, repeat)
                             for key, row in zip(keys, rows):
                                 self._record(key, row)
                             ran += len(rows)
                             bar.update(len(rows))
-                finally:
-                    for edge in edges:
+            finally:
+                for slots in edges.values():
+                    for edge in slots:
                         edge.close()
         return ran
 

@@ -65,9 +65,25 @@ def test_rows_carry_what_the_edge_measured_and_one_trace_per_strategy_and_point(
     slow = [r for r in linked if r["rtt_ms"] == 40 and r["strategy"] == "cloud-only"]
     assert slow and all(r["measured_rtt_ms"] >= 35 for r in slow)  # the emulated 40 ms, as the edge saw it
     assert any(r.get("step_ms_p50") for r in linked)
+    assert all(r["step_ms_p95"] >= r["step_ms_p50"] for r in linked if r.get("step_ms_p50"))
     traces = list((out / "traces").glob("*.jsonl"))
     assert traces and all(json.loads(t.read_text().splitlines()[0]).keys() == {"t_s", "token", "origin"}
                           for t in traces)
+
+
+def test_strategies_take_turns_on_each_prompt_over_the_link(smoke):
+    """Over a link, every strategy runs a prompt before any runs the next one, so drift between
+    strategies cannot pose as a speed-up; the order rotates, so none always goes first."""
+    _, out = smoke
+    linked = [r for r in read_rows(out) if r["kind"] in ("hybrid", "cloud_only")]
+    strategies = {r["strategy"] for r in linked}
+    assert len(strategies) >= 2
+    rows = [r for r in linked if r["key"][1:-3] == linked[0]["key"][1:-3]]  # one grid point, in file order
+    turns = [(r["repeat"], r["key"][-3]) for r in rows]  # (repeat, first prompt of the group)
+    assert turns == sorted(turns)
+    groups = {t: [r["strategy"] for r in rows if (r["repeat"], r["key"][-3]) == t] for t in turns}
+    assert all(set(names) == strategies for names in groups.values())
+    assert len({names[0] for names in groups.values()}) > 1
 
 
 def test_smoke_varies_every_dimension_and_the_report_gives_each_value_its_panel(smoke):
