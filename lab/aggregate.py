@@ -157,6 +157,20 @@ def speedups(facet: Facet) -> dict[str, dict[float, Estimate]]:
     return out
 
 
+def worst_prompts(facet: Facet, strategy: str) -> dict[float, tuple[int, float]]:
+    """rtt -> (prompt, its speed-up over cloud-only) for the prompt where `strategy` does worst
+    (each prompt's tokens/s averaged over its repeats): what "never slower on every prompt" is judged by."""
+    base = cloud_strategy(facet.rows)
+    if base is None:
+        return {}
+    worst: dict[float, tuple[int, float]] = {}
+    for prompt in sorted({r["prompt"] for r in facet.rows}):
+        for rtt, ratio in _ratio_by_rtt(facet.rows, strategy, base, [prompt]).items():
+            if rtt not in worst or ratio < worst[rtt][1]:
+                worst[rtt] = (prompt, ratio)
+    return worst
+
+
 @dataclass(frozen=True)
 class Crossover:
     """Where a hybrid strategy's speed-up falls to 1: an RTT with its interval, or why there is none."""

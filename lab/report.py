@@ -359,6 +359,12 @@ def _panel_markdown(panel: agg.Facet, kinds: dict[str, str]) -> list[str]:
             cross = agg.crossover(panel, strategy)
             cells = [f"{curve[r].value:.2f} [{curve[r].lo:.2f}, {curve[r].hi:.2f}]" if r in curve else "" for r in rtts]
             lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {cross.text() if cross else ''} |")
+        lines += ["", "The worst prompt's own speed-up (mean over its repeats), and which prompt:", "",
+                  "| strategy | " + " | ".join(f"{r:g} ms" for r in rtts) + " |", "|---|" + "---|" * len(rtts)]
+        for strategy in sorted(speedups):
+            worst = agg.worst_prompts(panel, strategy)
+            lines.append(f"| {strategy} | " + " | ".join(f"{worst[r][1]:.2f} (prompt {worst[r][0]})" if r in worst
+                                                        else "" for r in rtts) + " |")
     fit = bound_inputs([r for r in panel.rows if r.get("rtt_ms") is not None])
     if fit is not None:
         pred = predicted_crossover_ms(fit)
@@ -369,7 +375,7 @@ def _panel_markdown(panel: agg.Facet, kinds: dict[str, str]) -> list[str]:
     measured = [(s, rtt) for s, curve in table.items() for rtt in curve if rtt is not None]
     if measured:
         lines += ["", "Measured by the edge (means over prompts): the RTT it saw, time to first token, and the "
-                  "time between commits (a round, or a streamed token), median and 90th percentile:", "",
+                  "time between commits (a round, or a streamed token), median and 95th percentile:", "",
                   "| strategy | RTT set (ms) | RTT measured (ms) | TTFT (s) | step p50 (ms) | step p95 (ms) |",
                   "|---|---|---|---|---|---|"]
         for strategy, rtt in sorted(measured, key=lambda sr: (sr[0], sr[1])):

@@ -2,6 +2,7 @@
 summary; the report's statistics on planted data."""
 import csv
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,18 @@ def test_speedup_and_crossover_carry_intervals():
     cross = aggregate.crossover(panel, "hybrid")
     assert cross.verdict == "crosses" and cross.estimate.lo < 87.5 < cross.estimate.hi
     assert cross.estimate.lo > 50 and cross.estimate.hi < 100
+
+
+def test_the_worst_prompt_is_found_by_its_own_speed_up():
+    rows = _rows([("cloud-only", "cloud_only", 0, 20, 20.0), ("hybrid", "hybrid", 0, 20, 20.0)], prompts=4)
+    for r in rows:
+        if r["strategy"] == "hybrid" and r["prompt"] == 2:
+            r["tokens_per_s"] *= 0.5  # one prompt at half speed: hidden in the mean, not in the worst
+    (panel,) = aggregate.facets(rows)
+    prompt, ratio = aggregate.worst_prompts(panel, "hybrid")[20]
+    cloud, hybrid = ([statistics.fmean(r["tokens_per_s"] for r in rows if r["strategy"] == s and r["prompt"] == 2)
+                      for s in ("cloud-only", "hybrid")])
+    assert prompt == 2 and ratio == pytest.approx(hybrid / cloud) and ratio < 0.6
 
 
 def test_report_keeps_bandwidths_apart(tmp_path):
