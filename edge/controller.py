@@ -67,10 +67,12 @@ class Controller:
         return self.estimates.rates(DEFAULT_RATES)
 
     def initial_phase(self) -> Phase:
-        """Cloud-only while warming up or when earlier measurements favour it; else hybrid."""
+        """Cloud-only while warming up or unless earlier measurements favour hybrid by the hysteresis:
+        starting either mode costs one prefill, but a hybrid start that turns out slower costs a
+        second one to leave (a new stream of the whole context), so a close call starts cloud-only."""
         p = self.policy
         if p.cloud_only or self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
-                self.rates(), p.cap, p.pipeline, now_cloud_only=False, hybrid=self._best_hybrid(self.rates()))):
+                self.rates(), p.cap, p.pipeline, now_cloud_only=True, hybrid=self._best_hybrid(self.rates()))):
             return Phase.CLOUD_ONLY
         return Phase.HYBRID
 

@@ -40,6 +40,23 @@ def test_a_worker_that_measured_starts_where_its_measurements_point():
     assert slow_cloud.initial_phase() is Phase.HYBRID
 
 
+def test_a_generation_starts_cloud_only_while_hybrid_is_only_within_the_hysteresis():
+    """Regression: a generation started hybrid unless cloud-only was predicted faster by the hysteresis,
+    then left after its first rounds, paying a new stream's prefill: at RTT 0 the default edge's worst
+    prompt ran at 0.85x cloud-only. Starting either mode costs the same prefill, leaving hybrid costs
+    another, so hybrid must be predicted faster by the hysteresis to start."""
+    band = []
+    for alpha in (a / 100 for a in range(1, 100)):
+        c = controller(measured(alpha, cloud_token_s=0.02))
+        rates = c.rates()
+        ratio = policy.hybrid_rate(rates, policy.choose_gamma(rates, CAP, True), True) / policy.cloud_only_rate(rates)
+        if 1 < ratio <= 1 + policy.HYSTERESIS:
+            band.append(c)
+        elif ratio > 1.2:
+            assert c.initial_phase() is Phase.HYBRID
+    assert band and all(c.initial_phase() is Phase.CLOUD_ONLY for c in band)
+
+
 def test_gamma_is_fixed_first_guessed_then_chosen():
     assert controller(measured(0.8, 0.2), adaptive=False).next_gamma(100, 20) == CAP
     est = Estimates(CAP + 1)
