@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
@@ -21,24 +22,15 @@ from tqdm import tqdm
 from ..cloud.process import start_cloud_process, stop_cloud_process
 from ..common.models.embedded import resolve
 from ..common.models.loading import LoadedModel, load_model
-from ..common.protocol.wire import GenerateSpec
-from ..edge.client import VerifierClient
 from ..edge.config import EdgeConfig
 from ..edge.prompt import encode_prompt
-from ..edge.controller import DEFAULT_RATES
-from ..edge.worker import EdgeWorker
-from ..edge.state import EventKind
 from ..netem.relay import BackgroundLink
 from ..netem.tc import TcError, TcLink, probe
 from . import baselines
-from .clock import CommitClock
+from .edges import Slot
 from .references import load_references, served_verifier
 from .rows import done_keys, row_key, write_csv
 from .spec import LINKED, ExperimentSpec, GridPoint, Strategy, link_spec
-
-STATS_KEYS = ["acceptance_rate", "mean_tokens_per_round", "rounds", "drafted", "accepted", "mean_gamma",
-              "cloud_calls_per_token", "bytes_per_token", "uplink_bytes", "downlink_bytes", "cloud_only_tokens",
-              "switches_to_cloud", "switches_to_hybrid", "pipeline_hits", "fallbacks", "drafted_at", "accepted_at"]
 
 
 class Lab:
@@ -145,7 +137,7 @@ class Lab:
         with self._link(point, address) as link:
             # One edge per concurrent slot and strategy, kept across prompts: like a device serving many
             # requests, it keeps its connection and its measured rates from one generation to the next.
-            edges = {s.name: [_Edge(self, s, point, link.address) for _ in range(point.edges)] for s in strategies}
+            slots = self._slots(point, strategies, link.address)
             try:
                 turn = 0
                 for repeat in range(self.spec.repeats):
@@ -155,16 +147,24 @@ class Lab:
                             keys = [row_key(strategy.name, point, first, repeat, e) for e in range(point.edges)]
                             if all(k in self.done for k in keys):
                                 continue
-                            rows = self._concurrent(point, strategy, edges[strategy.name], first, repeat)
+                            rows = self._concurrent(point, strategy, slots, first, repeat)
                             for key, row in zip(keys, rows):
                                 self._record(key, row)
                             ran += len(rows)
                             bar.update(len(rows))
             finally:
-                for slots in edges.values():
-                    for edge in slots:
-                        edge.close()
+                for slot in slots:
+                    slot.close()
         return ran
+
+    def _slots(self, point: GridPoint, strategies: list[Strategy], address: str) -> list:
+        """The point's concurrent edge slots: in this process, or each in its own (edge_processes)."""
+        if not self.spec.edge_processes:
+            return [Slot(self, strategies, point, address) for _ in range(point.edges)]
+        slots = [_ProcessSlot(self.spec, self.out, strategies, point, address) for _ in range(point.edges)]
+        for slot in slots:
+            slot.wait_ready()  # started together: their imports and model loads overlap
+        return slots
 
     def _link(self, point: GridPoint, upstream: str) -> BackgroundLink | TcLink:
         """The grid point's link to the cloud's front door, by the experiment's netem backend."""
@@ -172,21 +172,20 @@ class Lab:
             return TcLink(link_spec(point), upstream)
         return BackgroundLink(link_spec(point), upstream, seed=self.spec.seed)
 
-    def _concurrent(self, point: GridPoint, strategy: Strategy, edges: list[_Edge], first: int,
-                    repeat: int) -> list[dict]:
-        """Each edge generates for its own prompt, all at once."""
-        rows: list[dict] = [{} for _ in edges]
+    def _concurrent(self, point: GridPoint, strategy: Strategy, slots: list, first: int, repeat: int) -> list[dict]:
+        """Each slot's edge of `strategy` generates for its own prompt, all at once."""
+        rows: list[dict] = [{} for _ in slots]
 
         def one(i: int) -> None:
             prompt = (first + i) % len(self.prompts)
             try:
-                rows[i] = edges[i].generate(self.prompts[prompt], repeat, self._trace_file(point, strategy, first + i,
-                                                                                           repeat))
+                rows[i] = slots[i].generate(strategy.name, self.prompts[prompt], repeat,
+                                            self._trace_file(point, strategy, first + i, repeat))
             except Exception as exc:  # recorded, so one failed generation does not end the sweep
                 rows[i] = {"error": f"{type(exc).__name__}: {exc}"}
             rows[i].update(edge=i, prompt=prompt)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(edges))]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(slots))]
         for t in threads:
             t.start()
         for t in threads:
@@ -205,7 +204,7 @@ class Lab:
                     key = row_key(strategy.name, point, prompt_index, repeat, 0)
                     if key in self.done:
                         continue
-                    cfg = self._edge_config(strategy, point, "", repeat)
+                    cfg = self.edge_config(strategy, point, "", repeat)
                     try:
                         result = self._local_once(strategy, prompt, cfg)
                         raw = {"tokens": result.tokens, "wall_s": result.wall_s, **result.stats}
@@ -267,7 +266,7 @@ class Lab:
 
     # ---- rows -------------------------------------------------------------------------------
 
-    def _edge_config(self, strategy: Strategy, point: GridPoint, address: str, repeat: int) -> EdgeConfig:
+    def edge_config(self, strategy: Strategy, point: GridPoint, address: str, repeat: int) -> EdgeConfig:
         values = {"cloud": address or "127.0.0.1:1", "max_new_tokens": self.spec.max_new_tokens,
                   "temperature": point.temperature, "seed": self.spec.seed + repeat,
                   "torch_threads": 1 if self.pin else 0, "drafter": point.drafter, **strategy.edge}
@@ -322,59 +321,60 @@ class Lab:
         (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-class _Edge:
-    """One edge slot over the link: a connection, and for hybrid strategies a worker that keeps its
-    estimates across generations."""
+class _ProcessSlot:
+    """A slot whose edges live in a process of their own (lab/edges.py); `generate` and `close` as Slot's."""
 
-    def __init__(self, lab: Lab, strategy: Strategy, point: GridPoint, address: str) -> None:
-        self.lab, self.strategy = lab, strategy
-        self.config = lab._edge_config(strategy, point, address, 0)
-        self.client = VerifierClient(address, timeout_s=self.config.timeout_s)
-        self.worker: EdgeWorker | None = None
+    def __init__(self, spec: ExperimentSpec, out: Path, strategies: list[Strategy], point: GridPoint,
+                 address: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_slot, args=(child, spec, out, strategies, point, address),
+                                        daemon=True, name="edge-slot")
+        self._process.start()
 
-    def generate(self, prompt: list[int], repeat: int, trace: Path | None = None) -> dict:
-        """One generation; the raw row fields, with what the edge measured: its RTT to the cloud,
-        time to first token, and the time between successive commits (a round, or a streamed token)."""
-        cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
-        clock = CommitClock()
-        if self.strategy.kind == "cloud_only":
-            spec = GenerateSpec(prompt_ids=tuple(prompt), sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
-                                seed=cfg.seed)
-            rtt_start = time.perf_counter()
-            self.client.model_info()  # connected before the clock starts, as an edge worker is; one round trip
-            rtt_ms = (time.perf_counter() - rtt_start) * 1e3
-            up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
-            clock.start()
-            tokens = []
-            for token in self.client.generate(spec):
-                tokens.append(token)
-                clock.commit([token], "cloud")
-            wall = clock.elapsed()
-            up, down = self.client.uplink_bytes - up0, self.client.downlink_bytes - down0
-            clock.write(trace)
-            return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 1 / max(len(tokens), 1),
-                    "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1),
-                    "measured_rtt_ms": rtt_ms, **clock.summary()}
-        if self.worker is None:
-            drafter, fallback = self.lab.drafter_for(cfg)
-            self.worker = EdgeWorker(drafter, self.client, cfg, fallback)
-        self.worker.config = cfg
-        run = self.worker.stream(prompt)
-        clock.start()
-        for event in run:
-            if event.kind == EventKind.COMMIT and event.tokens:
-                clock.commit(event.tokens, [o.value for o in event.origins])
-        gen = run.generation
-        clock.write(trace)
-        stats = gen.stats.to_dict()
-        rates = self.worker.estimates.rates(DEFAULT_RATES)
-        return {"tokens": gen.token_ids, "wall_s": gen.stats.wall_s, **{k: stats[k] for k in STATS_KEYS},
-                "rates": {k: v for k, v in dataclasses.asdict(rates).items() if k != "alphas"},
-                "measured_rtt_ms": rates.rtt_s * 1e3, **clock.summary()}
+    def wait_ready(self) -> None:
+        """Wait until the process has loaded its drafter and connected; its error, if it could not."""
+        reply = self._conn.recv()
+        if reply != "ready":
+            raise RuntimeError(f"an edge process did not start: {reply}")
+
+    def generate(self, strategy: str, prompt: list[int], repeat: int, trace: Path | None) -> dict:
+        """One generation in the process: the raw row fields."""
+        self._conn.send((strategy, prompt, repeat, trace))
+        return self._conn.recv()
 
     def close(self) -> None:
-        """Close the connection."""
-        self.client.close()
+        """Let the process close its connections and exit."""
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass  # it is gone already
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _serve_slot(conn, spec: ExperimentSpec, out: Path, strategies: list[Strategy], point: GridPoint,
+                address: str) -> None:
+    """A slot process: its own Lab for configs and drafters, on the edge cores, one torch thread."""
+    try:
+        lab = Lab(spec, out)
+        if lab.pin:
+            os.sched_setaffinity(0, lab.edge_cores)
+            torch.set_num_threads(1)
+        slot = Slot(lab, strategies, point, address)
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    conn.send("ready")
+    try:
+        while (job := conn.recv()) is not None:
+            try:
+                conn.send(slot.generate(*job))
+            except Exception as exc:  # a row with its error, as for an edge in this process
+                conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        slot.close()
 
 
 def run_experiment(spec: ExperimentSpec, out: Path, fresh: bool = False) -> Path:

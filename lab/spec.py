@@ -82,6 +82,7 @@ class ExperimentSpec:
     pin: bool = True  # edge on one core, cloud on another, one torch thread each (needs 2 cores)
     cloud: dict[str, Any] = field(default_factory=dict)  # ServeConfig keys for the cloud side
     trace: bool = False  # write OUT/traces/*.jsonl: per-token times of one generation per strategy and point
+    edge_processes: bool = False  # each concurrent edge in its own process (N devices), not a thread
     netem_backend: str = "relay"  # relay: the user-space TCP relay; tc: the kernel's netem qdisc on loopback
 
     def points(self) -> list[GridPoint]:
@@ -150,6 +151,9 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     if spec.netem_backend == "tc" and any(str(link).startswith(TRACE_PREFIX) for section in (grid, vary)
                                           for link in section.get("link", [])):
         raise ConfigError(f"{p}: netem_backend tc cannot replay a latency trace; use the relay backend")
+    for key in ("chat", "pin", "trace", "edge_processes"):
+        if not isinstance(getattr(spec, key), bool):
+            raise ConfigError(f"{p}: {key} must be true or false, got {getattr(spec, key)!r}")
     if spec.repeats < 1:
         raise ConfigError(f"{p}: repeats must be >= 1, got {spec.repeats}")
     return spec

@@ -271,6 +271,33 @@ def test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool(model_dirs, tmp_p
     assert row["same_as_target"] is True
 
 
+def test_edges_can_run_as_processes_of_their_own(model_dirs, tmp_path):
+    """edge_processes: each concurrent edge slot is a process (N devices), kept across strategies and
+    prompts; its rows are as exact as a thread's."""
+    import os
+
+    spec = {"target": str(model_dirs["target"]), "drafter": str(model_dirs["target"]), "chat": False,
+            "prompts": ["w5 w17 w33 w80", "w9 w200 w31 w64"], "max_new_tokens": 8, "repeats": 1, "pin": False,
+            "cloud": {"backend": "inprocess"}, "grid": {"rtt_ms": [0], "edges": [2]}, "edge_processes": True,
+            "strategies": [{"name": "cloud-only", "kind": "cloud_only"}, {"name": "hybrid", "kind": "hybrid"}]}
+    path = tmp_path / "processes.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rows = read_rows(run_experiment(load_spec(path), tmp_path / "out"))
+    assert len(rows) == 4 and not [r for r in rows if "error" in r]
+    assert all(r["same_as_target"] is True for r in rows)
+    pids = {r["edge"]: r["edge_pid"] for r in rows if r["strategy"] == "hybrid"}
+    assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+    assert all(r["edge_pid"] == pids[r["edge"]] for r in rows)  # one process per slot, for every strategy
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_a_switch_that_is_not_true_or_false_is_refused(tmp_path, value):
+    path = tmp_path / "switch.yaml"
+    path.write_text(yaml.safe_dump({"edge_processes": value, "strategies": [{"name": "a", "kind": "cloud_only"}]}))
+    with pytest.raises(ConfigError, match="edge_processes must be true or false"):
+        load_spec(path)
+
+
 def test_direct_verify_in_an_experiment_is_refused(tmp_path):
     path = tmp_path / "direct.yaml"
     path.write_text("cloud: {direct_verify: true}\nstrategies: [{name: a, kind: cloud_only}]\n")

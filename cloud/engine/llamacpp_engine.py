@@ -27,21 +27,18 @@ One cache for all sessions (`kv_unified`) scores trees exactly but no longer cha
 another session opened: logits 0.57 apart; see streams above). Depth first in the session's stream, a
 decode per leaf, is exact but a decode costs ~4.5 ms beyond its tokens: +23 % at 4 nodes, +59 % at 32.
 
-Chosen: a second context, `kv_unified` on, for trees only, of TREE_STREAMS streams' cells: a tree
-with its session's context fits in one stream's share, so that many trees fit a pass and the core
-defers the rest (`Capabilities.max_trees`); KV memory grows by TREE_STREAMS / max_sequences. It is made
-with the engine: made at the first tree (65,536 cells: 0.8 s, 1.5 GB cleared) it stalled that pass,
-every session's round in it, by seconds. A pass copies each tree's
-session cells there (llama.cpp's sequence state), gives them every leaf's id (`llama_memory_seq_cp`
-within a stream moves no data) and decodes the pass's trees at once; keep_rows copies context and kept
-path back over the session's stream, consecutive. It costs a chain of as many tokens plus the copies:
-~1 ms in and 0.8 ms back at 128 cached tokens (tree/chain 1.00-1.03), ~7 and ~5 ms at 1,000 (see
-bench/tree_verify_cost.py). Exact, bit for bit (tests/test_llamacpp_trees.py): the copies keep a
-session's cells in order, so flash attention visits a node's context and ancestors as a chain's, given
-under 64 rows per ubatch (from 64 query rows its tiled kernel rounds otherwise, logits 1.1 apart;
-63-row ubatches cost nothing measurable). A chain-shaped tree is scored as a chain. Limits: a pass's
-trees are kept or cut (keep_rows, truncate, release) before the next with trees; 256 leaves and
-TREE_STREAMS trees a pass.
+Chosen: a second context, `kv_unified` on, for trees only, of TREE_STREAMS streams' cells (a tree and
+its session's context fit one stream's share; the core defers trees beyond that many a pass), made
+with the engine (made at the first tree, 1.5 GB cleared at 65,536 cells, it stalled that pass for
+seconds). A pass copies each tree's session cells there (llama.cpp's sequence state), gives them every
+leaf's id (`llama_memory_seq_cp` within a stream moves no data) and decodes the trees at once;
+keep_rows copies context and kept path back over the session's stream, consecutive. It costs a chain
+of as many tokens plus the copies: ~1 ms in and 0.8 ms back at 128 cached tokens (tree/chain
+1.00-1.03), ~7 and ~5 ms at 1,000 (bench/tree_verify_cost.py). Exact, bit for bit
+(tests/test_llamacpp_trees.py): the copies keep a session's cells in order, so flash attention visits
+a node's context and ancestors as a chain's, given under 64 rows per ubatch (from 64 its tiled kernel
+rounds otherwise, logits 1.1 apart). A chain-shaped tree is scored as a chain. Limits: a pass's trees
+are kept or cut before the next with trees; 256 leaves and TREE_STREAMS trees a pass.
 
 ctypes releases the GIL during every llama.cpp call, so the replica's gRPC threads run during a pass.
 """
@@ -145,15 +142,13 @@ class LlamaCppEngine:
     def __init__(self, gguf: str | Path, kv_tokens: int, max_sequences: int, threads: int = 1,
                  flash_attention: bool = True, trees: bool = True) -> None:
         """`flash_attention` off only to measure what it buys (bench/llamacpp_engine.py): without it
-        blocks are not scored exactly as single tokens (docs/engine.md). `trees` off: no tree context,
-        and the engine scores chains only."""
+        blocks are not scored exactly as single tokens (docs/engine.md). `trees` off: chains only."""
         llama.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
         llama.llama_backend_init()
         self._model = llama.llama_model_load_from_file(str(gguf).encode(), llama.llama_model_default_params())
         if not self._model:
             raise ValueError(f"llama.cpp cannot load {gguf}")
-        self._source = str(gguf)
-        # kv_unified off: a stream per session (see the module's docstring).
+        self._source = str(gguf)  # kv_unified off below: a stream per session (module doc)
         self._main = _Context(self._model, self._source, kv_tokens, max_sequences, False, MAX_BATCH_TOKENS, threads,
                               flash_attention)
         self._pending = 0  # trees scored and not yet kept or cut
@@ -169,8 +164,7 @@ class LlamaCppEngine:
         ftype = llama.llama_model_ftype(self._model)
         self.capabilities = Capabilities(name="llamacpp", device="cpu", dtype=FTYPES.get(ftype, f"ftype {ftype}"),
                                          feature_dim=self._hidden, tree_masks=trees, max_tree_leaves=TREE_BRANCHES,
-                                         max_trees=streams,
-                                         max_sequence_tokens=self._per_sequence)
+                                         max_trees=streams, max_sequence_tokens=self._per_sequence)
 
     def __del__(self) -> None:
         for context in (getattr(self, "_trees", None), getattr(self, "_main", None)):  # before the model

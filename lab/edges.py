@@ -1,0 +1,108 @@
+"""The edges of an experiment: one per concurrent slot and strategy, over the emulated link.
+
+A slot runs its edges in the experiment's own process (threads: cheap, but they share one
+interpreter) or, with `edge_processes: true`, in a process of its own, as N devices would (each
+with its own interpreter, drafter and connection; spawned, so no forked gRPC or llama.cpp state).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Protocol
+
+from ..common.models.loading import LoadedModel
+from ..common.protocol.wire import GenerateSpec
+from ..edge.client import VerifierClient
+from ..edge.config import EdgeConfig
+from ..edge.controller import DEFAULT_RATES
+from ..edge.state import EventKind
+from ..edge.worker import EdgeWorker
+from .clock import CommitClock
+from .spec import ExperimentSpec, GridPoint, Strategy
+
+STATS_KEYS = ["acceptance_rate", "mean_tokens_per_round", "rounds", "drafted", "accepted", "mean_gamma",
+              "cloud_calls_per_token", "bytes_per_token", "uplink_bytes", "downlink_bytes", "cloud_only_tokens",
+              "switches_to_cloud", "switches_to_hybrid", "pipeline_hits", "fallbacks", "drafted_at", "accepted_at"]
+
+
+class EdgeHost(Protocol):
+    """What an edge takes from the experiment it runs in (lab/runner.py's Lab)."""
+
+    spec: ExperimentSpec
+
+    def edge_config(self, strategy: Strategy, point: GridPoint, address: str, repeat: int) -> EdgeConfig: ...
+
+    def drafter_for(self, cfg: EdgeConfig) -> tuple[LoadedModel, LoadedModel | None]: ...
+
+
+class Slot:
+    """One concurrent edge slot in this process: an Edge per strategy, kept across prompts."""
+
+    def __init__(self, lab: EdgeHost, strategies: list[Strategy], point: GridPoint, address: str) -> None:
+        self.edges = {s.name: Edge(lab, s, point, address) for s in strategies}
+
+    def generate(self, strategy: str, prompt: list[int], repeat: int, trace: Path | None) -> dict:
+        """One generation of `strategy`'s edge: the raw row fields."""
+        return self.edges[strategy].generate(prompt, repeat, trace)
+
+    def close(self) -> None:
+        """Close every edge's connection."""
+        for edge in self.edges.values():
+            edge.close()
+
+
+class Edge:
+    """One edge over the link for one strategy: a connection, and for hybrid strategies a worker that
+    keeps its estimates across generations."""
+
+    def __init__(self, lab: EdgeHost, strategy: Strategy, point: GridPoint, address: str) -> None:
+        self.lab, self.strategy = lab, strategy
+        self.config = lab.edge_config(strategy, point, address, 0)
+        self.client = VerifierClient(address, timeout_s=self.config.timeout_s)
+        self.worker: EdgeWorker | None = None
+
+    def generate(self, prompt: list[int], repeat: int, trace: Path | None = None) -> dict:
+        """One generation; the raw row fields, with what the edge measured: its RTT to the cloud,
+        time to first token, and the time between successive commits (a round, or a streamed token)."""
+        cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
+        clock = CommitClock()
+        if self.strategy.kind == "cloud_only":
+            spec = GenerateSpec(prompt_ids=tuple(prompt), sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
+                                seed=cfg.seed)
+            rtt_start = time.perf_counter()
+            self.client.model_info()  # connected before the clock starts, as an edge worker is; one round trip
+            rtt_ms = (time.perf_counter() - rtt_start) * 1e3
+            up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
+            clock.start()
+            tokens = []
+            for token in self.client.generate(spec):
+                tokens.append(token)
+                clock.commit([token], "cloud")
+            wall = clock.elapsed()
+            up, down = self.client.uplink_bytes - up0, self.client.downlink_bytes - down0
+            clock.write(trace)
+            return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 1 / max(len(tokens), 1),
+                    "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1),
+                    "measured_rtt_ms": rtt_ms, "edge_pid": os.getpid(), **clock.summary()}
+        if self.worker is None:
+            drafter, fallback = self.lab.drafter_for(cfg)
+            self.worker = EdgeWorker(drafter, self.client, cfg, fallback)
+        self.worker.config = cfg
+        run = self.worker.stream(prompt)
+        clock.start()
+        for event in run:
+            if event.kind == EventKind.COMMIT and event.tokens:
+                clock.commit(event.tokens, [o.value for o in event.origins])
+        gen = run.generation
+        clock.write(trace)
+        stats = gen.stats.to_dict()
+        rates = self.worker.estimates.rates(DEFAULT_RATES)
+        return {"tokens": gen.token_ids, "wall_s": gen.stats.wall_s, **{k: stats[k] for k in STATS_KEYS},
+                "rates": {k: v for k, v in dataclasses.asdict(rates).items() if k != "alphas"},
+                "measured_rtt_ms": rates.rtt_s * 1e3, "edge_pid": os.getpid(), **clock.summary()}
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.client.close()
