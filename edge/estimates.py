@@ -96,12 +96,20 @@ class VerifyCost:
         if self.pass_costs:
             self.residual.add(seconds - interpolate(self.pass_costs, gamma + 1))
 
-    def curve(self, max_gamma: int) -> tuple[float, ...]:
-        """t_v(0..max_gamma) from the cloud's curve and the residual; () without a curve."""
+    def curve(self, max_gamma: int, load: float = 1.0) -> tuple[float, ...]:
+        """t_v(0..max_gamma) from the cloud's curve and the residual; () without a curve.
+
+        `load` (≥ 1: a streamed token's time over the cloud's own one-token pass) prices a round as
+        if the replica's other sessions grew their passes as this one does, t(γ+1)·load, wherever that
+        is more than the rounds measured. Each edge judging alone against a loaded replica saw only
+        its own round's cost: on a compute-bound CPU replica every edge then chose hybrid and all got
+        slower (16 edges: 0.69x cloud-only per edge). On a GPU t(γ+1) ≈ t(1), and load costs both modes alike.
+        """
         if not self.pass_costs:
             return ()
         extra = self.residual.get(0.0)
-        return tuple(max(0.0, interpolate(self.pass_costs, g + 1) + extra) for g in range(max_gamma + 1))
+        costs = [interpolate(self.pass_costs, g + 1) for g in range(max_gamma + 1)]
+        return tuple(max(0.0, t + extra, t * load) for t in costs)
 
 
 class Estimates:
@@ -193,7 +201,9 @@ class Estimates:
             a, b = self.verify.blocks.coefficients()
         else:
             a, b = defaults.verify_block_s, defaults.verify_per_draft_s
+        pass_costs = self.verify.pass_costs
+        load = max(1.0, t_cloud / interpolate(pass_costs, 1)) if pass_costs and t_cloud is not None else 1.0
         return Rates(alphas=self.alphas, draft_s=self.draft_s.get(defaults.draft_s),
                      rtt_s=self.rtt_s.get(defaults.rtt_s), verify_single_s=single, verify_block_s=a,
                      verify_per_draft_s=b, cloud_token_s=t_cloud if t_cloud is not None else single,
-                     verify_curve_s=self.verify.curve(len(self._tries)), tree_node_s=self.tree_node_s.get(0.0))
+                     verify_curve_s=self.verify.curve(len(self._tries), load), tree_node_s=self.tree_node_s.get(0.0))

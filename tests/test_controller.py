@@ -57,6 +57,19 @@ def test_a_generation_starts_cloud_only_while_hybrid_is_only_within_the_hysteres
     assert band and all(c.initial_phase() is Phase.CLOUD_ONLY for c in band)
 
 
+@pytest.mark.parametrize("per_token_ms,hybrid", [(7.0, False), (0.0, True)])
+def test_a_loaded_replica_prices_rounds_as_if_every_session_drafted(per_token_ms, hybrid):
+    """Regression: against a replica loaded by 16 edges (a streamed token 180 ms, its own one-token pass
+    7 ms) each edge priced a round at the unloaded t(γ+1) and chose hybrid, and on a compute-bound CPU
+    replica (a pass costs its tokens) all got slower: 0.69x cloud-only per edge. Where passes cost
+    about the same whatever their size (a GPU), hybrid still wins under the same load."""
+    est = measured(alpha=0.8, cloud_token_s=0.18, rtt_s=0.02)
+    est.use_pass_costs(tuple((m, 7.0 + per_token_ms * (m - 1)) for m in (1, 2, 4, 8, 16)))
+    c = controller(est)
+    assert (c.initial_phase() is Phase.HYBRID) is hybrid
+    assert c.rates().verify_s(4) == pytest.approx((7.0 + 4 * per_token_ms) / 7.0 * 0.18)
+
+
 def test_gamma_is_fixed_first_guessed_then_chosen():
     assert controller(measured(0.8, 0.2), adaptive=False).next_gamma(100, 20) == CAP
     est = Estimates(CAP + 1)
