@@ -132,7 +132,7 @@ class Lab:
 
     def _run_linked(self, point: GridPoint, strategies: list[Strategy], address: str, bar) -> int:
         """Every strategy on each prompt (group) in turn, the order rotating, so that the machine's drift
-        lands on all strategies alike and a prompt's speed-up compares runs minutes apart at most."""
+        lands on all strategies alike and a prompt's speed-up compares runs seconds apart."""
         ran = 0
         with self._link(point, address) as link:
             # One edge per concurrent slot and strategy, kept across prompts: like a device serving many
