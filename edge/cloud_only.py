@@ -31,6 +31,7 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
     stats.cloud_streams += 1
     # The request leaves first: setting up the drafter (a llama.cpp context takes about 15 ms) and the
     # round-trip probe then overlap the cloud's prefill and the link, instead of delaying the first token.
+    sent = time.perf_counter()
     stream = run.client.generate(spec)
     try:
         ping = _ping_in_background(run)
@@ -45,6 +46,10 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             now = time.perf_counter()
             if last is not None:
                 run.estimates.cloud_token_s.add(now - last)
+            else:
+                # What a switch to hybrid would cost, before any session was opened: on a loaded
+                # replica seconds of queue, not the bare prefill (8 edges: a 3 s stall after a switch).
+                run.estimates.observe_open(now - sent, len(spec.prompt_ids))
             last = now
             stats.cloud_only_tokens += 1
             yield state.commit([token], [Origin.CLOUD])  # the user first: guessing along can wait

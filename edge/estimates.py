@@ -118,6 +118,7 @@ class Estimates:
     def __init__(self, max_positions: int, prior_alpha: float = 0.5, prior_weight: float = 2.0) -> None:
         self._tries = [prior_weight] * (max_positions + 1)
         self._hits = [prior_weight * prior_alpha] * (max_positions + 1)
+        self._checked = [0] * (max_positions + 1)  # plain counts of the checks behind each α_j (no prior, no decay)
         self._rank_seen = prior_weight
         self._rank_hits = [prior_weight * share for share in (prior_alpha, *PRIOR_RANK_SHARES)]
         self.draft_s = Ewma()
@@ -127,6 +128,11 @@ class Estimates:
         self.prefill_per_token_s = Ewma()  # opening a session: the verifier's cost per context token
         self.verify = VerifyCost()
         self._lock = threading.Lock()  # guards the per-position counts
+
+    def observe_open(self, seconds: float, context_tokens: int) -> None:
+        """A session open, or a cloud-only stream's wait for its first token, took `seconds` for a
+        context of `context_tokens`: both are a round trip and a prefill (behind any queue)."""
+        self.prefill_per_token_s.add(max(0.0, seconds - self.rtt_s.get(0.0)) / max(1, context_tokens))
 
     def switch_cost_s(self, context_tokens: int) -> float:
         """What changing mode costs: a round trip and a prefill of the context (re-open or new stream)."""
@@ -162,10 +168,18 @@ class Estimates:
                 self._hits[j] *= DECAY
             for j in range(min(accepted + 1, drafted)):
                 self._tries[j] += 1
+                self._checked[j] += 1
                 self._hits[j] += j < accepted
             if accepted == drafted and bonus_guess_right is not None and drafted < len(self._tries):
                 self._tries[drafted] += 1
                 self._hits[drafted] += bonus_guess_right
+
+    @property
+    def checked(self) -> list[int]:
+        """How many drafts (or shadow guesses) at each position were checked against the target so
+        far: what α_j rests on, before the prior and the decay."""
+        with self._lock:
+            return list(self._checked)
 
     @property
     def ranks(self) -> list[float]:
@@ -186,6 +200,7 @@ class Estimates:
         j = min(position, len(self._tries) - 1)
         with self._lock:
             self._tries[j] = self._tries[j] * DECAY + 1
+            self._checked[j] += 1
             self._hits[j] = self._hits[j] * DECAY + agreed
 
     def rates(self, defaults: Rates) -> Rates:

@@ -44,8 +44,7 @@ class CloudSession:
         self.id = opened.session_id
         if opened.features is not None and self.features is not None:
             self.features.add(opened.features)
-        spent = time.perf_counter() - t0 - self.estimates.rtt_s.get(0.0)
-        self.estimates.prefill_per_token_s.add(max(0.0, spent) / len(state.committed))
+        self.estimates.observe_open(time.perf_counter() - t0, len(state.committed))
 
     def reopen(self) -> None:
         """Re-open after the verifier lost the session, waiting (bounded) for a restarting replica."""

@@ -1,6 +1,7 @@
 """The edge worker's modes over real gRPC: adaptive γ, cloud-only hand-over, offline and recovery,
 pipelining, and the event stream. Every output must still be the target's own greedy decoding."""
 import threading
+import time
 
 import pytest
 
@@ -209,3 +210,22 @@ def test_shadow_drafting_measures_where_the_clouds_tokens_rank(server, target):
         gen = worker.generate(PROMPT)
     assert gen.stats.rounds == 0
     assert worker.estimates.ranks[0] > 0.9 > prior  # the drafter is the target: always its first choice
+
+
+def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(server, target):
+    """Regression: until a session had been opened, a switch to hybrid was priced at one round trip,
+    without the prefill. With 8 edges on one replica, two edges switched after their warm-up and
+    then waited 3 s for their session's prefill behind the others' prompts. A cloud-only stream's
+    wait for its first token is the same round trip and prefill, queue included."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        started = time.perf_counter()
+        run = worker.stream(PROMPT)
+        first_wait = next(time.perf_counter() - started for e in run if e.kind is EventKind.COMMIT)
+        list(run)
+    assert run.generation.stats.rounds == 0 and run.generation.stats.reopens == 0
+    per_token = worker.estimates.prefill_per_token_s.value
+    assert per_token is not None, "no session was opened, and the stream's first token priced nothing"
+    assert 0 <= per_token * len(PROMPT) <= first_wait
+    assert worker.estimates.switch_cost_s(100) >= 100 * per_token
