@@ -60,6 +60,7 @@ def run_demo(args) -> int:
         with console.status("edge drafting, cloud verifying..."):
             gen = worker.generate(prompt)
         rates = worker.estimates.rates(DEFAULT_RATES)  # what the edge decided on, before the baseline adds to it
+        checks = worker.estimates.checked[0]
         console.print(legend())
         console.print(render_origins(worker.codec, gen.token_ids, gen.origins))
         with console.status("cloud-only baseline (target decodes alone, same settings)..."):
@@ -86,7 +87,7 @@ def run_demo(args) -> int:
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
-    outcome = Outcome(s.rounds, s.drafted, s.accepted, s.tokens_per_s, baseline.stats.tokens_per_s)
+    outcome = Outcome(s.rounds, s.drafted, s.accepted, s.tokens_per_s, baseline.stats.tokens_per_s, checks)
     for line in explain(worker.info, rates, worker.cap, config.pipeline, outcome):
         console.print(line)
     return 0

@@ -12,6 +12,7 @@ from ..common.protocol.wire import ModelInfo
 from ..edge import policy
 from ..edge.policy import interpolate
 
+FEW_CHECKS = 20  # below this many checks α is mostly its prior and the luck of a few tokens
 PERFECT = 0.999  # "a drafter that is always right", kept below 1 so E(γ) stays finite in the closed form
 
 
@@ -24,6 +25,7 @@ class Outcome:
     accepted: int
     hybrid_tokens_per_s: float  # the default edge's, whichever mode it chose
     cloud_tokens_per_s: float
+    first_checks: int = 0  # first drafts and shadow guesses checked against the target: what α rests on
 
 
 def block_cost(info: ModelInfo, gamma: int) -> float | None:
@@ -46,7 +48,7 @@ def explain(info: ModelInfo, rates: policy.Rates, cap: int, pipelined: bool, out
     alpha = rates.alphas[0]
     lines = [
         cloud,
-        f"edge: the drafter agrees with the target on α = {alpha:.2f} of first drafts; drafting costs "
+        f"edge: the drafter agrees with the target on α = {alpha:.2f} of first drafts ({_checks(outcome.first_checks)}); drafting costs "
         f"c = {rates.draft_s / rates.cloud_token_s:.2f} of a cloud token; RTT {rates.rtt_s * 1e3:.1f} ms; "
         f"a cloud-only token takes {rates.cloud_token_s * 1e3:.1f} ms",
         f"policy: best block γ = {gamma}, predicted {predicted:.2f}× cloud-only "
@@ -70,6 +72,14 @@ def explain(info: ModelInfo, rates: policy.Rates, cap: int, pipelined: bool, out
                      f"{predicted:.2f}× (drafting pays above about α = {_break_even(rates, cap, pipelined):.2f}), so a "
                      "longer generation or the next one drafts")
     return lines
+
+
+def _checks(n: int) -> str:
+    """What α rests on, in words: the estimate starts from a prior of 0.5 and only a few dozen checks
+    make it the drafter's own."""
+    if n == 0:
+        return "nothing checked yet: the prior"
+    return f"{n} checked" + (", too few to trust" if n < FEW_CHECKS else "")
 
 
 def _break_even(rates: policy.Rates, cap: int, pipelined: bool) -> float:

@@ -59,3 +59,20 @@ def test_the_break_even_agreement_is_set_not_just_raised():
     break_even = float(re.search(r"above about α = ([0-9.]+)", lines[-1]).group(1))
     assert 0.01 < break_even < 0.9
     assert "more than 5%" in lines[-1] and "next one drafts" in lines[-1]
+
+
+def test_the_agreement_says_how_many_checks_it_rests_on():
+    """Regression: the demo printed α without saying it came from a handful of shadow guesses (0.26
+    one run, 0.62 another), so a number mostly prior looked measured."""
+    r = rates(FLAT, 0.5)
+    assert "(nothing checked yet: the prior)" in explain(info(FLAT), r, 8, True, Outcome(0, 0, 0, 1.0, 1.0))[1]
+    assert "(7 checked, too few to trust)" in explain(info(FLAT), r, 8, True, Outcome(0, 0, 0, 1.0, 1.0, 7))[1]
+    assert "(80 checked)" in explain(info(FLAT), r, 8, True, Outcome(0, 0, 0, 1.0, 1.0, 80))[1]
+
+
+def test_checks_count_first_drafts_and_shadow_guesses_without_decay():
+    est = Estimates(4)
+    est.observe_round(drafted=3, accepted=1)  # positions 1 and 2 were checked
+    est.observe_shadow(True, position=0)
+    est.observe_round(drafted=0, accepted=0)  # an empty block checks nothing
+    assert est.checked[:3] == [2, 1, 0]
