@@ -1,8 +1,8 @@
 """The cloud-only phase: the target decodes alone on one `Generate` stream, while the edge keeps
-measuring — the cloud's time per token T and, at temperature 0, the drafter's guesses against the
-cloud's tokens ("shadow drafting", which measures α and the drafter's time per token without
-risking a block) — and every `probe_tokens` tokens asks the controller whether hybrid decoding
-would now be faster."""
+measuring — the cloud's time per token T and the drafter's guesses against the cloud's tokens
+("shadow drafting", which measures α and the drafter's time per token without risking a block; when
+sampling, the guess is the drafter's coupled draw: edge/proposal.py SHADOW_SAMPLED_MODES) — and
+every `probe_tokens` tokens asks the controller whether hybrid decoding would now be faster."""
 from __future__ import annotations
 
 import threading
@@ -58,9 +58,8 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             if shadow:
                 started = time.perf_counter()
                 proposal = run.drafter.propose(state.committed[:-1], 1, fallback=False)
-                guess = proposal.ids
                 run.estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
-                agreed = bool(guess) and guess[0] == token
+                agreed = proposal.shadow_guess(cfg.seed, len(state.committed) - 1) == token
                 run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
                 # Where the cloud's token stood among the drafter's choices: what sizes trees.
                 run.estimates.observe_ranks(proposal.ranks_seen([], token))

@@ -19,10 +19,10 @@ from .tree_policy import Shape
 DEFAULT_RATES = policy.Rates(alphas=[0.5], draft_s=0.005, rtt_s=0.02, verify_single_s=0.03, verify_block_s=0.03,
                              verify_per_draft_s=0.002, cloud_token_s=0.03)
 # With the cloud-only switch on, a worker's first generation starts with tokens decoded by the cloud
-# alone: their stream times T, the cloud's cost per token as the edge sees it, and at T = 0 the
+# alone: their stream times T, the cloud's cost per token as the edge sees it, and the
 # drafter's guesses against them ("shadow drafting") measure α before any block is risked.
-WARMUP_CLOUD_TOKENS = 16  # greedy: long enough for shadow acceptance to mean something
-WARMUP_CLOUD_TOKENS_SAMPLED = 4  # sampling: no shadow acceptance, so hybrid is tried optimistically
+WARMUP_CLOUD_TOKENS = 16  # with shadow drafting: long enough for its acceptance to mean something
+WARMUP_CLOUD_TOKENS_UNSHADOWED = 4  # without (prompt lookup, eagle heads, BiLD when sampling): hybrid is tried optimistically
 # For its first hybrid rounds (after any switch) the edge leaves hybrid decoding only if it would
 # lose even with this good a drafter: acceptance needs a few rounds to be known.
 MIN_HYBRID_ROUNDS = 4
@@ -145,7 +145,7 @@ class Controller:
         """Cloud tokens before the first decision of a cloud-only stream."""
         if not self.warming_up:
             return self.policy.probe_tokens
-        return WARMUP_CLOUD_TOKENS if can_shadow else WARMUP_CLOUD_TOKENS_SAMPLED
+        return WARMUP_CLOUD_TOKENS if can_shadow else WARMUP_CLOUD_TOKENS_UNSHADOWED
 
     def shadow_worthwhile(self, can_shadow: bool) -> bool:
         """Measure α by shadow drafting? Only if it can be checked and hybrid could win at all (while

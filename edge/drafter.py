@@ -17,7 +17,7 @@ import torch
 
 from ..common.maths.bild import should_fall_back
 from ..common.models.loading import LoadedModel
-from ..common.maths.sampling import gumbel_max, logits_to_probs, penalize, round_generator
+from ..common.maths.sampling import logits_to_probs, penalize, round_generator
 from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.wire import SamplingParams
 from .draft_lm import DraftLM, TorchLM, to_vocab
@@ -65,8 +65,7 @@ class ModelDrafter:
             else:
                 dist = truncate(probs, s.wire_top_k)
                 # Coupled: the noise of this token's absolute position, as the verifier draws its own.
-                token = (gumbel_max(dist.ids, dist.probs, s.seed, len(context) + len(ids)) if s.coupled
-                         else dist.sample(self.generator))
+                token = dist.coupled(s.seed, len(context) + len(ids)) if s.coupled else dist.sample(self.generator)
                 dists.append(dist)
             ids.append(token)
             if fell_back or token in s.stop_ids:

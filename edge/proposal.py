@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Protocol
 from ..common.config import Choice
 from ..common.protocol.errors import Internal
 from ..common.protocol.tree import ROOT, children, is_chain, path_to
-from ..common.protocol.wire import DraftBlock, SamplingParams, VerifyResult
+from ..common.protocol.wire import DraftBlock, Mode, SamplingParams, VerifyResult
 
 if TYPE_CHECKING:
     from ..common.maths.sparse import SparseDist
-
 
 
 class DrafterKind(Choice):
@@ -21,7 +20,16 @@ class DrafterKind(Choice):
 
     MODEL = "model"  # the drafter checkpoint, whatever it is (an LM or an eagle head)
     NGRAM = "ngram"  # prompt lookup: no model
+
+
 Interrupt = Callable[[], bool]
+
+# When sampling, the cloud's stream draws each token by the coupled rule (seed, position), and a
+# shadow guess is the drafter's coupled draw from its q. Their agreement is exactly a first draft's
+# acceptance in coupled mode, and, by the coupling inequality (no coupling of p and q agrees more
+# often than 1 - TV(p, q), the speculative rule's acceptance), a lower bound on it under the
+# speculative and lenient rules. BiLD's threshold rule is neither, so it is not measured this way.
+SHADOW_SAMPLED_MODES = frozenset({Mode.COUPLED, Mode.SPECULATIVE, Mode.LENIENT})
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,14 @@ class Proposal:
     # Per node, the drafter's most likely tokens (best first) where the node was drawn: what the
     # target's token is ranked against (edge/tree_policy.py). None when the drafter does not say.
     ranked: list[tuple[int, ...]] | None = None
+
+    def shadow_guess(self, seed: int, position: int) -> int | None:
+        """The first token as the cloud's stream draws at `position` from this proposal's q: the
+        drafted token itself at temperature 0 (and in coupled mode, which draws it so), else q's
+        coupled draw with the stream's seed; None if nothing was drafted."""
+        if not self.ids:
+            return None
+        return self.ids[0] if self.dists is None else self.dists[0].coupled(seed, position)
 
     def block(self, session_id: str, round_index: int, committed_len: int, with_probs: bool) -> DraftBlock:
         """This proposal as a verify request; with_probs: send q (the modes that read it)."""

@@ -24,7 +24,7 @@ from .config import EdgeConfig, GammaPolicy
 from .controller import Controller, Phase, Policy
 from .estimates import Estimates
 from .offline import run_offline
-from .proposal import DrafterKind, Proposal
+from .proposal import SHADOW_SAMPLED_MODES, DrafterKind, Proposal
 from .rounds import InFlight, VerifyRound
 from .session import CloudSession
 from .startup import DrafterLoad
@@ -223,8 +223,10 @@ class GenerationRun:
 
     @property
     def can_shadow(self) -> bool:
-        """Whether the drafter can guess along with cloud-only decoding (greedy, a plain model drafter)."""
-        if not (self.cfg.sampling.greedy and self.drafter_ready()):
+        """Whether the drafter can guess along with cloud-only decoding (a plain model drafter, at
+        temperature 0 or under a rule SHADOW_SAMPLED_MODES names)."""
+        sampled_ok = self.cfg.resolved_mode in SHADOW_SAMPLED_MODES
+        if not ((self.cfg.sampling.greedy or sampled_ok) and self.drafter_ready()):
             return False  # and no torch import here while another thread may be importing it
         from .drafter import ModelDrafter
 

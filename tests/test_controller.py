@@ -4,7 +4,7 @@ import pytest
 
 from hybridspec.edge import policy
 from hybridspec.edge.controller import (FIRST_GAMMA, MIN_HYBRID_ROUNDS, WARMUP_CLOUD_TOKENS,
-                                        WARMUP_CLOUD_TOKENS_SAMPLED, Controller, Phase, Policy)
+                                        WARMUP_CLOUD_TOKENS_UNSHADOWED, Controller, Phase, Policy)
 from hybridspec.edge.estimates import Estimates
 
 CAP = 8
@@ -91,7 +91,7 @@ def test_the_first_hybrid_rounds_are_judged_optimistically():
 def test_warmup_and_probing_lengths():
     ctl = controller(Estimates(CAP + 1), probe_tokens=32)
     assert ctl.first_check_after(can_shadow=True) == WARMUP_CLOUD_TOKENS
-    assert ctl.first_check_after(can_shadow=False) == WARMUP_CLOUD_TOKENS_SAMPLED
+    assert ctl.first_check_after(can_shadow=False) == WARMUP_CLOUD_TOKENS_UNSHADOWED
     assert ctl.end_warmup() and not ctl.end_warmup()
     assert ctl.first_check_after(can_shadow=True) == 32
 

@@ -169,6 +169,23 @@ def test_coupled_agrees_more_the_closer_q_is_to_p():
     assert coupled_emitted(near, p, 3000)[1] > coupled_emitted(far, p, 3000)[1] + 0.2
 
 
+@pytest.mark.parametrize("name", list(cases()))
+def test_coupled_agreement_bounds_speculative_acceptance_from_below(name):
+    """What shadow drafting measures when sampling (docs/edge.md): the coupled draws of q and p agree
+    at most 1 - TV(p, q) of the time (the speculative rule's acceptance; no coupling agrees more) and
+    at least (1 - TV) / (1 + TV) (Daliri, Musco & Suresh), over the noise of many seeds."""
+    q, p = cases()[name]
+    ids, seeds = torch.arange(p.shape[1]), 3000
+    for row in range(q.shape[0]):
+        qs, ps = q[row], p[row]
+        agree = sum(gumbel_max(ids[qs > 0], qs[qs > 0], seed, 9) == gumbel_max(ids[ps > 0], ps[ps > 0], seed, 9)
+                    for seed in range(seeds)) / seeds
+        accept = float(torch.minimum(qs, ps).sum())
+        slack = 4 * math.sqrt(max(accept * (1 - accept), 1e-4) / seeds)
+        tv = 1 - accept
+        assert (1 - tv) / (1 + tv) - slack <= agree <= accept + slack, f"{name} row {row}: {agree} vs 1 - TV {accept}"
+
+
 # ---- end to end: one text per seed, distributed as the target's sampling ----------------------------
 
 PROMPT = [5, 17, 33, 80, 17, 33]
@@ -276,3 +293,27 @@ def test_coupled_needs_no_q_on_the_wire():
     with pytest.raises(Exception, match="temperature > 0"):
         Mode.COUPLED.check_temperature(0.0)
     assert gumbel_scores(torch.tensor([0.0, 1.0]), torch.zeros(2))[0] == -math.inf
+
+
+@pytest.mark.parametrize("mode, measured", [("coupled", True), ("speculative", True), ("bild", False)])
+def test_shadow_drafting_measures_agreement_when_sampling(server, target, mode, measured):
+    """Regression: at temperature > 0 a cloud-only stream measured no acceptance, so a new edge tried
+    hybrid on an assumed α of 0.9. The drafter's coupled draw now guesses along with the stream; with
+    the target itself drafting (and q not truncated) nearly every guess agrees. BiLD's threshold
+    rule is not measured this way."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=24, temperature=0.8, seed=7, mode=mode,
+                        wire_top_k=0, max_draft=4)
+    with VerifierClient(server.address) as client:
+        worker = EdgeWorker(target, client, config)
+        gen = worker.generate(PROMPT)
+    assert gen.stats.cloud_only_tokens > 0
+    if mode == "coupled":
+        assert gen.token_ids == target_alone(target, PROMPT, 24, SamplingParams(temperature=0.8), seed=7)
+    checked = sum(worker.estimates.checked)  # agreeing guesses count at the next position, as a block's would
+    if not measured:
+        assert checked == 0
+        return
+    assert checked >= 12, worker.estimates.checked
+    # From a prior of 0.5, 16 agreeing guesses lift every position above 0.8; two misses in a
+    # position would keep it below 0.75.
+    assert sum(worker.estimates.alphas[:4]) / 4 > 0.75, worker.estimates.alphas

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import gumbel_max
+
 
 @dataclass(frozen=True)
 class SparseDist:
@@ -21,6 +23,10 @@ class SparseDist:
     def sample(self, generator: torch.Generator | None) -> int:
         """Draw a token id from exactly this distribution."""
         return int(self.ids[torch.multinomial(self.probs, 1, generator=generator)].item())
+
+    def coupled(self, seed: int, position: int) -> int:
+        """The token the coupled rule draws from this distribution at `position` (sampling.gumbel_max)."""
+        return gumbel_max(self.ids, self.probs, seed, position)
 
 
 def truncate(probs: torch.Tensor, max_support: int) -> SparseDist:
