@@ -25,6 +25,16 @@ from .estimates import RANKS
 from .proposal import DraftSettings, Drafter, Interrupt, Proposal
 
 
+def ranked_choices(probs: torch.Tensor, first: int | None = None) -> tuple[int, ...]:
+    """The drafter's RANKS choices at a node, in the order a tree takes them as children: the likeliest
+    first; in coupled mode `first`, the coupled draw (the chain's token, a tree's first child), then the
+    likeliest others. Ranking the target's token in this order makes ρ_1 the first child's acceptance."""
+    top = torch.topk(probs, RANKS + 1).indices.tolist()
+    if first is None:
+        return tuple(top[:RANKS])
+    return (first, *[t for t in top if t != first][:RANKS - 1])
+
+
 class ModelDrafter:
     """A small causal LM with a KV cache kept across rounds and matched to each new context. What it
     decides (sampling, the BiLD fallback, stop ids, the q it sends) is here; the logits come from its
@@ -55,7 +65,6 @@ class ModelDrafter:
             logits = self._advance(context) if logits is None else self._feed([ids[-1]])
             penalized = penalize(logits[None], self.sampling, context + ids, self._prompt_len)[0]
             probs = logits_to_probs(penalized, self.sampling)
-            ranked.append(tuple(torch.topk(probs, RANKS).indices.tolist()))
             if should_fall_back(probs, threshold):
                 fell_back = True
                 if not s.keep_low_confidence:
@@ -67,6 +76,7 @@ class ModelDrafter:
                 # Coupled: the noise of this token's absolute position, as the verifier draws its own.
                 token = dist.coupled(s.seed, len(context) + len(ids)) if s.coupled else dist.sample(self.generator)
                 dists.append(dist)
+            ranked.append(ranked_choices(probs, token if s.coupled else None))
             ids.append(token)
             if fell_back or token in s.stop_ids:
                 break

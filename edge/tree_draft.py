@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from ..common.maths.bild import should_fall_back
-from ..common.maths.sampling import gumbel_max, logits_to_probs, penalize
+from ..common.maths.sampling import logits_to_probs, penalize
 from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.tree import ROOT
-from .drafter import ModelDrafter
+from .drafter import ModelDrafter, ranked_choices
 from .eagle import EagleDrafter
-from .estimates import RANKS
 from .proposal import Interrupt, Proposal
 
 
@@ -63,8 +62,9 @@ class _Expansion:
     probs: torch.Tensor  # [V]: the transformed q (greedy: the softmax at temperature 1 BiLD reads)
     dist: SparseDist | None  # the truncated q children are drawn from and sent with; None when greedy
     top: torch.Tensor  # the q of the most likely children, decreasing, top_k at most
-    ranked: tuple[int, ...]  # the drafter's RANKS most likely tokens here (Proposal.ranked)
+    ranked: tuple[int, ...]  # the drafter's choices here, in child order (drafter.ranked_choices)
     low: bool  # max q < α_FB
+    coupled_first: int | None = None  # coupled mode: the coupled draw here, the first child
 
 
 def draft_tree(drafter: ModelDrafter, context: list[int], budget: TreeBudget,
@@ -98,7 +98,7 @@ def draft_tree(drafter: ModelDrafter, context: list[int], budget: TreeBudget,
         counts = _allocate(expansions, budget.nodes - len(ids), budget.depth - len(frontier[0].path) - 1)
         frontier = []
         for e, k in zip(expansions, counts):
-            for token, q in _draw(drafter, context, e, k):
+            for token, q in _draw(drafter, e, k):
                 ids.append(token)
                 parents.append(e.node.index)
                 ranked.append(e.ranked)
@@ -127,8 +127,10 @@ def _expansion(drafter: ModelDrafter, context: list[int], node: _Node, top_k: in
     dist = None if drafter.sampling.greedy else truncate(probs, s.wire_top_k)
     support = probs if dist is None else dist.probs
     top = support.topk(min(top_k, int((support > 0).sum()))).values
-    return _Expansion(node, probs, dist, top, tuple(probs.topk(RANKS).indices.tolist()),
-                      should_fall_back(probs, s.fallback_threshold))
+    # The coupled draw at the children's position, as the chain's.
+    first = dist.coupled(s.seed, len(context) + len(node.path)) if dist is not None and s.coupled else None
+    return _Expansion(node, probs, dist, top, ranked_choices(probs, first), should_fall_back(probs, s.fallback_threshold),
+                      first)
 
 
 def _allocate(expansions: list[_Expansion], nodes: int, levels_below: int) -> list[int]:
@@ -156,7 +158,7 @@ def _allocate(expansions: list[_Expansion], nodes: int, levels_below: int) -> li
     return counts
 
 
-def _draw(drafter: ModelDrafter, context: list[int], e: _Expansion, k: int) -> list[tuple[int, float]]:
+def _draw(drafter: ModelDrafter, e: _Expansion, k: int) -> list[tuple[int, float]]:
     """k distinct children of the node and the q of each (for its score), in draw order."""
     if k == 0:
         return []
@@ -165,9 +167,9 @@ def _draw(drafter: ModelDrafter, context: list[int], e: _Expansion, k: int) -> l
         tokens = [first] + [t for t in e.probs.topk(k).indices.tolist() if t != first][:k - 1]
         return [(t, float(e.probs[t])) for t in tokens]
     ids, probs = e.dist.ids, e.dist.probs
-    if drafter.settings.coupled:
-        # The coupled draw at the children's position (as the chain's), then the likeliest others.
-        first = gumbel_max(ids, probs, drafter.settings.seed, len(context) + len(e.node.path))
+    if e.coupled_first is not None:
+        # The coupled draw, then the likeliest others.
+        first = e.coupled_first
         ranked = ids[torch.argsort(probs, descending=True, stable=True)].tolist()
         tokens = [first] + [t for t in ranked if t != first][:k - 1]
         q = dict(zip(ids.tolist(), probs.tolist()))
