@@ -7,7 +7,7 @@ import pytest
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.costs import cost_sizes, measure_pass_costs
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-from hybridspec.cloud.engine.torch_engine import TorchEngine
+from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.common.protocol import codec
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.edge import policy
@@ -26,7 +26,7 @@ def test_sizes_cover_every_small_block_and_end_at_the_largest():
 
 
 def test_measuring_leaves_the_engine_as_it_was(target):
-    engine = TorchEngine(target.model, 1024)
+    engine = engine_for(target.model, 1024)
     points = measure_pass_costs(engine, target.vocab_size, 9, repeats=2)
     assert [m for m, _ in points] == list(cost_sizes(9))
     assert all(ms > 0 and math.isfinite(ms) for _, ms in points)

@@ -11,7 +11,7 @@ import torch
 
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.engine.base import Feed
-from hybridspec.cloud.engine.torch_engine import TorchEngine
+from hybridspec.cloud.engine.torch_engine import TorchEngine, engine_for
 from hybridspec.common.protocol.errors import InvalidArgument
 from hybridspec.common.protocol.tree import feed_parents, path_to
 from hybridspec.common.maths.features import decode_features
@@ -45,7 +45,7 @@ def chain_logits(engine: TorchEngine, context: list[int], path: list[int]) -> to
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_tree_pass_scores_every_node_as_its_root_path(target, seed):
     rng = random.Random(seed)
-    engine = TorchEngine(target.model, 2048)
+    engine = engine_for(target.model, 2048)
     context = [rng.randrange(4, 256) for _ in range(rng.randint(1, 30))]
     parents, tokens = random_tree(rng, rng.randint(2, 12))
     kv = engine.new_sequence()
@@ -62,7 +62,7 @@ def test_a_tree_pass_scores_every_node_as_its_root_path(target, seed):
 
 def test_after_keep_rows_the_session_continues_as_if_the_path_were_a_chain(target):
     rng = random.Random(5)
-    engine = TorchEngine(target.model, 2048)
+    engine = engine_for(target.model, 2048)
     context = [rng.randrange(4, 256) for _ in range(20)]
     parents, tokens = [-1, -1, 0, 1, 3, 3], [10, 11, 12, 13, 14, 15]
     kv = engine.new_sequence()
@@ -86,7 +86,7 @@ def test_greedy_tree_rounds_commit_the_targets_own_tokens(target):
     prompt = tuple(range(10, 30))
     opened = verifier.open_session(SessionSpec("t", prompt))
     truth = list(prompt)
-    engine = TorchEngine(target.model, 2048)
+    engine = engine_for(target.model, 2048)
     for _ in range(4):
         truth.append(int(chain_logits(engine, truth[:-1], [truth[-1]]).argmax()))
     greedy = truth[len(prompt):]
@@ -151,7 +151,7 @@ def test_trees_beyond_an_engines_limits_wait_for_the_next_pass(target, limit):
     """An engine that takes only so many tree leaves or trees per pass (llama.cpp: 256 and 8) gets the
     rest in a later pass; every round is answered as it would be alone, and a tree never exceeds the
     leaf limit by itself."""
-    engine = TorchEngine(target.model, 4096)
+    engine = engine_for(target.model, 4096)
     engine.capabilities = replace(engine.capabilities, **limit)
     limited = Verifier(target, LIMITS, engine=engine)
     assert limited.info.max_tree_nodes == limit.get("max_tree_leaves", LIMITS.max_tree_nodes)
@@ -173,7 +173,7 @@ def test_a_tree_round_returns_the_features_of_the_accepted_path(target):
     prompt = tuple(range(10, 30))
     for v in (tree_side, chain_side):
         v.open_session(SessionSpec("f", prompt, features=FeatureFormat.FP16))
-    engine = TorchEngine(target.model, 2048)
+    engine = engine_for(target.model, 2048)
     first = int(chain_logits(engine, list(prompt), []).argmax())
     wrong = (first + 1) % 252 + 4
     tree = tree_side.verify(DraftBlock("f", 0, 20, (wrong, first), parents=(-1, -1)))

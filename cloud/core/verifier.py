@@ -2,7 +2,7 @@
 
 No gRPC and no Ray here: requests and replies are the plain dataclasses of common/protocol/wire.py, errors
 are the domain errors of common/protocol/errors.py. Work happens in steps (`step`): one forward pass carries
-the rounds of many sessions and chunks of prompts being opened (cloud/engine/torch_engine.py). The scheduler
+the rounds of many sessions and chunks of prompts being opened (cloud/engine/). The scheduler
 (cloud/core/scheduler.py) decides what goes into each step; `verify_batch` and `open_session` are the
 same steps driven directly.
 
@@ -37,7 +37,7 @@ from ...common.protocol.tree import feed_parents, leaves
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
 from ..engine.base import Capabilities, Engine, Feed, KVSequence, Scores, Target
-from ..engine.torch_engine import TorchEngine
+from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
 from .rules import apply_rule
 from .session import Phase, Session, SessionStore, one_per_session
@@ -69,7 +69,8 @@ class Verifier:
         """`engine` defaults to the torch engine over `target`'s model (a LoadedModel)."""
         self.target = target
         self.limits = limits if limits is not None else VerifierLimits()
-        self.engine: Engine = engine if engine is not None else TorchEngine(target.model, self.limits.kv_cache_tokens)
+        self.engine: Engine = engine if engine is not None else engine_for(
+            target.model, self.limits.kv_cache_tokens, self.limits.max_context)
         caps = self.engine.capabilities
         if caps.max_sequence_tokens and caps.max_sequence_tokens < self.limits.max_context:
             # An engine with a fixed share of its cache per session (llama.cpp's per-session streams):

@@ -1,6 +1,9 @@
 """Which engine serves a target, and loading the two: the one place `engine: auto` is decided."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from ...common.config import ConfigError, DType
 from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads
 from ...common.models.loading import load_model, pick_device
@@ -51,9 +54,22 @@ def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, thre
         return GgufTarget(name=target, path=gguf, vocab_size=served.vocab_size), served
     import torch
 
-    from .torch_engine import TorchEngine
+    from .torch_engine import engine_for
 
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model(target, device, dtype)
-    return loaded, TorchEngine(loaded.model, limits.kv_cache_tokens)
+    served = ServedTarget(loaded.name, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, loaded.fingerprint)
+    # The engine keeps its own (fused) copies of what it multiplies; the Hugging Face model is dropped.
+    return served, engine_for(loaded.model, limits.kv_cache_tokens, limits.max_context)
+
+
+@dataclass(frozen=True)
+class ServedTarget:
+    """What the core reports about a target served from its weights (engine.base.Target)."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str

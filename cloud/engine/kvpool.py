@@ -1,6 +1,6 @@
 """The replica's KV memory: allocated once, handed out to sessions in pages (docs/design.md §3).
 
-Every layer's keys and values live in one tensor of `pages × PAGE_TOKENS` token rows, allocated
+All layers' keys (and values) live in one tensor of `pages × PAGE_TOKENS` token rows, allocated
 when the replica starts, so memory is bounded by the configured token budget and never grows with
 traffic. A session owns a `PageTable`: the pages holding its tokens in order. Extending a session
 takes free pages; rejecting a draft suffix or rolling back a failed round is a length update; a
@@ -16,10 +16,10 @@ PAGE_TOKENS = 16  # tokens per page: small enough to waste little, large enough 
 
 
 class KVPool:
-    """Per-layer key and value storage `[kv_heads, pages * PAGE_TOKENS, head_dim]` plus a free list.
+    """Keys and values `[layers, rows, kv_heads, head_dim]` in pages of PAGE_TOKENS rows, plus a free list.
 
-    Heads come first so that gathering a session's rows yields the `[heads, tokens, dim]` layout
-    attention reads, with no transpose.
+    One row past the pages is a scratch row: a pass padded to a fixed shape (a CUDA graph's) writes
+    its padding tokens' keys there, where no session reads.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, tokens: int,
@@ -27,14 +27,20 @@ class KVPool:
         if tokens < PAGE_TOKENS:
             raise ValueError(f"the KV budget must hold at least one page of {PAGE_TOKENS} tokens, got {tokens}")
         self.pages = tokens // PAGE_TOKENS
-        rows = self.pages * PAGE_TOKENS
+        rows = self.pages * PAGE_TOKENS + 1
+        self.scratch_row = rows - 1
         # torch.empty, not zeros: a row is only ever read after a pass has written it, and untouched
         # CPU memory stays virtual until then.
-        self.keys = [torch.empty(kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty(kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = torch.empty(layers, rows, kv_heads, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty(layers, rows, kv_heads, head_dim, dtype=dtype, device=device)
         # A stack: the most recently freed pages are reused first, so a steady load keeps touching
         # the same (resident, cache-warm) memory instead of walking through the whole pool.
         self._free: list[int] = list(range(self.pages - 1, -1, -1))
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy every layer's keys and values of rows `src` to rows `dst` (overlap is safe)."""
+        for store in (self.keys, self.values):
+            store.index_copy_(1, dst, store.index_select(1, src))
 
     @property
     def capacity_tokens(self) -> int:

@@ -1,145 +1,150 @@
-"""One forward pass for many sessions, reading and writing their KV pages in place (docs/design.md §3).
+"""The torch engine: our own Llama-family forward over a paged KV pool, on a CPU or a CUDA GPU.
 
-The tokens of every session in a step (a verify block, a cloud-only decode step, a prefill chunk)
-are packed into one sequence with no padding, so the linear layers, which dominate the cost, run
-once over exactly the tokens that are needed. Attention is the only part that must keep sessions
-apart: the model's attention layers are routed to `packed_attention`, which attends each session's
-queries to that session's own keys. Keys and values are written straight into the session's pages
-of the replica's KV pool and gathered from them in one index operation per layer; nothing is
-concatenated, padded or split per round. Logits are computed only where a rule needs them; the
-target's final hidden states (the features an EAGLE drafter asks for) are handed out only for the
-feeds that want them, read from the pass's own output at no extra cost.
+A pass packs every feed's tokens one after another (cloud/engine/batch.py) and runs llama.forward
+once over them: one matrix product per weight for all sessions, one attention launch per layer for
+every group. On CUDA the pass is padded to the next of a few token counts (GRAPH_TOKENS) and
+replayed from a CUDA graph captured for that count at start-up, so a step costs a handful of host
+copies and one launch instead of hundreds; a pass larger than the largest graph (a long prompt
+chunk) runs the same kernels eagerly. Every kernel computes a row from that row alone
+(triton_ops.py, torch_ops.py), so a token's scores are the same bits in a decode step, in a verify block,
+beside other sessions and as a node of a draft tree: cloud-only and speculative decoding of the same
+session produce the same tokens (docs/engine.md, "Exactness by construction").
 """
 from __future__ import annotations
 
-import threading
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers import PreTrainedModel
 
-from ...common.protocol.tree import feed_depths
 from .base import Capabilities, Feed, Scores
-from .kvpool import KVPool, PageTable
+from .batch import ROWS, GroupTensors, HostPass, plan_pass, stage
+from .kvpool import PAGE_TOKENS, KVPool, PageTable
+from .llama import LlamaWeights, PassInputs, forward, from_model
 
-ATTENTION = "hybridspec_packed"
+class Kernels(enum.Enum):
+    """Which kernels compute a pass."""
 
-
-@dataclass(frozen=True)
-class _Row:
-    """Where one feed sits in the packed pass, and which keys its queries may see."""
-
-    queries: slice  # its tokens in the packed sequence
-    keys: slice  # its cached + new keys in the gathered keys
-    mask: torch.Tensor | None  # [n, past + n] causal (or tree) mask unless one token or a fresh chain
-    causal: bool  # a fresh chain (no past): plain causal attention
+    TORCH = "torch"  # plain torch (cloud/engine/torch_ops.py): CPUs
+    TRITON = "triton"  # batch-invariant Triton kernels (cloud/engine/triton_ops.py): CUDA
 
 
-_active = threading.local()  # the rows of the pass this thread is running, if any
+GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens of the passes captured as CUDA graphs
+GRAPH_GROUP_TOKENS = 64  # queries (and fed path) of one group in a graph pass at most; beyond: eager
 
 
-def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention over each session's own keys; outside an engine pass it is plain SDPA, so the same
-    model object still decodes normally (e.g. Hugging Face `generate` as a reference)."""
-    rows: list[_Row] | None = getattr(_active, "rows", None)
-    if rows is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-    for row in rows:
-        attended = F.scaled_dot_product_attention(
-            query[:, :, row.queries], key[:, :, row.keys], value[:, :, row.keys], attn_mask=row.mask,
-            is_causal=row.causal, scale=scaling, enable_gqa=True)
-        out[:, row.queries] = attended.transpose(1, 2)
-    return out, None
+@dataclass
+class _Staged:
+    """Host arrays of one pass in the layout `stage` writes, and the device tensors they become."""
+
+    ints: np.ndarray
+    path: np.ndarray
+    tables: np.ndarray
 
 
-AttentionInterface.register(ATTENTION, packed_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+class _Graph:
+    """One CUDA graph of a pass of `tokens` tokens over static input buffers."""
 
+    def __init__(self, engine: TorchEngine, tokens: int, pool: object) -> None:
+        device, width = engine.device, engine.pages_per_sequence
+        self.tokens = tokens
+        self.ints = torch.zeros(len(ROWS), tokens, dtype=torch.int64, device=device)
+        self.path = torch.zeros(tokens, GRAPH_GROUP_TOKENS, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(tokens, width, dtype=torch.int32, device=device)
+        self.host = _Staged(torch.zeros(len(ROWS), tokens, dtype=torch.int64).pin_memory().numpy(),
+                            torch.zeros(tokens, GRAPH_GROUP_TOKENS, dtype=torch.int64).pin_memory().numpy(),
+                            torch.zeros(tokens, width, dtype=torch.int32).pin_memory().numpy())
+        self._host_tensors = [torch.from_numpy(a) for a in (self.host.ints, self.host.path, self.host.tables)]
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        self.ints[2] = engine.pool.scratch_row  # an empty pass writes nowhere that matters
+        inputs = engine.inputs(self.ints, self.path, self.tables, GRAPH_GROUP_TOKENS, max_len=0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and tune every kernel before capturing
+            for _ in range(2):
+                engine.run(inputs, graph=True)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.hidden = engine.run(inputs, graph=True)
 
-class _PackedPass:
-    """Stands in for the model's KV cache during one pass: writes new keys to their pool rows, then
-    returns every key the pass's sessions attend to, gathered from the pool."""
-
-    def __init__(self, pool: KVPool, write: torch.Tensor, read: torch.Tensor) -> None:
-        self.pool, self.write, self.read = pool, write, read
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        keys.index_copy_(1, self.write, key_states[0])
-        values.index_copy_(1, self.write, value_states[0])
-        return keys.index_select(1, self.read).unsqueeze(0), values.index_select(1, self.read).unsqueeze(0)
-
-
-def unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why the engine cannot serve this model (sliding windows, recurrent layers), or None."""
-    types = getattr(model.config, "layer_types", None) or ["full_attention"]
-    if any(t != "full_attention" for t in types):
-        return f"it has {sorted(set(types) - {'full_attention'})} layers; the engine serves full-attention decoders"
-    if getattr(model.config, "num_key_value_heads", None) is None:
-        return "its config names no num_key_value_heads"
-    return None
+    def replay(self, host: HostPass, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the pass's inputs in, replay; the outputs are this graph's own buffers."""
+        self._copied.synchronize()  # the last pass's copies have read the host buffers we now overwrite
+        stage(host, self.host.ints, self.host.path, self.host.tables, scratch_row)
+        g = host.groups
+        self.ints.copy_(self._host_tensors[0], non_blocking=True)
+        self.path[:g].copy_(self._host_tensors[1][:g], non_blocking=True)
+        self.tables[:g].copy_(self._host_tensors[2][:g], non_blocking=True)
+        self._copied.record()
+        self.graph.replay()
+        return self.logits, self.hidden
 
 
 class TorchEngine:
-    """A Hugging Face model bound to a KV pool of `kv_tokens` tokens (implements engine.base.Engine;
-    its KV handles are PageTables)."""
+    """A Llama-family model's weights bound to a KV pool of `kv_tokens` tokens (implements
+    engine.base.Engine; its KV handles are PageTables). `max_sequence_tokens`: the most one session
+    may cache (sizes page tables and rotary tables; default: the whole pool). `graphs`: capture CUDA
+    graphs (default: on CUDA). `kernels`: Triton's on CUDA, torch's elsewhere (torch's on CUDA run
+    eagerly and promise no exactness: a fallback for GPUs Triton does not serve)."""
 
-    def __init__(self, model: PreTrainedModel, kv_tokens: int) -> None:
-        reason = unsupported_reason(model)
-        if reason:
-            raise ValueError(f"cannot serve {type(model).__name__}: {reason}")
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.model = model
-        self.device = model.device
-        # The module whose output's last_hidden_state the output head is applied to (LlamaModel for
-        # a LlamaForCausalLM): its forward hook hands out features without changing the logits' path.
-        self._decoder = model.get_decoder()
-        self.pool = KVPool(config.num_hidden_layers, config.num_key_value_heads, head_dim, kv_tokens,
-                           model.dtype, model.device)
-        model.set_attn_implementation(ATTENTION)
-        # A 4-D mask is used as given: this one only skips mask building, packed_attention ignores it.
-        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self.capabilities = Capabilities(name="torch", device=str(model.device),
-                                         dtype=str(model.dtype).removeprefix("torch."), feature_dim=config.hidden_size,
-                                         tree_masks=True)
+    def __init__(self, weights: LlamaWeights, kv_tokens: int, max_sequence_tokens: int = 0,
+                 graphs: bool | None = None, kernels: Kernels | None = None) -> None:
+        s = weights.shape
+        self.weights = weights
+        self.device = weights.device
+        # A session is bounded by the rotary tables' positions; its page table by the pool as well.
+        self.max_sequence_tokens = min(max_sequence_tokens or weights.positions, weights.positions)
+        self.pages_per_sequence = -(-min(self.max_sequence_tokens, kv_tokens) // PAGE_TOKENS)
+        self.pool = KVPool(s.layers, s.kv_heads, s.head_dim, kv_tokens, weights.dtype, self.device)
+        self.capabilities = Capabilities(name="torch", device=str(self.device),
+                                         dtype=str(weights.dtype).removeprefix("torch."), feature_dim=s.hidden,
+                                         tree_masks=True, max_sequence_tokens=self.max_sequence_tokens)
+        self.kernels = kernels or (Kernels.TRITON if self.device.type == "cuda" else Kernels.TORCH)
+        if self.kernels is Kernels.TRITON:
+            from .triton_ops import TritonOps
+
+            self._eager_ops, self._graph_ops = TritonOps(), TritonOps(query_cap=GRAPH_GROUP_TOKENS)
+            self.min_rows = 1
+        else:
+            from .torch_ops import TorchOps, row_floor
+
+            layer = weights.layers[0]
+            shapes = sorted({tuple(t.shape) for t in (layer.qkv, layer.o, layer.gate_up, layer.down, weights.lm_head)})
+            # The probe is of the CPU's matrix library; elsewhere torch's kernels promise nothing per row.
+            self.min_rows = row_floor(shapes, s.head_dim, weights.dtype) if self.device.type == "cpu" else 1
+            self._eager_ops = self._graph_ops = TorchOps(self.min_rows)
+            graphs = False  # its attention loops on the host over a pass's key positions
+        self._graphs: dict[int, _Graph] = {}
+        if graphs if graphs is not None else self.device.type == "cuda":
+            self.capture()
+
+    # ---- the KV cache (engine.base.Engine) -----------------------------------------------------
 
     @property
     def capacity_tokens(self) -> int:
-        """Tokens the KV pool holds in all."""
         return self.pool.capacity_tokens
 
     def fill(self) -> float:
-        """The fraction of the pool's pages in use."""
         return 1.0 - self.pool.free_pages / self.pool.pages
 
     def new_sequence(self) -> PageTable:
-        """An empty page table (no pages until it grows)."""
         return PageTable(self.pool)
 
     def fits(self, kv: PageTable, extra: int) -> bool:
-        """True if the pages `extra` more tokens need are free."""
         return kv.pages_needed(extra) <= self.pool.free_pages
 
     def reserve(self, kv: PageTable, extra: int) -> None:
-        """Take the pages `extra` more tokens need."""
         kv.grow(extra)
 
     def truncate(self, kv: PageTable, length: int) -> None:
-        """Keep the first `length` tokens; later pages go back to the pool."""
         kv.truncate(length)
 
     def release(self, kv: PageTable) -> None:
-        """Every page back to the pool."""
         kv.release()
 
     def keep_rows(self, kv: PageTable, start: int, rows: Sequence[int]) -> None:
@@ -149,91 +154,88 @@ class TorchEngine:
             table = kv.rows(kv.length, self.device)
             dst = table[torch.tensor([d for d, _ in moved], device=self.device)]
             src = table[torch.tensor([s for _, s in moved], device=self.device)]
-            for store in (*self.pool.keys, *self.pool.values):
-                store.index_copy_(1, dst, store.index_select(1, src))  # index_select copies: overlap is safe
+            self.pool.move_rows(dst, src)
         kv.truncate(start + len(rows))
+
+    # ---- passes --------------------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Capture a CUDA graph for every size of GRAPH_TOKENS (largest first: the smaller ones reuse
+        its memory pool)."""
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for tokens in sorted(GRAPH_TOKENS, reverse=True):
+                self._graphs[tokens] = _Graph(self, tokens, pool)
+
+    def inputs(self, ints: torch.Tensor, path: torch.Tensor, tables: torch.Tensor, max_queries: int,
+               max_len: int) -> PassInputs:
+        """The forward's inputs over staged tensors (views: a graph's static buffers stay its inputs)."""
+        meta = GroupTensors(positions=ints[1], q_start=ints[3], q_count=ints[4], past=ints[5], kv_len=ints[6],
+                            path=path, tables=tables, page_tokens=PAGE_TOKENS, max_queries=max_queries,
+                            max_len=max_len)
+        return PassInputs(ids=ints[0], positions=ints[1], write_rows=ints[2], meta=meta)
+
+    def run(self, inputs: PassInputs, graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """llama.forward over staged inputs with the matching kernels."""
+        return forward(self.weights, self.pool.keys, self.pool.values, inputs,
+                       self._graph_ops if graph else self._eager_ops)
 
     @torch.inference_mode()
     def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
-        """Append every feed's tokens to its session in one pass.
-
-        Returns per feed its Scores: float32 logits `[len(tokens), V]` on the model's device if it
-        is scored, its final hidden states if it asked for features. Each table's length grows by
-        its tokens only if the pass succeeds.
-        """
-        # 1. Lay the feeds out in one packed sequence.
-        ids, positions, write, read, keep, rows = [], [], [], [], [], []
-        queries = keys = 0
-        for feed in feeds:
-            past, n = feed.kv.length, len(feed.tokens)
-            if n == 0:
-                raise ValueError("every feed needs at least one token")
-            pool_rows = feed.kv.rows(past + n, self.device)
-            ids += feed.tokens
-            write.append(pool_rows[past:])
-            read.append(pool_rows)
-            if feed.scored:
-                keep.append(torch.arange(queries, queries + n, device=self.device))
-            if feed.parents is not None:
-                # A tree: each node at its depth's position, seeing the cache, its ancestors and itself.
-                positions.append(past + torch.tensor(feed_depths(feed.parents), device=self.device))
-                mask, causal = _tree_mask(feed.parents, past, self.device), False
-            else:
-                positions.append(torch.arange(past, past + n, device=self.device))
-                mask = None if n == 1 or past == 0 else torch.ones(n, past + n, dtype=torch.bool,
-                                                                   device=self.device).tril(past)
-                causal = past == 0 and n > 1
-            rows.append(_Row(slice(queries, queries + n), slice(keys, keys + past + n), mask, causal))
-            queries += n
-            keys += past + n
-        # 2. One forward pass; logits only at scored positions (one throw-away row if none is). The
-        #    final hidden states of every position are an intermediate of that pass anyway: they are
-        #    kept only when a feed asked for them.
-        cache = _PackedPass(self.pool, torch.cat(write), torch.cat(read))
-        hidden: list[torch.Tensor] = []
-        hook = None
-        if any(feed.features for feed in feeds):
-            hook = self._decoder.register_forward_hook(lambda _m, _a, output: hidden.append(_last_hidden_state(output)))
-        _active.rows = rows
-        try:
-            out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                             position_ids=torch.cat(positions).unsqueeze(0), attention_mask=self._no_mask,
-                             past_key_values=cache, use_cache=True,
-                             logits_to_keep=torch.cat(keep) if keep else 1)
-        finally:
-            _active.rows = None
-            if hook is not None:
-                hook.remove()
-        if hook is not None and len(hidden) != 1:
-            raise RuntimeError(f"the decoder of {type(self.model).__name__} ran {len(hidden)} times in one pass")
+        """Append every feed's tokens to its session in one pass (see engine.base.Engine.forward)."""
+        # 1. Lay the pass out on the host.
+        host = plan_pass(feeds, PAGE_TOKENS)
+        # 2. Run it: a captured graph when one is large enough (logits of every row), else the same
+        #    kernels eagerly (logits of the scored rows only: on a CPU the output head is costly).
+        graph = self._graph_for(host)
+        if graph is not None:
+            logits, hidden = graph.replay(host, self.pool.scratch_row)
+            logits, logit_rows = logits[:host.tokens], host.feed_rows
+        else:
+            logits, hidden, logit_rows = self._eager(host, [feed.scored for feed in feeds])
         # 3. The pass wrote every feed's keys: the tokens are now cached.
         for feed in feeds:
             feed.kv.length += len(feed.tokens)
-        logits = out.logits[0].float() if keep else None
-        results: list[Scores] = []
-        start = 0
-        for feed, row in zip(feeds, rows):
-            scored = None
-            if feed.scored:
-                scored = logits[start:start + len(feed.tokens)]
-                start += len(feed.tokens)
-            results.append(Scores(scored, hidden[0][0, row.queries] if feed.features else None))
-        return results
+        if logits is not None:
+            logits = logits.clone()  # a graph's output buffers are overwritten by its next replay
+        hidden = hidden[:host.tokens].clone() if any(feed.features for feed in feeds) else None
+        return [Scores(logits[scored] if feed.scored else None, hidden[rows] if feed.features else None)
+                for feed, rows, scored in zip(feeds, host.feed_rows, logit_rows)]
+
+    def _eager(self, host: HostPass, scored: list[bool]) -> tuple[torch.Tensor | None, torch.Tensor, list[slice]]:
+        """The pass without a graph: logits for the scored feeds' rows (at least `min_rows` of them),
+        hidden states, and where each feed's logits lie among them."""
+        tokens = max(host.tokens, self.min_rows)
+        staged = _Staged(np.empty((len(ROWS), tokens), dtype=np.int64),
+                         np.zeros((host.groups, host.max_path), np.int64),
+                         np.zeros((host.groups, host.max_pages), np.int32))
+        stage(host, staged.ints, staged.path, staged.tables, self.pool.scratch_row)
+        ints, path, tables = (torch.from_numpy(a).to(self.device, non_blocking=True)
+                              for a in (staged.ints, staged.path, staged.tables))
+        rows, where, start = [], [], 0
+        for rows_of_feed, is_scored in zip(host.feed_rows, scored):
+            count = rows_of_feed.stop - rows_of_feed.start if is_scored else 0
+            rows += range(rows_of_feed.start, rows_of_feed.stop) if is_scored else []
+            where.append(slice(start, start + count))
+            start += count
+        if rows:
+            rows += [rows[-1]] * (self.min_rows - len(rows))  # a product of at least min_rows rows
+        inputs = self.inputs(ints, path, tables, host.max_queries, int(host.kv_len.max()))
+        inputs.logit_rows = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        logits, hidden = self.run(inputs)
+        return logits, hidden, where
+
+    def _graph_for(self, host: HostPass) -> _Graph | None:
+        """The smallest captured graph that holds the pass, if any does."""
+        if not self._graphs or host.max_queries > GRAPH_GROUP_TOKENS or host.max_path > GRAPH_GROUP_TOKENS \
+                or host.max_pages > self.pages_per_sequence:
+            return None
+        fitting = [t for t in self._graphs if t >= host.tokens]
+        return self._graphs[min(fitting)] if fitting else None
 
 
-def _tree_mask(parents: Sequence[int], past: int, device: torch.device) -> torch.Tensor:
-    """[n, past + n]: token j sees every cached token, its ancestors among the fed ones and itself."""
-    n = len(parents)
-    mask = torch.zeros(n, past + n, dtype=torch.bool)
-    mask[:, :past] = True
-    for j, p in enumerate(parents):
-        if p >= 0:
-            mask[j, past:] = mask[p, past:]
-        mask[j, past + j] = True
-    return mask.to(device)
-
-
-def _last_hidden_state(output) -> torch.Tensor:
-    """The decoder's final hidden states `[1, tokens, H]`, from its output object or tuple."""
-    state = getattr(output, "last_hidden_state", None)
-    return state if state is not None else output[0]
+def engine_for(model: PreTrainedModel, kv_tokens: int, max_sequence_tokens: int = 0,
+               graphs: bool | None = None) -> TorchEngine:
+    """A torch engine over a loaded Hugging Face model's weights (the model itself is left as it was)."""
+    positions = max_sequence_tokens or kv_tokens
+    return TorchEngine(from_model(model, positions), kv_tokens, max_sequence_tokens, graphs)

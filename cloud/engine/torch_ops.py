@@ -1,0 +1,114 @@
+"""The forward pass's kernels in plain torch (the CPU's; cloud/engine/triton_ops.py has CUDA's): on a
+CPU every row is computed the same way whatever else the pass carries.
+
+Two things could make a token's scores depend on its company, and both are closed here:
+- A matrix library computes a product of a few rows by a different code path than one of many
+  (MKL on an AVX2 machine: 1-3 rows differ from 4 or more in the last bits). `row_floor` finds, once
+  per engine, the fewest rows from which every product of the model's shapes gives each row the same
+  bits; the engine pads every pass to at least that many rows, and attention pads each group's queries.
+- A reduction's order can follow its length. Attention therefore walks the keys in fixed chunks of
+  KEY_CHUNK positions from position 0 with an online softmax, so a query's sums see the same keys in
+  the same chunks whether the pass reads 40 positions or 400 (chunks past a query are all masked and
+  leave its sums unchanged: max(m, -inf) = m, exp(0) = 1, adding 0).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import GroupTensors
+
+KEY_CHUNK = 64  # positions of keys per attention step (the GPU kernel's tile too)
+PROBE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)  # row counts `row_floor` compares
+PROBE_REFERENCE = 64
+
+
+def row_floor(shapes: list[tuple[int, int]], head_dim: int, dtype: torch.dtype) -> int:
+    """The fewest rows from which a product gives every row the bits it has among 64 rows: for
+    x[m, k] @ w[n, k]^T with each (n, k) in `shapes`, and for attention's batched products (queries
+    by a chunk of keys, weights by a chunk of values). 64 when no probed count is enough."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(dtype)
+
+    products = [(rand(PROBE_REFERENCE, k), lambda x, w=rand(n, k): F.linear(x, w)) for n, k in shapes]
+    products += [(rand(2, 3, PROBE_REFERENCE, head_dim), lambda x, w=rand(2, 3, head_dim, KEY_CHUNK): x @ w),
+                 (rand(2, 3, PROBE_REFERENCE, KEY_CHUNK), lambda x, w=rand(2, 3, KEY_CHUNK, head_dim): x @ w)]
+    counts = (*PROBE_ROWS, PROBE_REFERENCE)
+    floor = 0  # index into counts
+    for x, product in products:
+        reference = product(x)
+        for i in range(floor, len(PROBE_ROWS)):
+            m = counts[i]
+            if not all(torch.equal(product(x[..., o:o + m, :]), reference[..., o:o + m, :]) for o in (0, 7)):
+                floor = i + 1
+    return counts[floor]
+
+
+class TorchOps:
+    """The kernels of llama.forward in torch; `rows` is the engine's row floor (1 where no probe ran)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out = F.linear(x, weight, bias)  # the engine pads every pass to `rows` rows
+        return out if out_dtype is None else out.to(out_dtype)
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """As Hugging Face's LlamaRMSNorm: in float32, then back to x's dtype before the weight."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: GroupTensors,
+                  scale: float) -> torch.Tensor:
+        """q [T, heads, D] attended over each group's keys in `keys`/`values` [rows, kv_heads, D]."""
+        t, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        rep = heads // kv_heads
+        groups = int((meta.q_count > 0).sum())
+        width = max(meta.max_queries, self.rows)
+        # 1. Each group's queries, padded to `width`: [G, kv_heads, width * rep, D], rows = (query, rep).
+        device = q.device
+        offsets = torch.arange(width, device=device)
+        q_index = (meta.q_start[:groups, None] + offsets).clamp(max=t - 1)
+        q_valid = offsets < meta.q_count[:groups, None]
+        q_pos = torch.where(q_valid, meta.positions[q_index], -1)
+        qg = q[q_index].view(groups, width, kv_heads, rep, dim).permute(0, 2, 1, 3, 4)
+        qg = qg.reshape(groups, kv_heads, width * rep, dim)
+        row_pos = q_pos.repeat_interleave(rep, dim=1)[:, None, :, None]  # [G, 1, width * rep, 1]
+        # 2. Online softmax over fixed chunks of key positions.
+        best = torch.full((groups, kv_heads, width * rep, 1), float("-inf"), device=device)
+        total = torch.zeros(groups, kv_heads, width * rep, 1, device=device)
+        acc = torch.zeros(groups, kv_heads, width * rep, dim, device=device)
+        past, kv_len = meta.past[:groups, None], meta.kv_len[:groups, None]
+        for start in range(0, meta.max_len, KEY_CHUNK):
+            pos = torch.arange(start, start + KEY_CHUNK, device=device)[None, :]  # [1, C]
+            inside = pos < kv_len
+            fed = pos >= past
+            step = torch.gather(meta.path[:groups], 1, (pos - past).clamp(0, meta.path.shape[1] - 1))
+            slot = torch.where(fed, past + step, pos)
+            page = torch.gather(meta.tables[:groups].long(), 1,
+                                torch.where(inside, slot, 0) // meta.page_tokens)
+            rows = torch.where(inside, page * meta.page_tokens + slot % meta.page_tokens, 0)  # [G, C]
+            k = keys[rows].permute(0, 2, 3, 1)  # [G, kv_heads, D, C]
+            v = values[rows].permute(0, 2, 1, 3)  # [G, kv_heads, C, D]
+            scores = torch.matmul(qg, k).float() * scale
+            visible = (pos[:, None, None, :] <= row_pos) & inside[:, None, None, :]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
+            safe = torch.where(new_best == float("-inf"), 0.0, new_best)
+            alpha = torch.exp(best - safe)
+            p = torch.exp(scores - safe)
+            total = total * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p.to(v.dtype), v).float()
+            best = new_best
+        out = (acc / total).to(q.dtype)  # [G, kv_heads, width * rep, D]
+        # 3. Back to the packed order (padding queries dropped).
+        out = out.view(groups, kv_heads, width, rep, dim).permute(0, 2, 1, 3, 4).reshape(groups, width, heads, dim)
+        result = torch.zeros_like(q)
+        result[q_index[q_valid]] = out[q_valid]
+        return result
