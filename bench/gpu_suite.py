@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 def _passes(results: dict, shape: str, engine_name: str, plan: dict, device: str, dtype, limits) -> None:
     if engine_name == "torch":
         engine = models.build(shape, device, dtype, limits).engine
+        results.setdefault("wide_tiles", {})[shape] = engine.wide_tiles  # check_tiles' verdict on this GPU
     else:
         engine = models.eager_engine(shape, device, dtype, limits.kv_cache_tokens)
     vocab = models.SHAPES[shape]["vocab_size"]

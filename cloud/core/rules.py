@@ -15,16 +15,36 @@ from ...common.protocol.tree import path_to
 from ...common.protocol.wire import DraftBlock, Mode, SessionSpec
 
 
+def greedy_argmaxes(specs: list[SessionSpec], logits: list[torch.Tensor]) -> list[list[int] | None]:
+    """Each round's row argmaxes where its rule needs nothing else (greedy, no penalty), else None,
+    taken on the device and brought to the host together: one wait for a whole step, not one per
+    round."""
+    plain = [spec.mode is Mode.GREEDY and not spec.sampling.penalized for spec in specs]
+    maxes = [rows.argmax(dim=-1) for rows, use in zip(logits, plain) if use]
+    flat = torch.cat(maxes).tolist() if maxes else []
+    out: list[list[int] | None] = []
+    for rows, use in zip(logits, plain):
+        out.append(flat[:rows.shape[0]] if use else None)
+        flat = flat[rows.shape[0]:] if use else flat
+    return out
+
+
 def apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor,
-                committed: list[int]) -> tuple[list[int], int]:
+               committed: list[int], best: list[int] | None = None) -> tuple[list[int], int]:
     """The session's acceptance rule on one block: (accepted nodes, the verifier's token). logits:
     [nodes + 1, V] float32 on the model's device; row 0 scores the position after the committed
     tokens, row i + 1 the position after node i (for a chain: after committed + draft[:i + 1]).
 
     Greedy needs only argmaxes, taken on the device; the sampling rules get probabilities on the CPU
     so that a seeded round draws the same numbers on CPU and GPU replicas. Penalties come first in
-    every mode (docs/design.md §2.1).
+    every mode (docs/design.md §2.1). `best`: the rows' argmaxes from greedy_argmaxes, where it gave them.
     """
+    if best is not None:
+        if block.is_tree:
+            outcome = tree_rules.tree_greedy_from_argmax(block.parents, list(block.draft_ids), best)
+            return list(outcome.path), outcome.token
+        outcome = rules.greedy_from_argmax(list(block.draft_ids), best)
+        return list(range(outcome.num_accepted)), outcome.token
     if block.is_tree:
         outcome = _apply_tree_rule(spec, block, logits, committed)
         return list(outcome.path), outcome.token

@@ -39,7 +39,7 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
 from ..engine.base import Capabilities, Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
-from .rules import apply_rule
+from .rules import apply_rule, greedy_argmaxes
 from .session import Phase, Session, SessionStore, one_per_session
 from ..specs import VerifierLimits
 from .telemetry import ReplicaTelemetry, Telemetry
@@ -207,8 +207,14 @@ class Verifier:
         if scores is not None:
             # 4. Each round's rule; its session commits the accepted drafts and the new token.
             answered = time.monotonic()
-            for (i, block, session), round_scores in zip(rounds, scores):
-                results[i] = self._conclude(block, session, round_scores, forward_ms, len(rounds), answered)
+            try:
+                bests = greedy_argmaxes([session.spec for _, _, session in rounds],
+                                        [s.logits for s in scores[:len(rounds)]])
+            except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
+                log.warning("batched argmax failed (%s); rules take their own", exc)
+                bests = [None] * len(rounds)
+            for (i, block, session), round_scores, best in zip(rounds, scores, bests):
+                results[i] = self._conclude(block, session, round_scores, forward_ms, len(rounds), answered, best)
             # 5. Prompt chunks keep the features their session asked for.
             for (session, position), chunk_scores in zip(chunks, scores[len(rounds):]):
                 self._keep_prefill_features(session, chunk_scores, position)
@@ -288,11 +294,11 @@ class Verifier:
         return scores, (time.perf_counter() - start) * 1e3
 
     def _conclude(self, block: DraftBlock, session: Session, scores: Scores, forward_ms: float, batch_size: int,
-                  answered: float) -> VerifyResult | HybridSpecError:
+                  answered: float, best: list[int] | None = None) -> VerifyResult | HybridSpecError:
         """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
         token is fed at the head of the next block) and commit. A failure is this session's alone."""
         try:
-            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed)
+            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, best)
             # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
             # features are the session's next committed context, and only their keys stay cached.
             rows = [0, *(node + 1 for node in nodes)]

@@ -168,12 +168,27 @@ class Ops(Protocol):
     """The kernels a forward pass needs. Each computes a row from that row alone (see module doc)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), in out_dtype (default x's)."""
 
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """LlamaRMSNorm of every row."""
+
+    def add_rmsnorm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rmsnorm(x + delta)): a residual add and the next norm."""
+
+    def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: int) -> torch.Tensor:
+        """The rotated queries `[T, heads, D]` of a fused q|k|v product; the rotated keys and the values
+        are written to `keys[rows]` and `values[rows]` (`[pool rows, kv_heads, D]`)."""
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused gate|up product."""
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: object,
-                  scale: float) -> torch.Tensor: ...
+                  scale: float) -> torch.Tensor:
+        """Each group's queries over its keys (cloud/engine/batch.py)."""
 
 
 @dataclass
@@ -194,32 +209,20 @@ def forward(w: LlamaWeights, keys: torch.Tensor, values: torch.Tensor, inputs: P
     `keys[layer][write_rows]` / `values[...]` on the way."""
     s = w.shape
     t = inputs.ids.shape[0]
-    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    cos, sin = w.cos[inputs.positions][:, None], w.sin[inputs.positions][:, None]
     scale = s.head_dim ** -0.5
     x = F.embedding(inputs.ids, w.embed)
+    h = ops.rmsnorm(x, w.layers[0].attn_norm, s.eps)
     for i, layer in enumerate(w.layers):
         # 1. Attention: q, k, v in one product; rotary on q and k; this pass's keys join the pool first.
-        qkv = ops.linear(ops.rmsnorm(x, layer.attn_norm, s.eps), layer.qkv, layer.qkv_bias)
-        q = _rotate(qkv[:, :q_width].view(t, s.heads, s.head_dim), cos, sin)
-        k = _rotate(qkv[:, q_width:q_width + kv_width].view(t, s.kv_heads, s.head_dim), cos, sin)
-        v = qkv[:, q_width + kv_width:].view(t, s.kv_heads, s.head_dim)
-        keys[i].index_copy_(0, inputs.write_rows, k)
-        values[i].index_copy_(0, inputs.write_rows, v)
+        qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+        q = ops.rope_and_cache(qkv, w.cos, w.sin, inputs.positions, inputs.write_rows, keys[i], values[i], s.heads)
         attended = ops.attention(q, keys[i], values[i], inputs.meta, scale)
-        x = x + ops.linear(attended.reshape(t, q_width), layer.o, layer.o_bias)
-        # 2. The gated MLP.
-        gate, up = ops.linear(ops.rmsnorm(x, layer.mlp_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
-        x = x + ops.linear(F.silu(gate) * up, layer.down)
-    hidden = ops.rmsnorm(x, w.norm, s.eps)
+        x, h = ops.add_rmsnorm(x, ops.linear(attended.reshape(t, s.heads * s.head_dim), layer.o, layer.o_bias),
+                               layer.mlp_norm, s.eps)
+        # 2. The gated MLP; its residual add goes with the next norm (the next layer's, or the final one).
+        down = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        x, h = ops.add_rmsnorm(x, down, w.layers[i + 1].attn_norm if i + 1 < s.layers else w.norm, s.eps)
     rows = inputs.logit_rows
     if rows is not None and rows.numel() == 0:
-        return None, hidden
-    return ops.linear(hidden if rows is None else hidden[rows], w.lm_head, out_dtype=torch.float32), hidden
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, written as Hugging Face writes it (x cos + rotate_half(x) sin)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return None, h
+    return ops.linear(h if rows is None else h[rows], w.lm_head, out_dtype=torch.float32), h

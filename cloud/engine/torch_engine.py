@@ -105,10 +105,15 @@ class TorchEngine:
                                          dtype=str(weights.dtype).removeprefix("torch."), feature_dim=s.hidden,
                                          tree_masks=True, max_sequence_tokens=self.max_sequence_tokens)
         self.kernels = kernels or (Kernels.TRITON if self.device.type == "cuda" else Kernels.TORCH)
+        self.wide_tiles = False
         if self.kernels is Kernels.TRITON:
-            from .triton_ops import TritonOps
+            from .triton_ops import TritonOps, check_tiles
 
-            self._eager_ops, self._graph_ops = TritonOps(), TritonOps(query_cap=GRAPH_GROUP_TOKENS)
+            layer = weights.layers[0]
+            # Wide tiles for large passes only where they give each row the narrow tiles' very bits.
+            self.wide_tiles = check_tiles([layer.qkv, layer.o, layer.gate_up, layer.down, weights.lm_head])
+            self._eager_ops = TritonOps(wide=self.wide_tiles)
+            self._graph_ops = TritonOps(query_cap=GRAPH_GROUP_TOKENS, wide=self.wide_tiles)
             self.min_rows = 1
         else:
             from .torch_ops import TorchOps, row_floor

@@ -63,6 +63,24 @@ class TorchOps:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype)
 
+    def add_rmsnorm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, self.rmsnorm(x, weight, eps)
+
+    def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, heads: int) -> torch.Tensor:
+        t, (kv_heads, dim) = qkv.shape[0], keys.shape[1:]
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
+        q = _rotate(qkv[:, :heads * dim].view(t, heads, dim), cos, sin)
+        keys.index_copy_(0, rows, _rotate(qkv[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim), cos, sin))
+        values.index_copy_(0, rows, qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim))
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: GroupTensors,
                   scale: float) -> torch.Tensor:
         """q [T, heads, D] attended over each group's keys in `keys`/`values` [rows, kv_heads, D]."""
@@ -112,3 +130,10 @@ class TorchOps:
         result = torch.zeros_like(q)
         result[q_index[q_valid]] = out[q_valid]
         return result
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, written as Hugging Face writes it (x cos + rotate_half(x) sin)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

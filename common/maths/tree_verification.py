@@ -59,9 +59,15 @@ def verify_tree_greedy(parents: Sequence[int], draft_ids: torch.Tensor, target_l
     """Move to the child that is argmax of the current row while there is one; emit the argmax where
     there is none. Siblings carry distinct tokens (the wire checks it), so the path is unique: the
     longest root path that the target would have generated greedily."""
-    kids = _check_tree(parents, draft_ids, target_logits)
-    best = target_logits.argmax(dim=-1).tolist()  # torch's tie-breaking, as verify_greedy
-    return _walk(kids, draft_ids.tolist(), lambda row, depth: best[row])
+    _check_tree(parents, draft_ids, target_logits)
+    # torch's tie-breaking, as verify_greedy
+    return tree_greedy_from_argmax(parents, draft_ids.tolist(), target_logits.argmax(dim=-1).tolist())
+
+
+def tree_greedy_from_argmax(parents: Sequence[int], draft_ids: list[int], best: list[int]) -> TreeOutcome:
+    """verify_tree_greedy given the target's argmax of every row (the root's and each node's)."""
+    assert len(parents) == len(draft_ids) == len(best) - 1, "parents, draft_ids and rows must match"
+    return _walk(children(parents), draft_ids, lambda row, depth: best[row])
 
 
 def verify_tree_speculative(parents: Sequence[int], draft_ids: torch.Tensor, draft_probs: torch.Tensor,

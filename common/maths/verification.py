@@ -43,11 +43,16 @@ def _check_shapes(draft_ids: torch.Tensor, target: torch.Tensor) -> int:
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Outcome:
     """Accept x_i while it equals argmax p_i; emit argmax at the first mismatch (or the bonus)."""
-    gamma = _check_shapes(draft_ids, target_logits)
-    best = target_logits.argmax(dim=-1)  # [γ+1]
-    mismatch = torch.nonzero(best[:gamma] != draft_ids, as_tuple=True)[0]
-    k = int(mismatch[0].item()) if mismatch.numel() else gamma
-    return Outcome(k, int(best[k].item()))
+    _check_shapes(draft_ids, target_logits)
+    return greedy_from_argmax(draft_ids.tolist(), target_logits.argmax(dim=-1).tolist())
+
+
+def greedy_from_argmax(draft_ids: list[int], best: list[int]) -> Outcome:
+    """verify_greedy given the target's argmax of every row (γ+1 of them): for a replica that takes
+    the argmaxes of many rounds in one step."""
+    assert len(best) == len(draft_ids) + 1, f"need γ+1 = {len(draft_ids) + 1} argmaxes, got {len(best)}"
+    k = next((i for i, (x, y) in enumerate(zip(draft_ids, best)) if x != y), len(draft_ids))
+    return Outcome(k, best[k])
 
 
 def verify_speculative(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,

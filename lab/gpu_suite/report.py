@@ -61,6 +61,9 @@ def write_markdown(out: Path, results: dict) -> None:
              f"weights: random {meta['dtype']} (time depends on shape, not values); `{meta['command']}`", "",
              "| figure | measured | goal |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in headline(results)]
+    if results.get("wide_tiles"):
+        lines += ["", "Wide product tiles for passes over 64 rows (only where bit-identical to the narrow ones): " +
+                  ", ".join(f"{shape} {'yes' if ok else 'no'}" for shape, ok in results["wide_tiles"].items())]
     for shape, engines in results.get("passes", {}).items():
         lines += ["", f"## Pass time, {shape} (ms, median; host work included)", ""]
         for engine, rows in engines.items():
