@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            "cuBLAS, CUDA only), a (pass times; b is a over --shapes), "
                                                            "c (exactness), d (capacity)")
     parser.add_argument("--shapes", nargs="+", help="model shapes for (a): " + ", ".join(models.SHAPES))
-    parser.add_argument("--no-baseline", action="store_true", help="skip the first torch engine's eager path")
+    parser.add_argument("--baseline", nargs="*", help="shapes to also time on the first torch engine's eager path "
+                                                       "(default: every shape; none: --baseline with no names)")
     parser.add_argument("--agree", type=float, nargs="+", default=[0.6, 0.8], help="oracle drafter agreement (d)")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--draft-ms", type=float, default=1.0, help="drafting time per token on the edge (d)")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if "a" in parts:
         for shape in plan["shapes"]:
             step(f"(a) {shape}: torch engine", lambda: _passes(results, shape, "torch", plan, args.device, dtype, limits))
-            if not args.no_baseline:
+            if args.baseline is None or shape in args.baseline:
                 step(f"(a) {shape}: eager baseline",
                      lambda: _passes(results, shape, "eager", plan, args.device, dtype, limits))
     # 2. Exactness of hybrid against cloud-only on the engine.
