@@ -2,6 +2,7 @@
 
     python bench/gpu_suite.py --out DIR                      # a GPU machine, about 6 minutes
     python bench/gpu_suite.py --out DIR --device cpu --quick  # the same code on a CPU, in a minute (CI runs it)
+    taskset -c 1 python bench/gpu_suite.py --out DIR --device cpu --parts a   # the engine against the eager path, fp32
 
 Parts (lab/gpu_suite/): (a) pass time t(B sessions × M tokens) and v = t(5)/t(1), the engine beside
 the first torch engine's eager path; (b) for three model shapes with random bf16 weights (135M, 1B, 8B);
@@ -35,6 +36,9 @@ FULL = dict(shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1,
             tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shape="smollm2-135m",
             exact=[(1, 2048), (32, 64)], capacity_shape="llama-3.1-8b", edges=[1, 8, 32, 64], new_tokens=128,
             rtts=[0.0, 20.0], processes=8)
+# A CPU is no place for the large shapes or many edges: the engine against the eager path, fp32, at the
+# sizes the issue compares (B = 1 and 8).
+CPU = dict(FULL, shapes=["smollm2-135m"], batches=[1, 8], tokens=[1, 5], context=128, repeats=5)
 QUICK = dict(shapes=["tiny"], batches=[1, 8], tokens=[1, 5], context=64, repeats=3, exact_shape="tiny",
              exact=[(1, 48), (4, 16)], capacity_shape="tiny", edges=[1, 4], new_tokens=16, rtts=[0.0, 20.0],
              processes=2)
@@ -51,11 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", help="model shapes for (a): " + ", ".join(models.SHAPES))
     parser.add_argument("--baseline", nargs="*", help="shapes to also time on the first torch engine's eager path "
                                                        "(default: every shape; none: --baseline with no names)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
     parser.add_argument("--agree", type=float, nargs="+", default=[0.6, 0.8], help="oracle drafter agreement (d)")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--draft-ms", type=float, default=1.0, help="drafting time per token on the edge (d)")
     args = parser.parse_args(argv)
-    plan = dict(QUICK if args.quick else FULL)
+    plan = dict(QUICK if args.quick else FULL if args.device.startswith("cuda") else CPU)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     if args.shapes:
         plan["shapes"] = args.shapes
     parts = set(args.parts.split(","))

@@ -14,7 +14,7 @@ Everything here is host-side bookkeeping in numpy; `GroupTensors` is what kernel
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -106,6 +106,7 @@ class GroupTensors:
     page_tokens: int
     max_queries: int  # the most queries of any group (launch sizes; a graph's is its cap)
     max_len: int  # the longest kv_len (loop bounds on the CPU)
+    cache: dict = field(default_factory=dict)  # what a kernel backend derives once per pass and reuses per layer
 
 
 ROWS = ("ids", "positions", "write_rows", "q_start", "q_count", "past", "kv_len")  # the rows of `ints`

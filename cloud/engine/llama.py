@@ -168,8 +168,9 @@ class Ops(Protocol):
     """The kernels a forward pass needs. Each computes a row from that row alone (see module doc)."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias), in out_dtype (default x's)."""
+               out_dtype: torch.dtype | None = None, parts: tuple[int, ...] = ()) -> torch.Tensor:
+        """x @ weight.T (+ bias), in out_dtype (default x's). `parts`: the row counts of the matrices
+        fused in `weight`, for a backend that multiplies them one by one (a CPU's library is faster so)."""
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """LlamaRMSNorm of every row."""
@@ -210,17 +211,18 @@ def forward(w: LlamaWeights, keys: torch.Tensor, values: torch.Tensor, inputs: P
     s = w.shape
     t = inputs.ids.shape[0]
     scale = s.head_dim ** -0.5
+    qkv_parts = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
     x = F.embedding(inputs.ids, w.embed)
     h = ops.rmsnorm(x, w.layers[0].attn_norm, s.eps)
     for i, layer in enumerate(w.layers):
         # 1. Attention: q, k, v in one product; rotary on q and k; this pass's keys join the pool first.
-        qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = ops.linear(h, layer.qkv, layer.qkv_bias, parts=qkv_parts)
         q = ops.rope_and_cache(qkv, w.cos, w.sin, inputs.positions, inputs.write_rows, keys[i], values[i], s.heads)
         attended = ops.attention(q, keys[i], values[i], inputs.meta, scale)
         x, h = ops.add_rmsnorm(x, ops.linear(attended.reshape(t, s.heads * s.head_dim), layer.o, layer.o_bias),
                                layer.mlp_norm, s.eps)
         # 2. The gated MLP; its residual add goes with the next norm (the next layer's, or the final one).
-        down = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        down = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, parts=(s.intermediate, s.intermediate))), layer.down)
         x, h = ops.add_rmsnorm(x, down, w.layers[i + 1].attn_norm if i + 1 < s.layers else w.norm, s.eps)
     rows = inputs.logit_rows
     if rows is not None and rows.numel() == 0:

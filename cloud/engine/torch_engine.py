@@ -118,8 +118,10 @@ class TorchEngine:
         else:
             from .torch_ops import TorchOps, row_floor
 
-            layer = weights.layers[0]
-            shapes = sorted({tuple(t.shape) for t in (layer.qkv, layer.o, layer.gate_up, layer.down, weights.lm_head)})
+            hidden, q, kv, inter = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
+            # The products TorchOps runs: the fused matrices' parts, one by one.
+            shapes = sorted({(q, hidden), (kv, hidden), (hidden, q), (inter, hidden), (hidden, inter),
+                             tuple(weights.lm_head.shape)})
             # The probe is of the CPU's matrix library; elsewhere torch's kernels promise nothing per row.
             self.min_rows = row_floor(shapes, s.head_dim, weights.dtype) if self.device.type == "cpu" else 1
             self._eager_ops = self._graph_ops = TorchOps(self.min_rows)
