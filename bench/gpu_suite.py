@@ -2,10 +2,9 @@
 
     python bench/gpu_suite.py --out DIR                      # a GPU machine, about 6 minutes
     python bench/gpu_suite.py --out DIR --device cpu --quick  # the same code on a CPU, in a minute (CI runs it)
-    taskset -c 1 python bench/gpu_suite.py --out DIR --device cpu --parts a   # the engine against the eager path, fp32
+    taskset -c 1 python bench/gpu_suite.py --out DIR --device cpu --parts a   # pass times on one CPU core, fp32
 
-Parts (lab/gpu_suite/): (a) pass time t(B sessions × M tokens) and v = t(5)/t(1), the engine beside
-the first torch engine's eager path; (b) for three model shapes with random bf16 weights (135M, 1B, 8B);
+Parts (lab/gpu_suite/): (a) pass time t(B sessions × M tokens) and v = t(5)/t(1); (b) for three model shapes with random bf16 weights (135M, 1B, 8B);
 (c) exactness: hybrid chains and trees against cloud-only token ids, one session and 32 at once;
 (d) capacity through real gRPC, N edges cloud-only against hybrid with an oracle drafter, at RTT 0
 and 20 ms; and (k), on CUDA, each weight's product in our batch-invariant Triton kernel against
@@ -36,8 +35,7 @@ FULL = dict(shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1,
             tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shape="smollm2-135m",
             exact=[(1, 2048), (32, 64)], capacity_shape="llama-3.1-8b", edges=[1, 8, 32, 64], new_tokens=128,
             rtts=[0.0, 20.0], processes=8)
-# A CPU is no place for the large shapes or many edges: the engine against the eager path, fp32, at the
-# sizes the issue compares (B = 1 and 8).
+# A CPU is no place for the large shapes or many edges: the 135M shape, fp32, B = 1 and 8.
 CPU = dict(FULL, shapes=["smollm2-135m"], batches=[1, 8], tokens=[1, 5], context=128, repeats=5)
 QUICK = dict(shapes=["tiny"], batches=[1, 8], tokens=[1, 5], context=64, repeats=3, exact_shape="tiny",
              exact=[(1, 48), (4, 16)], capacity_shape="tiny", edges=[1, 4], new_tokens=16, rtts=[0.0, 20.0],
@@ -53,8 +51,6 @@ def main(argv: list[str] | None = None) -> int:
                                                            "cuBLAS, CUDA only), a (pass times; b is a over --shapes), "
                                                            "c (exactness), d (capacity)")
     parser.add_argument("--shapes", nargs="+", help="model shapes for (a): " + ", ".join(models.SHAPES))
-    parser.add_argument("--baseline", nargs="*", help="shapes to also time on the first torch engine's eager path "
-                                                       "(default: every shape; none: --baseline with no names)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
     parser.add_argument("--agree", type=float, nargs="+", default=[0.6, 0.8], help="oracle drafter agreement (d)")
     parser.add_argument("--gamma", type=int, default=4)
@@ -103,13 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         for shape in plan["shapes"]:
             step(f"(k) {shape}: products", lambda: results["products"].__setitem__(
                 shape, kernels.products(shape, [1, 5, 64, 320, 1024])))
-    # 1. Pass times: the engine, then the first engine's eager path on the same shape.
+    # 1. Pass times.
     if "a" in parts:
         for shape in plan["shapes"]:
-            step(f"(a) {shape}: torch engine", lambda: _passes(results, shape, "torch", plan, args.device, dtype, limits))
-            if args.baseline is None or shape in args.baseline:
-                step(f"(a) {shape}: eager baseline",
-                     lambda: _passes(results, shape, "eager", plan, args.device, dtype, limits))
+            step(f"(a) {shape}: torch engine", lambda: _passes(results, shape, plan, args.device, dtype, limits))
     # 2. Exactness of hybrid against cloud-only on the engine.
     if "c" in parts:
         step("(c) exactness", lambda: _exactness(results, plan, args.device, dtype, limits))
@@ -121,16 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if results["errors"] else 0
 
 
-def _passes(results: dict, shape: str, engine_name: str, plan: dict, device: str, dtype, limits) -> None:
-    if engine_name == "torch":
-        engine = models.build(shape, device, dtype, limits).engine
-        results.setdefault("wide_tiles", {})[shape] = engine.wide_tiles  # check_tiles' verdict on this GPU
-    else:
-        engine = models.eager_engine(shape, device, dtype, limits.kv_cache_tokens)
-    vocab = models.SHAPES[shape]["vocab_size"]
-    rows = passes.time_passes(engine, vocab, plan["batches"], plan["tokens"], plan["context"],
-                              plan["repeats"] if engine_name == "torch" else max(3, plan["repeats"] // 4))
-    results["passes"].setdefault(shape, {})[engine_name] = rows
+def _passes(results: dict, shape: str, plan: dict, device: str, dtype, limits) -> None:
+    engine = models.build(shape, device, dtype, limits).engine
+    results.setdefault("wide_tiles", {})[shape] = engine.wide_tiles  # check_tiles' verdict on this GPU
+    rows = passes.time_passes(engine, models.SHAPES[shape]["vocab_size"], plan["batches"], plan["tokens"],
+                              plan["context"], plan["repeats"])
+    results["passes"].setdefault(shape, {})["torch"] = rows
 
 
 def _exactness(results: dict, plan: dict, device: str, dtype, limits) -> None:

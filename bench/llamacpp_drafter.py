@@ -36,7 +36,7 @@ import torch
 
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.engine.torch_engine import TorchEngine
+from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.common.models.drafter_gguf import GGUF_NAME, GGUF_WEIGHTS, convert_drafter
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import find_gguf
@@ -140,7 +140,7 @@ def target_ms(context_len: int, repeats: int) -> dict:
     """The target's one-token pass after `context_len` cached tokens, on both engines."""
     target = default_paths()["target"]
     engines = {"llamacpp": LlamaCppEngine(find_gguf(target), 4096, 1, threads=1),
-               "torch": TorchEngine(load_model(target, device="cpu", engine="torch").model, 4096)}
+               "torch": engine_for(load_model(target, device="cpu", engine="torch").model, 4096)}
     context = list(range(1000, 1000 + context_len))
     return {name: {"weights": engine.capabilities.dtype,
                    "t1_ms": round(statistics.median(pass_ms(engine, context, 1, 4 * repeats)), 3)}

@@ -30,7 +30,7 @@ import torch
 
 from hybridspec.cloud.engine.base import Engine, Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.engine.torch_engine import TorchEngine
+from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import find_gguf, requantize
@@ -68,7 +68,7 @@ def cost_curve(context_len: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     target = default_paths()["target"]
     engines = {"llamacpp": LlamaCppEngine(find_gguf(target), 4096, 4, threads=1),
-               "torch": TorchEngine(load_model(target, device="cpu").model, 4096)}
+               "torch": engine_for(load_model(target, device="cpu").model, 4096)}
     context = list(range(1000, 1000 + context_len))
     curve: dict[str, dict[int, float]] = {name: {} for name in engines}
     for m in range(1, 33):

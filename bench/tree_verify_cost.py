@@ -62,10 +62,10 @@ def load(kind: str, context: int) -> Engine:
         from hybridspec.common.models.gguf import find_gguf
 
         return LlamaCppEngine(find_gguf(target), kv_tokens, SESSIONS, threads=1)
-    from hybridspec.cloud.engine.torch_engine import TorchEngine
+    from hybridspec.cloud.engine.torch_engine import engine_for
     from hybridspec.common.models.loading import load_model
 
-    return TorchEngine(load_model(target, device="cpu").model, kv_tokens)
+    return engine_for(load_model(target, device="cpu").model, kv_tokens)
 
 
 def time_pass(engine: Engine, kv, start: int, tokens: list[int], parents: tuple[int, ...] | None,

@@ -389,3 +389,10 @@ def test_compose_start_order():
     services = compose()["services"]
     assert services["netem"]["depends_on"]["cloud"]["condition"] == "service_healthy"
     assert services["edge"]["depends_on"]["netem"]["condition"] == "service_healthy"
+
+
+def test_the_gpu_image_keeps_a_c_compiler_for_triton_at_run_time():
+    """Triton compiles its kernel launcher when a replica first runs the GPU engine: gcc and the Python
+    headers are installed on their own (not only as build-essential, which the build step purges)."""
+    runtime = next(text for text in by_name("cloud.Dockerfile").all("RUN") if "python3.11-venv" in text)
+    assert "gcc" in runtime.split() and "python3.11-dev" in runtime.split()

@@ -18,8 +18,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HYBRIDSPEC_HOME=/home/hybridspec/.cache/hybridspec \
     PATH=/opt/venv/bin:$PATH
 
+# gcc and the Python headers stay at run time: Triton (the GPU engine's kernels, cloud/engine/triton_ops.py)
+# compiles its small kernel launcher with them the first time a replica starts.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && python3.11 -m venv /opt/venv
 

@@ -66,15 +66,3 @@ def build(shape: str, device: str, dtype: torch.dtype, limits: VerifierLimits, g
     engine = TorchEngine(weights, limits.kv_cache_tokens, limits.max_context, graphs)
     target = ServedTarget(f"random {shape}", _Vocabulary(), config.vocab_size, (), f"random-{shape}-{seed}")
     return Bench(shape, engine, Verifier(target, limits, engine))
-
-
-def eager_engine(shape: str, device: str, dtype: torch.dtype, kv_tokens: int):
-    """Today's first torch engine (Hugging Face eager forward, attention looped per session) on
-    random weights of `shape`: the baseline the new engine replaces."""
-    from transformers import LlamaForCausalLM
-
-    from ...cloud.engine.eager_engine import EagerEngine
-
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config_of(shape, kv_tokens), dtype=dtype).eval()
-    return EagerEngine(model, kv_tokens)

@@ -108,7 +108,7 @@ def plot(out: Path, results: dict) -> None:
     if not panels:
         return
     fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 4), squeeze=False)
-    styles = {"torch": "-", "eager": "--", "torch-cublas": ":"}
+    styles = {"torch": "-", "eager": "--"}  # "eager": the first engine, in the results of runs before its removal
     for ax, (shape, engines) in zip(axes[0], passes.items()):
         for engine, rows in engines.items():
             for b, marker in zip((1, 8, 32, 64), "os^D"):

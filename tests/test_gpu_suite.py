@@ -1,0 +1,35 @@
+"""The GPU suite's quick CPU form (what CI can run of it): every part runs end to end through the real
+engine, verifier core, gRPC server, relay and edge processes, and writes its three result files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path):
+    out = tmp_path / "suite"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(out), "--device", "cpu",
+                          "--quick"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["errors"] == []
+    assert results["meta"]["device"] == "cpu" and results["meta"]["commit"]
+    rows = results["passes"]["tiny"]["torch"]
+    assert {(r["sessions"], r["tokens"]) for r in rows} == {(1, 1), (1, 5), (8, 1), (8, 5)}
+    assert all(r["ms"] > 0 for r in rows)
+    for part in results["exactness"].values():
+        for kind in ("chains", "trees"):
+            assert part[kind]["tokens"] > 0 and part[kind]["differing_tokens"] == 0
+    capacity = results["capacity"]["rows"]
+    assert {r["mode"] for r in capacity} == {"cloud-only", "hybrid a=0.6", "hybrid a=0.8"}
+    assert {r["rtt_ms"] for r in capacity} == {0.0, 20.0}
+    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in capacity)
+    # Through gRPC too, hybrid commits exactly the tokens cloud-only streamed for the same prompts.
+    assert all(r["differing_tokens"] == 0 for r in capacity if r["mode"] != "cloud-only")
+    assert all(r["tokens_per_round"] > 1 for r in capacity if r["mode"] != "cloud-only")
+    assert "| figure | measured | goal |" in (out / "results.md").read_text()
+    assert (out / "results.png").stat().st_size > 10_000
