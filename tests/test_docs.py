@@ -58,3 +58,50 @@ def test_the_slug_rules_match_githubs():
     assert slug("`cloud serve` (local config)") == "cloud-serve-local-config"
     assert slug("Choosing γ (`gamma_policy: adaptive`, `edge/policy.py`)") == \
         "choosing-γ-gamma_policy-adaptive-edgepolicypy"
+
+
+FIGURES = yaml.safe_load((ROOT / "docs" / "figures.yaml").read_text())
+SELECT = re.compile(r"^(?P<key>[^\[\]]+)?(?:\[(?P<sel>[^\]]+)\])?$")
+FIRST_SCREEN_UNITS = re.compile(r"\d[\d.,]*\s*(?:ms|×|tokens/s|tok/s|%|s\b|min\b)")
+
+
+def lookup(data, path: str):
+    """A value in a result file: keys joined by slashes, `[i]` an index, `[k=v,…]` the first list item
+    whose fields equal those values."""
+    for part in re.split(r"/(?![^\[]*\])", path):
+        m = SELECT.match(part)
+        if m.group("key"):
+            data = data[m.group("key")]
+        sel = m.group("sel")
+        if sel is None:
+            continue
+        if sel.lstrip("-").isdigit():
+            data = data[int(sel)]
+            continue
+        want = dict(item.split("=", 1) for item in sel.split(","))
+        data = next(row for row in data if all(str(row[k]) == v for k, v in want.items()))
+    return data
+
+
+def figure(entry: dict) -> str:
+    """The quote a registry entry's result file gives today."""
+    file = json.loads((ROOT / entry["file"]).read_text())
+    value = lookup(file, entry["value"])
+    if "over" in entry:
+        value = value / lookup(file, entry["over"])
+    return entry["format"].format(value)
+
+
+@pytest.mark.parametrize("entry", FIGURES, ids=lambda e: f"{e['page']}: {e['quote']}")
+def test_every_registered_figure_is_on_its_page_and_still_what_its_result_file_says(entry):
+    assert entry["quote"] in (ROOT / entry["page"]).read_text(), f"{entry['quote']!r} is no longer on {entry['page']}"
+    assert figure(entry) == entry["quote"], f"{entry['file']} now gives {figure(entry)!r}"
+
+
+def test_the_readmes_first_screen_quotes_only_registered_figures():
+    """Measured numbers above README's first second-level heading each have a registry entry."""
+    first = (ROOT / "README.md").read_text().split("\n## ", 1)[0]
+    registered = {e["quote"] for e in FIGURES if e["page"] == "README.md"}
+    unregistered = [m.group(0) for m in FIRST_SCREEN_UNITS.finditer(CODE.sub("", first))
+                    if not any(m.group(0) in quote or quote in m.group(0) for quote in registered)]
+    assert not unregistered, f"README's first screen quotes figures with no source in docs/figures.yaml: {unregistered}"
