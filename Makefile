@@ -2,8 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU wheel of this torch lies on the CI machines' disk; on a GPU box pick your CUDA build here.
 TORCH ?= torch==2.13.0
+# pip also looks here for torch: PyTorch's CPU builds, so a CPU-only box gets the CPU wheel (about
+# 200 MB) instead of PyPI's CUDA build (several GB). A GPU box names its CUDA build instead:
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cu128 demo
+# (Where that host is unreachable, pip says so and goes on with its usual index: CI's disk holds the CPU wheel.)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 # llama.cpp for the CPU engine, built from the sdist pinned in pyproject.toml: the library only, with
 # its own thread pool (no second OpenMP runtime beside torch's), tuned to this machine's CPU; never a
@@ -19,13 +23,18 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	@echo "installing $(TORCH), from $(TORCH_INDEX) where reachable"
+	$(BIN)/pip install --progress-bar on "$(TORCH)" --extra-index-url "$(TORCH_INDEX)"
+	@$(BIN)/python -c "import torch; print('  torch', torch.__version__, 'with CUDA' if torch.version.cuda else '(CPU build)')"
 	@echo "compiling $(LLAMA_CPP): a few minutes; every 25th of llama.cpp's build steps is shown (full log: $(VENV)/llama-cpp-build.log)"
 	bash -o pipefail -c 'CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -v --no-cache-dir "$(LLAMA_CPP)" 2>&1 \
 		| tee $(VENV)/llama-cpp-build.log | { grep --line-buffered -oE "^\s*\[[0-9]*(25|50|75|00)/[0-9]+\]" || true; }' \
 		|| { tail -25 $(VENV)/llama-cpp-build.log; exit 1; }
 	@echo "  llama.cpp built"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	@echo "installing hybridspec and its dependencies (ray, transformers, grpcio, …; each download is listed)"
+	@# PYTHONWARNINGS: setuptools warns at every editable install that a folder named like a package could shadow it.
+	bash -o pipefail -c 'PYTHONWARNINGS=ignore $(BIN)/pip install -e ".[dev]" 2>&1 \
+		| { grep --line-buffered -E "^ *(Downloading|Successfully installed|ERROR|WARNING)" | cut -c1-150 || true; }'
 	touch $(STAMP)
 
 models: install
