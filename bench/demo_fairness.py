@@ -13,6 +13,8 @@ once each) and then runs the strategies below taking turns, the order rotating, 
   shadow      the default edge made to shadow-draft every token (as it does where hybrid could win,
               e.g. on a machine whose replica verifies a block more cheaply): what shadowing costs
 
+    python bench/demo_fairness.py --pool docs/experiments/demo_fairness/run_*.json   (pools saved runs)
+
 Per generation it records tokens/s, the time to the first token, the gaps between tokens and how
 many shadow guesses it made; the summary gives each session's replayed demo ratio and, over the
 turns, each strategy's speed against cloud-only with a 95 % interval and the order effect. Prints
@@ -139,11 +141,7 @@ def session(index: int, pairs: int, strategies: tuple[str, ...]) -> dict:
 def summarise(sessions: list[dict], strategies: tuple[str, ...]) -> dict:
     """Old-demo ratios, and per strategy its ratio to the cloud-only run of the same turn."""
     rows = [r for s in sessions for r in s["turns"]]
-    by_turn: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        by_turn.setdefault((r["session"], r["turn"]), {})[r["strategy"]] = r
-    ratios = {name: [t[name]["tokens_per_s"] / t["cloud-only"]["tokens_per_s"] for t in by_turn.values()]
-              for name in strategies if name != "cloud-only"}
+    ratios = turn_ratios(sessions)
     out = {"old_demo_ratios": [round(s["old_demo"]["ratio"], 3) for s in sessions],
            "old_demo_first": [s["old_demo"]["first"] for s in sessions],
            "old_demo_first_vs_second": [round(s["old_demo"]["first_vs_second"], 3) for s in sessions],
@@ -165,14 +163,49 @@ def summarise(sessions: list[dict], strategies: tuple[str, ...]) -> dict:
     return out
 
 
+def turn_ratios(sessions: list[dict], tag: object = None) -> dict[str, list[float]]:
+    """Per strategy, its tokens/s over the cloud-only run of the same turn, one value per turn."""
+    by_turn: dict[tuple, dict[str, dict]] = {}
+    for r in (r for s in sessions for r in s["turns"]):
+        by_turn.setdefault((tag, r["session"], r["turn"]), {})[r["strategy"]] = r
+    out: dict[str, list[float]] = {}
+    for turn in by_turn.values():
+        for name, r in turn.items():
+            if name != "cloud-only":
+                out.setdefault(name, []).append(r["tokens_per_s"] / turn["cloud-only"]["tokens_per_s"])
+    return out
+
+
+def pool(files: list[Path]) -> dict:
+    """The replayed demo ratios and each strategy's interval against cloud-only over several runs' files."""
+    ratios: dict[str, list[float]] = {}
+    old = []
+    for i, path in enumerate(files):
+        sessions = json.loads(path.read_text())["sessions"]
+        old += [round(s["old_demo"]["ratio"], 3) for s in sessions]
+        for name, values in turn_ratios(sessions, i).items():
+            ratios.setdefault(name, []).extend(values)
+    out: dict = {"files": [str(f) for f in files], "old_demo_ratios": old}
+    for name, values in ratios.items():
+        est = mean_ci(values)
+        out[f"{name}_vs_cloud_only"] = {"mean": round(est.value, 3), "ci95": [round(est.lo, 3), round(est.hi, 3)],
+                                        "min": round(min(values), 3), "max": round(max(values), 3), "n": est.n}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pool", nargs="+", type=Path, metavar="FILE",
+                        help="run nothing: pool the turns of these result files and print the intervals")
     parser.add_argument("--sessions", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=6, help="turns per strategy in each session")
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
                         help="the strategies taking turns (cloud-only is always one)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.pool:
+        print(json.dumps(pool(args.pool), indent=1))
+        return
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two cores: the edge on one, the cloud on the other")
     strategies = tuple(dict.fromkeys(["cloud-only", *args.strategies]))

@@ -93,8 +93,8 @@ def local_serve(operator, model_dirs):
     dead = f"127.0.0.1:{free_port()}"
     (operator.root / "ray").mkdir()
     (operator.root / "ray" / "ray_current_cluster").write_text(dead + "\n")
-    serve = CloudServe(operator, *serve_args(model_dirs, "--replicas", "1", "--replica-num-cpus", "0.5",
-                                             "--ray-num-cpus", "1"), env={"RAY_ADDRESS": dead})
+    serve = CloudServe(operator, *serve_args(model_dirs, "--replicas", "1", "--replica-num-cpus", "0.5"),
+                       env={"RAY_ADDRESS": dead})
     try:
         address = serve.wait_serving(STARTS_WITHIN_S)
         record = {"dead": dead, "serving_after_s": time.monotonic() - serve.started, "address": address}
