@@ -102,6 +102,13 @@ def test_an_interval_clear_of_one_is_called_faster_or_slower(hybrid, word):
     assert f"[bold]{word}[/]" in line
 
 
+def test_slower_says_by_how_much_the_interval_allows():
+    turns = Turns((48.0, 48.9, 47.6, 49.3, 48.2), (50.0, 50.5, 49.5, 50.2, 49.8))
+    est = turns.speedup()
+    assert est.hi < 1
+    assert f"slower[/] than cloud-only, by {1 - est.hi:.0%} to {1 - est.lo:.0%}" in measured(turns)
+
+
 def test_turns_must_pair_up():
     with pytest.raises(ValueError):
         Turns((1.0, 2.0), (1.0,))
