@@ -20,7 +20,6 @@ from pathlib import Path
 import psutil
 
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
-AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
 
 def free_port() -> int:
@@ -40,7 +39,9 @@ class Operator:
 
     def __init__(self, root: Path, **env: str) -> None:
         self.root = root
-        self.env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
+        # A fresh shell: none of the RAY_* settings this test process picked up (a local cluster started
+        # here earlier sets RAY_AUTH_*, and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which refuses a second node).
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env.update(HOME=str(root), RAY_TMPDIR=str(root), HYBRIDSPEC_HOME="/nonexistent-hybridspec-home", **env)
         self.address = ""
 

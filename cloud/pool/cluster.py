@@ -73,14 +73,15 @@ def join(address: str, timeout_s: float, **init_kwargs) -> None:
     """Join the cluster at `address` (HOST:PORT of its head, "auto", or ray://HOST:PORT), or fail with
     one line within about CONNECT_TIMEOUT_S + timeout_s."""
     target = resolve(address)
-    named = target if target == address else f"{target} (ray_address {address})"
+    source = _auto_source(target) if address == "auto" else ""
+    named = target if target == address else f"{target} (ray_address {address}{source and ', from ' + source})"
     client = target.startswith("ray://")
     if address == "auto" and not os.environ.get(ray_constants.RAY_ADDRESS_ENVIRONMENT_VARIABLE):
         # As ray.init("auto") does for a cluster it found on this machine (and never for an address
         # given): token authentication on if RAY_AUTH_MODE is unset and a token is at hand.
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     host, port = _host_port(target.removeprefix("ray://"), address)
-    reach(host, port, named, stale_file=address == "auto")
+    reach(host, port, named, stale_file=source == _address_file())
     if not client:
         check_head(target, named, timeout_s)
     _init(1, f"could not join the Ray cluster at {named}", address=target, **init_kwargs)
@@ -114,8 +115,8 @@ def reach(host: str, port: int, named: str, stale_file: bool = False) -> None:
     except ConnectionRefusedError:
         why = "connection refused: no Ray head listens on that port"
         if stale_file:
-            why += (f" ({_address_file()} may name a head that ended without `ray stop`: start the cluster again, "
-                    "or give ray_address explicitly)")
+            why += ("; that file may name a head that ended without `ray stop`: start the cluster again, or give "
+                    "ray_address explicitly")
     except OSError as exc:
         why = exc.strerror or str(exc)
     raise ClusterUnavailable(f"cannot reach the Ray cluster at {named}: {why}")
@@ -220,6 +221,22 @@ def _host_port(address: str, given: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ClusterUnavailable(f"ray_address {given!r} is not HOST:PORT, auto or ray://HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def _auto_source(resolved: str) -> str:
+    """Where ray_address "auto" found `resolved`: RAY_ADDRESS, the address file of the last `ray start`,
+    or (Ray's last resort, and its first choice when exactly one runs) a head running on this machine."""
+    from ray._private.utils import read_ray_address
+
+    if os.environ.get(ray_constants.RAY_ADDRESS_ENVIRONMENT_VARIABLE):
+        return "RAY_ADDRESS"
+    written = read_ray_address()
+    try:
+        if written and services.canonicalize_bootstrap_address(written) == resolved:
+            return _address_file()
+    except (ValueError, ConnectionError):
+        pass
+    return "a Ray head running on this machine"
 
 
 def _address_file() -> str:
