@@ -29,7 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from hybridspec.cloud.pool.backend import InProcessBackend
-from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool, init_ray
+from hybridspec.cloud.pool.cluster import start_local
+from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool
 from hybridspec.cloud.pool.replica import ReplicaSpec
 from hybridspec.cloud.core.scheduler import DEFAULT_MAX_WAIT_MS
 from hybridspec.cloud.api.server import BackgroundServer
@@ -115,8 +116,8 @@ def main() -> None:
 
     if pin:
         os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
-    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
-             logging_level="ERROR")
+    start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
+                logging_level="ERROR")
     servers = {}
     for name, verify_host in (("front-door", ""), ("direct", "127.0.0.1")):
         spec = ReplicaSpec(target=target, device="cpu", torch_threads=1, limits=LIMITS, max_wait_ms=args.max_wait_ms,

@@ -159,14 +159,15 @@ def _pool_runs(args, target, refs, cores):
     """Batched and unbatched Ray pools behind real front doors; also the per-round hop latency."""
     import ray
 
-    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool, init_ray
+    from hybridspec.cloud.pool.cluster import start_local
+    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool
     from hybridspec.cloud.pool.replica import ReplicaSpec
     from hybridspec.cloud.api.server import BackgroundServer
 
     if cores:
         os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
-    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
-             logging_level="ERROR")
+    start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
+                logging_level="ERROR")
     servers = {}
     for name, max_batch in (("unbatched", 1), ("batched", MAX_BATCH)):
         spec = ReplicaSpec(target=args.target, device=args.device, torch_threads=1 if cores else 0, limits=LIMITS,

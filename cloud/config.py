@@ -31,6 +31,7 @@ class ServeConfig:
     replica_num_cpus: float = like(PoolSpec, "num_cpus")
     replica_num_gpus: float = like(PoolSpec, "num_gpus")
     ray_address: str = like(PoolSpec, "ray_address")
+    ray_join_timeout_s: float = like(PoolSpec, "ray_join_timeout_s")
     ray_num_cpus: int = like(PoolSpec, "ray_num_cpus")
     ray_local_only: bool = like(PoolSpec, "ray_local_only")
     replica_niceness: int = like(PoolSpec, "niceness")
@@ -97,7 +98,8 @@ class ServeConfig:
     def pool_spec(self, target: str) -> PoolSpec:
         """The Ray pool this config describes."""
         return PoolSpec(replica=self.replica_spec(target), replicas=self.replicas, num_cpus=self.replica_num_cpus,
-                        num_gpus=self.replica_num_gpus, ray_address=self.ray_address, ray_num_cpus=self.ray_num_cpus,
+                        num_gpus=self.replica_num_gpus, ray_address=self.ray_address,
+                        ray_join_timeout_s=self.ray_join_timeout_s, ray_num_cpus=self.ray_num_cpus,
                         max_sessions_per_client=self.max_sessions_per_client,
                         max_sessions_per_address=self.max_sessions_per_address, replica_wait_s=self.replica_wait_s,
                         ray_local_only=self.ray_local_only, niceness=self.replica_niceness)

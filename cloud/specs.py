@@ -81,8 +81,11 @@ class PoolSpec:
     replicas: int = setting(1, "Ray replicas, each with its own copy of the target", ge=1)
     num_cpus: float = setting(1.0, "Ray CPUs reserved per replica (fractions allowed)", ge=0)
     num_gpus: float = setting(0.0, "Ray GPUs per replica (1 on a GPU cluster)", ge=0)
-    ray_address: str = setting("", 'the Ray cluster to join ("auto" or ray://HOST:10001); empty: start a '
-                                   "local one")
+    ray_address: str = setting("", "the Ray cluster to join: its head's HOST:PORT, auto (the one `ray start` "
+                                   "made on this machine, or RAY_ADDRESS) or ray://HOST:10001; empty: start a "
+                                   "local one, whatever RAY_ADDRESS says")
+    ray_join_timeout_s: float = setting(30.0, "joining a cluster: how long its head may take to answer before "
+                                              "the server gives up with an error", gt=0)
     ray_num_cpus: int = setting(0, "CPUs a local cluster advertises; 0 = every core", ge=0)
     niceness: int = setting(0, "scheduling niceness of each replica's process (Ray starts its workers at 15, "
                                "which makes a replica yield its core to everything else on the node)", ge=0, le=19)

@@ -6,6 +6,8 @@ at n ≥ 3. Ratios and crossovers (a speed-up, the RTT where it falls to 1) have
 they get a percentile bootstrap that resamples prompts — the unit a reader generalises over — with
 each prompt's repeats kept together (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993,
 ch. 13).
+
+Standard library only: `hybridspec demo`, which any install runs, prints its interval with mean_ci.
 """
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-from scipy import stats as scipy_stats
 
 LEVEL = 0.95
 BOOTSTRAP_SAMPLES = 2000
@@ -48,8 +48,52 @@ def mean_ci(values: Sequence[float], level: float = LEVEL) -> Estimate:
     mean = statistics.fmean(values)
     if n == 1:
         return Estimate(mean, mean, mean, 1)
-    half = scipy_stats.t.ppf((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    half = t_quantile((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
     return Estimate(mean, mean - half, mean + half, n)
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (0.5 <= p < 1) of Student's t distribution with df degrees of freedom, by
+    bisection on its CDF, 1 - I_x(df/2, 1/2) / 2 with x = df / (df + t²)."""
+    if not 0.5 <= p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for t >= 0."""
+    return 1 - 0.5 * _incomplete_beta(df / (df + t * t), df / 2, 0.5)
+
+
+def _incomplete_beta(x: float, a: float, b: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (Press et al.,
+    *Numerical Recipes*, 3rd ed., §6.4), evaluated where it converges fast."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _incomplete_beta(1 - x, b, a)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1 - x)) / a
+    tiny = 1e-300
+    c, d = 1.0, 1 - (a + b) * x / (a + 1)
+    d = 1 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1 + numerator * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return front * f
 
 
 def bootstrap_ci(groups: Sequence[object], statistic: Callable[[list], float | None], level: float = LEVEL,

@@ -55,9 +55,10 @@ def ray_cluster():
     """A local Ray cluster for the pool tests; replicas ask for fractions of its CPUs."""
     import ray
 
-    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, init_ray
+    from hybridspec.cloud.pool.cluster import start_local
+    from hybridspec.cloud.pool.ray_pool import WORKER_ENV
 
-    init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
+    start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV})
     yield
     ray.shutdown()
 

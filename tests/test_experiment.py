@@ -16,7 +16,7 @@ from hybridspec.lab.report import predicted_crossover_ms
 from hybridspec.lab.rows import read_rows
 from hybridspec.lab.runner import run_experiment
 from hybridspec.lab.spec import load_spec
-from hybridspec.lab.stats import crossing
+from hybridspec.lab.stats import crossing, mean_ci, t_quantile
 from tinymodels import greedy_reference
 
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
@@ -179,6 +179,19 @@ def test_crossovers():
     assert crossing({0: 1.5, 100: 0.5}.items()) == pytest.approx(50)
     assert crossing({0: 0.9, 100: 0.5}.items()) == 0
     assert crossing({0: 1.5, 100: 1.2}.items()) is None
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 11, 30, 200])
+def test_student_t_quantiles_match_scipy(df):
+    """lab/stats.py has no scipy (the demo uses it in any install); its t quantiles are scipy's."""
+    from scipy import stats
+
+    for p in (0.5, 0.9, 0.975, 0.995):
+        assert t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9, abs=1e-12)
+    values = [0.93, 1.02, 0.99, 1.05, 0.97]
+    est = mean_ci(values)
+    half = stats.t.ppf(0.975, 4) * statistics.stdev(values) / len(values) ** 0.5
+    assert (est.lo, est.hi) == pytest.approx((statistics.fmean(values) - half, statistics.fmean(values) + half))
 
 
 def bound_gamma8_r(alpha: float) -> float:

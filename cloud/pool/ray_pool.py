@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
-from ray._private import ray_constants
-from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
-from ray._private.authentication.authentication_token_setup import _enable_token_auth as enable_token_auth
 from ray.exceptions import RayActorError
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .backend import Backend, ReplicaLost
+from .cluster import join, last_line, start_local
 from ..core.telemetry import Tally
 from .reaper import start_reaper
 from ..specs import PoolSpec
@@ -55,35 +52,6 @@ class _Replica:
     verify_address: str = ""  # its direct endpoint (changes when Ray restarts it); "" = none
 
 
-def init_ray(attempts: int = 2, local_only: bool = True, **kwargs) -> None:
-    """ray.init, tried again once: on a loaded machine a local raylet can miss Ray's fixed 30 s
-    registration window. Call it on the main thread, where Ray installs its signal handlers.
-
-    local_only (for a cluster this process starts): no other node may join, and every Ray process
-    listens on 127.0.0.1 only. Ray's single-machine mode does this; on Linux it is off by default and
-    read from the environment, by the Ray processes themselves and (once, at import) by this one.
-    """
-    if "address" not in kwargs and AUTH_MODE_ENV_VAR not in os.environ:
-        # A cluster this process starts uses token authentication, Ray's default for a new local cluster.
-        # With RAY_AUTH_MODE unset, ray.init enables it by this very call and then warns "Token
-        # authentication is enabled..." on every start; enabling it first (env var and Ray's cached
-        # config) keeps auth on and the start quiet. An operator's own RAY_AUTH_MODE is left alone, and
-        # a joined cluster's mode applies.
-        enable_token_auth()
-    if local_only and "address" not in kwargs:
-        os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    for attempt in range(attempts):
-        try:
-            ray.init(**kwargs)
-            return
-        except Exception as exc:  # Ray raises a bare Exception for a node that timed out starting
-            ray.shutdown()
-            if attempt == attempts - 1:
-                raise Unavailable(f"could not start or join the Ray cluster: {_last_line(exc)}") from None
-            log.warning("Ray did not start (%s); trying again", _last_line(exc))
-
-
 class RayPool(Backend):
     """Backend whose replicas are Ray actors."""
 
@@ -98,17 +66,18 @@ class RayPool(Backend):
         self._watchers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        """Start or join the Ray cluster, create the replicas and wait until every model is loaded."""
+        """Start or join the Ray cluster (cloud/pool/cluster.py), create the replicas and wait until
+        every model is loaded."""
         if not ray.is_initialized():
             kwargs: dict = {"runtime_env": {"env_vars": WORKER_ENV}, "include_dashboard": False,
                             "log_to_driver": False, "logging_level": logging.WARNING}
             if self.spec.ray_address:
-                kwargs["address"] = self.spec.ray_address
+                join(self.spec.ray_address, self.spec.ray_join_timeout_s, **kwargs)
             else:
                 start_reaper()  # no Ray process outlives this one, however it ends
                 if self.spec.ray_num_cpus:
                     kwargs["num_cpus"] = self.spec.ray_num_cpus
-            init_ray(local_only=self.spec.ray_local_only, **kwargs)
+                start_local(local_only=self.spec.ray_local_only, **kwargs)
             self._started_ray = True
         actor = ray.remote(VerifierReplica)
         for i in range(self.spec.replicas):
@@ -122,7 +91,7 @@ class RayPool(Backend):
                                                                  for r in self.replicas.values()))
         except RayActorError as exc:
             await self.stop()
-            raise Unavailable(f"a verifier replica failed to start: {_last_line(exc)}") from None
+            raise Unavailable(f"a verifier replica failed to start: {last_line(exc)}") from None
         if len({(r.info.tokenizer_fingerprint, r.info.model_fingerprint) for r in readies}) != 1:
             await self.stop()
             raise Unavailable("replicas loaded different models; check the target setting")
@@ -253,8 +222,3 @@ class RayPool(Backend):
             except Exception:  # any Ray error while it restarts: keep watching
                 await asyncio.sleep(0.5)
 
-
-def _last_line(exc: Exception) -> str:
-    """The innermost error of a Ray failure, without Ray's traceback text."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__

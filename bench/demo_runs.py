@@ -1,0 +1,54 @@
+"""Fresh `hybridspec demo` runs, one after another, and the interval each one printed.
+
+    python bench/demo_runs.py [--runs 5] [--out docs/experiments/demo/runs.json] [-- DEMO FLAGS]
+
+Each run is a new `hybridspec demo` process (its own cloud, Ray cluster and edge, as a newcomer
+starts it), saving its turns with `--save`; this collects them with the date, commit and machine.
+Prints one line per run and writes every run's record to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import cpu_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("demo_flags", nargs="*", help="passed on to `hybridspec demo` (after --)")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    runs = []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = Path(tmp) / "demo.json"
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "demo", "--save", str(saved),
+                                   *args.demo_flags], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"run {i + 1}: demo exited {done.returncode}: {done.stderr.strip()[-500:]}")
+            record = {"run": i + 1, "seconds": round(time.monotonic() - started, 1), **json.loads(saved.read_text())}
+        runs.append(record)
+        s = record["speedup"]
+        print(f"run {i + 1}: default edge {s['mean']:.2f}x cloud-only, 95 % interval [{s['lo']:.2f}, {s['hi']:.2f}] "
+              f"over {record['turns']} turns, {record['rounds']} rounds drafted, same tokens: {record['same_tokens']}",
+              flush=True)
+    result = {"bench": "demo_runs", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
+              "machine": {"cpu": cpu_model(), "platform": platform.platform()},
+              "engine": "llamacpp (auto), the embedded pair", "demo_flags": args.demo_flags, "runs": runs}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
