@@ -4,7 +4,8 @@ Every layer's keys and values live in one tensor of `pages × PAGE_TOKENS` token
 when the replica starts, so memory is bounded by the configured token budget and never grows with
 traffic. A session owns a `PageTable`: the pages holding its tokens in order. Extending a session
 takes free pages; rejecting a draft suffix or rolling back a failed round is a length update; a
-closed or evicted session gives its pages back. Nothing is ever concatenated or copied per round.
+closed or evicted session gives its pages back. Nothing is ever concatenated or copied per round; a
+session that starts from another's cached prefix gets copies of its rows in pages of its own.
 """
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ class KVPool:
         """Return pages to the free list."""
         self._free.extend(reversed(pages))
 
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys and values from pool rows `src` to rows `dst` (1-D int64 indices of
+        one length, on the pool's device; overlapping sets are safe: the source rows are read first)."""
+        for store in (*self.keys, *self.values):
+            store.index_copy_(1, dst, store.index_select(1, src))
+
 
 class PageTable:
     """The pages holding one session's cached tokens, and how many tokens are stored."""
@@ -90,6 +97,18 @@ class PageTable:
     def release(self) -> None:
         """Give every page back (the session is gone)."""
         self.truncate(0)
+
+    def copy_prefix(self, src: PageTable, length: int) -> None:
+        """Start this empty table from `src`'s first `length` tokens: pages of its own (ResourceExhausted,
+        nothing taken, if the pool lacks them) holding copies of their keys and values."""
+        if self.length or self.pages:
+            raise ValueError("a prefix is copied into an empty table only")
+        if not 0 < length <= src.length:
+            raise ValueError(f"cannot copy {length} tokens of a table of {src.length}")
+        self.grow(length)
+        device = self.pool.keys[0].device
+        self.pool.copy_rows(src.rows(length, device), self.rows(length, device))
+        self.length = length
 
     def rows(self, stop: int, device: torch.device) -> torch.Tensor:
         """Pool row index of each of the tokens 0..stop-1, as a 1-D int64 tensor."""

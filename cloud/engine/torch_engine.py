@@ -134,6 +134,10 @@ class TorchEngine:
         """Take the pages `extra` more tokens need."""
         kv.grow(extra)
 
+    def copy_prefix(self, src: PageTable, dst: PageTable, length: int) -> None:
+        """Copy `src`'s first `length` tokens' rows into pages of the empty `dst` (see Engine)."""
+        dst.copy_prefix(src, length)
+
     def truncate(self, kv: PageTable, length: int) -> None:
         """Keep the first `length` tokens; later pages go back to the pool."""
         kv.truncate(length)
