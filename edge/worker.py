@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec
+from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec, check_context
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
 from .config import EdgeConfig, GammaPolicy
@@ -172,6 +172,8 @@ class GenerationRun:
         self.prompt = prompt
         try:
             self.info = worker.info if worker.connected else worker.connect(self.client)
+            if self.info.max_context:  # before any work: a prompt that cannot fit is refused at once
+                check_context(len(prompt), cfg.max_new_tokens, self.info.max_context)
         except Unavailable:
             if not cfg.allow_unverified:
                 worker.release(self.client)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from ...common.security.credentials import Identity
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
 from ...common.protocol.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
-                           VerifyResult)
+                                     VerifyResult, check_context)
 from ..core.telemetry import Tally
 from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Scheduler
 from .routing import SessionTable
@@ -291,8 +291,7 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, caller: Identity
     """
     info = backend.model_info()
     spec.validate(info.vocab_size)
-    if len(spec.prompt_ids) + spec.max_new_tokens > info.max_context:
-        raise ResourceExhausted(f"prompt + max_new_tokens exceeds max_context {info.max_context}")
+    check_context(len(spec.prompt_ids), spec.max_new_tokens, info.max_context)
     session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling,
                           mode=Mode.GREEDY if spec.sampling.greedy else Mode.COUPLED,
                           seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint,
