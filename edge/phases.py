@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # type names only: a phase must not import the worker or the 
     from ..common.protocol.errors import Unavailable
     from ..common.protocol.wire import ModelInfo
     from .client import VerifierClient
+    from .cloud_stream import CloudStream
     from .config import EdgeConfig
     from .controller import Controller, Phase
     from .drafter import Lookahead
@@ -64,6 +65,9 @@ class RunView(Protocol):
 
     def drafter_ready(self) -> bool:
         """The drafter model has loaded."""
+
+    def cloud_stream(self) -> CloudStream:
+        """A cloud-only stream of this generation, not yet started."""
 
     def open_hybrid(self) -> None:
         """Get ready for verify rounds: the drafter, then a session from everything committed."""

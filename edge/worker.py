@@ -20,6 +20,7 @@ from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavai
 from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec, check_context
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
+from .cloud_stream import CloudStream
 from .config import EdgeConfig, GammaPolicy
 from .controller import Controller, Phase, Policy
 from .estimates import Estimates
@@ -253,6 +254,10 @@ class GenerationRun:
         self.verify_round = VerifyRound(self.state, self.stats, self._drafter, self.session.send,
                                         with_q=cfg.resolved_mode.uses_draft_probs,
                                         features=self.eagle.log if self.eagle else None)
+
+    def cloud_stream(self) -> CloudStream:
+        """A cloud-only stream of this generation (edge/cloud_stream.py), not yet started."""
+        return CloudStream(self.client, self.session.spec, self.state, self.estimates, self.stats, self.cfg.timeout_s)
 
     def open_hybrid(self) -> None:
         """Get ready for verify rounds: the drafter (waiting for it if it still loads), then the session."""

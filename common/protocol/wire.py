@@ -353,6 +353,31 @@ class GenerateSpec:
             raise InvalidArgument("max_new_tokens must be >= 1")
 
 
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Cloud-only decoding on an open session: up to `max_new_tokens` tokens after its committed ones,
+    each the token of an empty round."""
+
+    session_id: str
+    round: int  # the session's next round
+    committed_len: int  # the committed length the client believes in
+    max_new_tokens: int
+    owner: str = ""  # never on the wire: the identity that sent it (as DraftBlock.owner)
+
+    def validate(self, max_context: int) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        check_session_id(self.session_id)
+        if self.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens must be >= 1")
+        if self.committed_len + self.max_new_tokens > max_context:
+            raise InvalidArgument(f"committed_len ({self.committed_len}) plus max_new_tokens ({self.max_new_tokens}) "
+                                  f"exceeds the verifier's max_context of {max_context} tokens")
+
+    def first_block(self) -> DraftBlock:
+        """The empty round whose token is the stream's first."""
+        return DraftBlock(self.session_id, self.round, self.committed_len, (), owner=self.owner)
+
+
 def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int) -> None:
     """InvalidArgument, naming the numbers, when a prompt and the tokens to generate after it do not fit
     in a session's max_context: what the cloud's Generate and an edge check before any work."""
