@@ -10,6 +10,9 @@ llama.cpp engine as a replica serves (one thread, prefill in chunks of `prefill_
                  question): its prefill and the first decoded token
   decode_tok_s   the 96 tokens after it, one per pass (cloud-only decoding)
   same_text      tokens of those 96 equal to the shipped Q4_1's own (a re-quantisation is another model)
+  prefill_tok_s  the prompt's prefill alone (chunks of prefill_chunk), on the engine as served (ubatches
+                 under 64 rows, llamacpp_context.UBATCH) and with ubatches of 2,048 rows (llama.cpp's
+                 tiled kernels: faster, but a cache then depends on its chunking: docs/engine.md)
   flips          bench/llamacpp_exactness.py's count: each prompt decoded one token per pass, then that
                  decoding verified in blocks of 4, alone and eight sessions a pass; a block not accepted
                  whole with the reference's next token is a flip (what breaks hybrid == --cloud-only)
@@ -29,6 +32,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hybridspec.cloud.core.verifier import Verifier
+from hybridspec.cloud.engine import llamacpp_context
+from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
 from hybridspec.cloud.specs import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
@@ -68,6 +73,18 @@ def serve(gguf: Path, limits: VerifierLimits) -> Verifier:
     return Verifier(GgufTarget(str(gguf), gguf, engine.vocab_size), limits, engine)
 
 
+def prefill_rate(engine: LlamaCppEngine, prompt: list[int], chunk: int) -> float:
+    """Tokens/s of prefilling `prompt` in chunks of `chunk`, nothing scored."""
+    kv = engine.new_sequence()
+    start = time.perf_counter()
+    for first in range(0, len(prompt), chunk):
+        engine.reserve(kv, len(prompt[first:first + chunk]))
+        engine.forward([Feed(kv, prompt[first:first + chunk], scored=False)])
+    seconds = time.perf_counter() - start
+    engine.release(kv)
+    return len(prompt) / seconds
+
+
 def first_token_and_decode(verifier: Verifier, prompt: list[int]) -> tuple[float, float, list[int]]:
     """(seconds to the first token, decode tokens/s after it, the tokens) of one cold session."""
     sid = f"s{time.monotonic_ns()}"
@@ -95,11 +112,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         files = {weights: checkpoint(target_dir, Path(workdir), weights) for weights in TYPES}
         verifiers = {weights: serve(path, timing) for weights, path in files.items()}
+        served = llamacpp_context.UBATCH
+        llamacpp_context.UBATCH = 2048
+        wide = {weights: LlamaCppEngine(path, 2048, 1, trees=False) for weights, path in files.items()}
+        llamacpp_context.UBATCH = served
         tokenizer = verifiers[SHIPPED].target.tokenizer
         questions = FREEFORM_PROMPTS[:args.repeats]
         prompts = [chat(tokenizer, q) for q in questions]
         first_token_and_decode(verifiers[SHIPPED], prompts[0][:64])  # warm the kernels up
-        rows: dict[str, dict] = {w: {"ttft_s": [], "decode_tok_s": [], "same_text": []} for w in TYPES}
+        rows: dict[str, dict] = {w: {"ttft_s": [], "decode_tok_s": [], "same_text": [], "prefill_tok_s": [],
+                                     "prefill_tok_s_ubatch_2048": []} for w in TYPES}
+        chunk = timing.prefill_chunk
         texts: dict[str, list[list[int]]] = {w: [] for w in TYPES}
         for prompt in prompts:
             for weights, verifier in verifiers.items():
@@ -107,10 +130,13 @@ def main() -> None:
                 rows[weights]["ttft_s"].append(round(ttft, 3))
                 rows[weights]["decode_tok_s"].append(round(speed, 2))
                 texts[weights].append(tokens)
+                rows[weights]["prefill_tok_s"].append(round(prefill_rate(verifier.engine, prompt, chunk), 1))
+                rows[weights]["prefill_tok_s_ubatch_2048"].append(round(prefill_rate(wide[weights], prompt, chunk), 1))
         for weights in TYPES:
             rows[weights]["same_text"] = [sum(a == b for a, b in zip(x, y)) for x, y in zip(texts[weights],
                                                                                        texts[SHIPPED])]
         verifiers.clear()  # free the engines before the flip runs load their own
+        wide.clear()
         flips = VerifierLimits(max_context=2048, max_draft=GAMMA, max_sessions=BATCH, kv_streams=BATCH,
                                kv_cache_tokens=16384)
         for weights, path in files.items():
@@ -124,8 +150,8 @@ def main() -> None:
             rows[weights]["flips"] = total
             del verifier
     for weights, row in rows.items():
-        row["ttft_s_median"] = statistics.median(row["ttft_s"])
-        row["decode_tok_s_median"] = statistics.median(row["decode_tok_s"])
+        for key in ("ttft_s", "decode_tok_s", "prefill_tok_s", "prefill_tok_s_ubatch_2048"):
+            row[f"{key}_median"] = statistics.median(row[key])
     result = {"date": date.today().isoformat(), "cpu": cpu_model(), "engine": "llamacpp, 1 thread",
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": NEW_TOKENS, "types": rows}
     text = json.dumps(result, indent=1)

@@ -11,6 +11,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
+from .cloud_stream import CloudStream
 from .controller import Phase
 from .state import Event, Origin
 
@@ -26,7 +27,7 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
     # The open leaves first: setting up the drafter (a llama.cpp context takes about 15 ms) and the
     # round-trip probe then overlap the cloud's prefill and the link, instead of delaying the first token.
     sent = time.perf_counter()
-    cloud = run.cloud_stream()
+    cloud = CloudStream.of(run.session)
     cloud.start()
     stream = cloud.tokens(cfg.max_new_tokens - state.generated)
     try:

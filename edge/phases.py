@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # type names only: a phase must not import the worker or the 
     from ..common.protocol.errors import Unavailable
     from ..common.protocol.wire import ModelInfo
     from .client import VerifierClient
-    from .cloud_stream import CloudStream
+    from .session import CloudSession
     from .config import EdgeConfig
     from .controller import Controller, Phase
     from .drafter import Lookahead
@@ -54,6 +54,7 @@ class RunView(Protocol):
     in_flight: Proposal | None  # the block being verified when the cloud was lost
     gave_up: bool  # the cloud stayed unreachable: the unverified tail is the end
     verify_round: VerifyRound | None
+    session: CloudSession  # the generation's hybrid session (a cloud-only stream opens its own beside it)
 
     @property
     def drafter(self) -> Lookahead:
@@ -65,9 +66,6 @@ class RunView(Protocol):
 
     def drafter_ready(self) -> bool:
         """The drafter model has loaded."""
-
-    def cloud_stream(self) -> CloudStream:
-        """A cloud-only stream of this generation, not yet started."""
 
     def open_hybrid(self) -> None:
         """Get ready for verify rounds: the drafter, then a session from everything committed."""

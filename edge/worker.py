@@ -1,9 +1,8 @@
 """The edge worker: draft, get verified, commit — and decide when the cloud is better left alone.
 
 A generation moves between three phases (edge/controller.py decides between the first two):
-    hybrid      draft a block (γ from measured rates), verify it on the session's stream, commit;
-                optionally draft the next block while waiting (here)
-    cloud-only  the target decodes alone on a `Generate` stream (edge/cloud_only.py)
+    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile (here)
+    cloud-only  the target decodes alone, streamed from its replica (edge/cloud_only.py)
     offline     the cloud is unreachable and `allow_unverified` is on: the drafter continues alone,
                 then its tokens are verified or rolled back (edge/offline.py)
 Committed tokens never change (edge/state.py). Events report progress to a caller that streams text.
@@ -20,7 +19,6 @@ from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavai
 from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec, check_context
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
-from .cloud_stream import CloudStream
 from .config import EdgeConfig, GammaPolicy
 from .controller import Controller, Phase, Policy
 from .estimates import Estimates
@@ -173,8 +171,7 @@ class GenerationRun:
         self.prompt = prompt
         try:
             self.info = worker.info if worker.connected else worker.connect(self.client)
-            if self.info.max_context:  # before any work: a prompt that cannot fit is refused at once
-                check_context(len(prompt), cfg.max_new_tokens, self.info.max_context)
+            check_context(len(prompt), cfg.max_new_tokens, self.info.max_context)  # before any work
         except Unavailable:
             if not cfg.allow_unverified:
                 worker.release(self.client)
@@ -254,10 +251,6 @@ class GenerationRun:
         self.verify_round = VerifyRound(self.state, self.stats, self._drafter, self.session.send,
                                         with_q=cfg.resolved_mode.uses_draft_probs,
                                         features=self.eagle.log if self.eagle else None)
-
-    def cloud_stream(self) -> CloudStream:
-        """A cloud-only stream of this generation (edge/cloud_stream.py), not yet started."""
-        return CloudStream(self.client, self.session.spec, self.state, self.estimates, self.stats, self.cfg.timeout_s)
 
     def open_hybrid(self) -> None:
         """Get ready for verify rounds: the drafter (waiting for it if it still loads), then the session."""

@@ -299,7 +299,8 @@ async def decode_tokens(backend: Backend, spec: DecodeSpec, caller: Identity) ->
     before anything is decoded."""
     info = backend.model_info()
     spec.validate(info.max_context)
-    async for token in backend.decode(spec.first_block(), spec.max_new_tokens, frozenset(info.eos_token_ids), caller):
+    first = DraftBlock(spec.session_id, spec.round, spec.committed_len, ())  # an empty round: the first token
+    async for token in backend.decode(first, spec.max_new_tokens, frozenset(info.eos_token_ids), caller):
         yield token
 
 

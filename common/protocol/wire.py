@@ -362,7 +362,6 @@ class DecodeSpec:
     round: int  # the session's next round
     committed_len: int  # the committed length the client believes in
     max_new_tokens: int
-    owner: str = ""  # never on the wire: the identity that sent it (as DraftBlock.owner)
 
     def validate(self, max_context: int) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -373,17 +372,14 @@ class DecodeSpec:
             raise InvalidArgument(f"committed_len ({self.committed_len}) plus max_new_tokens ({self.max_new_tokens}) "
                                   f"exceeds the verifier's max_context of {max_context} tokens")
 
-    def first_block(self) -> DraftBlock:
-        """The empty round whose token is the stream's first."""
-        return DraftBlock(self.session_id, self.round, self.committed_len, (), owner=self.owner)
-
 
 def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int) -> None:
     """InvalidArgument, naming the numbers, when a prompt and the tokens to generate after it do not fit
-    in a session's max_context: what the cloud's Generate and an edge check before any work."""
-    if prompt_tokens >= max_context:
+    in a session's max_context (0: not known, nothing to check): what the cloud's Generate and an edge
+    check before any work."""
+    if max_context and prompt_tokens >= max_context:
         raise InvalidArgument(f"the prompt is {prompt_tokens} tokens; the verifier's max_context is {max_context}")
-    if prompt_tokens + max_new_tokens > max_context:
+    if max_context and prompt_tokens + max_new_tokens > max_context:
         raise InvalidArgument(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                               f"the verifier's max_context of {max_context} tokens")
 
