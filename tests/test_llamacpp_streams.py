@@ -2,6 +2,8 @@
 whatever the chunking, sessions beyond the resident streams parked in host memory and restored bit
 for bit, the least recently used parked first and never one the coming pass feeds, bounded host
 memory, and a new session started from another's cached prefix exactly as if it had prefilled it."""
+import mmap
+
 import pytest
 import torch
 
@@ -56,13 +58,20 @@ def test_a_cache_does_not_depend_on_how_its_tokens_were_chunked(engine):
         assert torch.equal(logits, expected), chunk
 
 
-def test_a_session_past_the_streams_parks_the_least_recently_used_and_is_restored_exactly(engine):
+@pytest.mark.parametrize("huge", [False, True], ids=["bytes", "huge pages"])
+def test_a_session_past_the_streams_parks_the_least_recently_used_and_is_restored_exactly(engine, huge,
+                                                                                         monkeypatch):
+    from hybridspec.cloud.engine import llamacpp_context
+
+    if huge:  # park every state in huge-page memory, as states of over 16 MiB are
+        monkeypatch.setattr(llamacpp_context, "HUGE_STATE_BYTES", 0)
     a, b = prefill(engine, random_ids(22, 300)), prefill(engine, random_ids(23, 200))
     block = random_ids(24, 5)
     before = score(engine, a, block), score(engine, b, block)
     parks = engine.parks
     c = prefill(engine, random_ids(25, 100))  # no free stream: a (used least recently) is parked
     assert a.seq_id is None and a.length == 300 and engine.parked_tokens == 300 and engine.parks == parks + 1
+    assert isinstance(a.parked, mmap.mmap) == huge
     assert b.seq_id is not None and c.seq_id is not None
     assert torch.equal(score(engine, a, block), before[0])  # restored (b parked now), bit for bit
     assert b.seq_id is None and torch.equal(score(engine, b, block), before[1])

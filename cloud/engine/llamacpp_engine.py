@@ -43,6 +43,7 @@ ctypes releases the GIL during every llama.cpp call, so the replica's gRPC threa
 """
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ class LlamaSequence:
     length: int = 0  # tokens cached (after a tree pass, with the tree's tokens until keep_rows)
     held: int = 0  # cells reserved for it in its stream, >= length while resident
     seq_id: int | None = None  # its stream while resident
-    parked: bytearray | None = None  # its state while parked
+    parked: bytearray | mmap.mmap | None = None  # its state while parked
     parked_cells: int = 0  # tokens that state holds (>= length: a cut while parked applies at the restore)
     used: int = 0  # the engine's pass count when it was last reserved: who is parked first, and who not now
     tree: PlantedTree | None = None  # the last pass's tree, until keep_rows, truncate or release
