@@ -4,7 +4,7 @@
 
 For each code (this checkout, and `--baseline-commit`'s files extracted with `git archive` and imported
 in its place), `cloud serve --backend inprocess` with its defaults (the front door is the replica: one
-process) on core 1; `--sessions` sessions of `--tokens` distinct prompt tokens each are opened one by
+process; only the per-address session limit raised to `--sessions`) on core 1; `--sessions` sessions of `--tokens` distinct prompt tokens each are opened one by
 one and left idle. The process's resident memory (VmRSS) is read when it is serving and after the
 sessions are open.
 """
@@ -60,7 +60,8 @@ def measure(sessions: int, tokens: int, pythonpath: str = "") -> dict:
     if pythonpath:
         os.environ["PYTHONPATH"] = pythonpath
     try:
-        proc, address, _ = start_cloud_process({"backend": "inprocess"}, cores={CLOUD_CORE})
+        proc, address, _ = start_cloud_process({"backend": "inprocess", "max_sessions_per_address": sessions},
+                                               cores={CLOUD_CORE})
     finally:
         if pythonpath:
             os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
