@@ -1,6 +1,6 @@
 """Where the time of one cloud-only token goes, layer by layer, against llama.cpp alone, in one run.
 
-    python bench/cloud_only_overhead.py [--prompts 4] [--new-tokens 64] [--repeats 2]
+    python bench/cloud_only_overhead.py [--prompts 4] [--new-tokens 64] [--repeats 2] [--out FILE]
 
 Greedy decoding of the embedded target's GGUF on core 1 (one thread), the client on core 0, the same
 chat prompts through each layer in turn, repeated and interleaved so that drift hits every layer:
@@ -10,8 +10,13 @@ chat prompts through each layer in turn, repeated and interleaved so that drift 
   verifier         Verifier.verify of empty blocks (validation, the rule, committing)
   grpc_inprocess   `cloud serve --backend inprocess` + VerifierClient.generate (scheduler thread,
                    event loop, a gRPC message per token)
-  grpc_ray         `cloud serve` with its default Ray pool (a Ray actor call per token)
+  grpc_ray         `cloud serve` with its default Ray pool, `Generate` at the front door (every token
+                   crosses Ray to the front door)
+  decode_ray       the same pool: a session opened at the front door, its tokens streamed by `Decode`
+                   from the replica's own endpoint (what the edge does since cloud-only tokens skip Ray)
   edge_ray         `edge generate --cloud-only`'s worker over the Ray pool (text handling, stops)
+  edge_default_ray the default edge's worker over the Ray pool (it decides; on this CPU: cloud-only,
+                   shadow drafting on the edge's core)
 
 Milliseconds per token (prompt prefill included, as a user waits for it) and tokens/s relative to
 llama.cpp alone. Prints one JSON object.
@@ -23,6 +28,8 @@ import json
 import os
 import statistics
 import time
+from datetime import date
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,10 +39,10 @@ from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.cloud.specs import VerifierLimits
+from hybridspec.cloud.specs import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
-from hybridspec.common.models.gguf import GgufTarget, find_gguf
-from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
+from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
+from hybridspec.common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -96,6 +103,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="")
     args = parser.parse_args()
     from llama_cpp import Llama
 
@@ -109,22 +117,36 @@ def main() -> None:
     engine = LlamaCppEngine(gguf, 8192, 4, threads=1)
     target = GgufTarget(str(gguf), gguf, engine.vocab_size)
     eos = set(target.eos_token_ids)
-    verifier = Verifier(target, VerifierLimits(max_context=2048, max_sessions=4, kv_cache_tokens=8192), engine)
-    inproc, inproc_address, _ = start_cloud_process({"backend": "inprocess", "engine": "llamacpp", "torch_threads": 1,
-                                                     "pass_cost_tokens": 0}, cores={CLOUD_CORE})
-    ray, ray_address, _ = start_cloud_process({"engine": "llamacpp", "torch_threads": 1, "pass_cost_tokens": 0},
-                                              cores={CLOUD_CORE})
-    clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address)}
-    worker = EdgeWorker(drafter, VerifierClient(ray_address), EdgeConfig(cloud=ray_address, max_new_tokens=n,
-                                                                           cloud_only=True))
+    # No prefix reuse anywhere: every layer prefills each prompt, as llama.cpp alone does after its reset
+    # (the layers decode the same prompts one after another, so reuse would favour all but the first).
+    verifier = Verifier(target, VerifierLimits(max_context=2048, max_sessions=4, kv_cache_tokens=8192,
+                                               prefix_scope=PrefixScope.OFF), engine)
+    inproc, inproc_address, _ = start_cloud_process({"backend": "inprocess", "pass_cost_tokens": 0,
+                                                     "prefix_scope": "off"}, cores={CLOUD_CORE})
+    ray, ray_address, _ = start_cloud_process({"prefix_scope": "off"}, cores={CLOUD_CORE})  # else the defaults
+    clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address),
+               "decode_ray": VerifierClient(ray_address)}
+    workers = {"edge_ray": EdgeWorker(drafter, VerifierClient(ray_address),
+                                      EdgeConfig(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
+               "edge_default_ray": EdgeWorker(drafter, VerifierClient(ray_address),
+                                              EdgeConfig(cloud=ray_address, max_new_tokens=n))}
 
     def grpc(name: str, prompt: list[int]) -> list[int]:
         os.sched_setaffinity(0, {EDGE_CORE})
         return list(clients[name].generate(GenerateSpec(prompt_ids=tuple(prompt), max_new_tokens=n)))
 
-    def edge(prompt: list[int]) -> list[int]:
+    def decode(prompt: list[int]) -> list[int]:
         os.sched_setaffinity(0, {EDGE_CORE})
-        return worker.generate(prompt).token_ids
+        client = clients["decode_ray"]
+        session = client.open_session(SessionSpec("", tuple(prompt))).session_id
+        try:
+            return list(client.decode(DecodeSpec(session, 0, len(prompt), n)))
+        finally:
+            client.close_session_later(session)
+
+    def edge(name: str, prompt: list[int]) -> list[int]:
+        os.sched_setaffinity(0, {EDGE_CORE})
+        return workers[name].generate(prompt).token_ids
 
     def local(fn):
         def run(prompt):
@@ -138,7 +160,9 @@ def main() -> None:
         "verifier": local(lambda p: verifier_alone(verifier, p, n, eos)),
         "grpc_inprocess": lambda p: grpc("grpc_inprocess", p),
         "grpc_ray": lambda p: grpc("grpc_ray", p),
-        "edge_ray": edge,
+        "decode_ray": decode,
+        "edge_ray": lambda p: edge("edge_ray", p),
+        "edge_default_ray": lambda p: edge("edge_default_ray", p),
     }
     try:
         for fn in layers.values():  # warm every path once
@@ -156,16 +180,24 @@ def main() -> None:
     finally:
         for c in clients.values():
             c.close()
-        worker.close()
+        for worker in workers.values():
+            worker.close()
         stop_cloud_process(inproc)
         stop_cloud_process(ray)
     base = statistics.median(ms["llamacpp_alone"])
-    result = {"cpu": cpu_model(), "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
+    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
+              "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
         name: {"ms_per_token": round(statistics.median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
                "vs_llamacpp_alone": round(base / statistics.median(v), 3),
+               # each generation against llama.cpp alone on the same prompt a few seconds before
+               "vs_llamacpp_alone_paired": round(statistics.geometric_mean(
+                   [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
                "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
         for name, v in ms.items()}}
-    print(json.dumps(result, indent=1))
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..common.models.drafter_gguf import DEFAULT_GGUF_WEIGHTS, GGUF_WEIGHTS
-from ..common.models.gguf import WEIGHT_TYPES, served_weights
+from ..common.models.gguf import DEFAULT_WEIGHTS, WEIGHT_TYPES, served_weights
 
 
 def register(sub) -> None:
@@ -20,7 +20,7 @@ def register(sub) -> None:
     pull.add_argument("--weights", choices=list(WEIGHT_TYPES),
                       help="the type the llama.cpp engine serves the target in: Q4_1 as shipped, or written from it "
                            "(F16 keeps verify blocks cheap but is not bit-exact: docs/engine.md); default: keep "
-                           "the current choice (Q4_1 at first). Restart `cloud serve` to use it")
+                           f"the current choice ({DEFAULT_WEIGHTS} at first). Restart `cloud serve` to use it")
     pull.set_defaults(run=run_pull)
     convert = msub.add_parser("convert-drafter", help="write a compact drafter LM as a GGUF beside it, for the "
                                                       "edge's llama.cpp drafter engine (`models pull` does it "

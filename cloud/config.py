@@ -7,7 +7,7 @@ from ..common.config import Choice, DType, check_fields, like, setting
 from ..common.protocol.channel import DEFAULT_HOST, DEFAULT_PORT
 from ..common.security.tls import ServerTLS, check_plaintext
 from .api.access import AccessSpec
-from .specs import EngineKind, PoolSpec, ReplicaSpec, VerifierLimits
+from .specs import EngineKind, PoolSpec, PrefixScope, ReplicaSpec, VerifierLimits
 
 
 class Backend(Choice):
@@ -49,6 +49,9 @@ class ServeConfig:
     max_tree_nodes: int = like(VerifierLimits, "max_tree_nodes")
     max_sessions: int = like(VerifierLimits, "max_sessions")
     kv_cache_tokens: int = like(VerifierLimits, "kv_cache_tokens")
+    kv_streams: int = like(VerifierLimits, "kv_streams")
+    prefix_scope: PrefixScope = like(VerifierLimits, "prefix_scope")
+    prefix_cache_tokens: int = like(VerifierLimits, "prefix_cache_tokens")
     max_sessions_per_client: int = like(PoolSpec, "max_sessions_per_client")
     max_sessions_per_address: int = like(PoolSpec, "max_sessions_per_address")
     max_calls_per_client: int = like(AccessSpec, "max_calls_per_client")
@@ -86,7 +89,9 @@ class ServeConfig:
         """The per-session limits each replica enforces."""
         return VerifierLimits(max_context=self.max_context, max_draft=self.max_draft,
                               max_tree_nodes=self.max_tree_nodes, max_sessions=self.max_sessions, idle_timeout_s=self.idle_timeout_s,
-                              kv_cache_tokens=self.kv_cache_tokens, prefill_chunk=self.prefill_chunk)
+                              kv_cache_tokens=self.kv_cache_tokens, kv_streams=self.kv_streams,
+                              prefix_scope=self.prefix_scope, prefix_cache_tokens=self.prefix_cache_tokens,
+                              prefill_chunk=self.prefill_chunk)
 
     def replica_spec(self, target: str) -> ReplicaSpec:
         """What each replica loads (`target` already resolved to a path or hub id)."""

@@ -9,9 +9,10 @@ Every call carries the edge's bearer token when it has one, and every channel sp
 config asks for it; a replica's endpoint presents the front door's certificate, so its name is checked
 against the front door's (or `tls_server_name`), not against the replica's address.
 
-Everything but the rounds goes to the front door. The rounds go where the last OpenSession said:
-straight to the replica that holds the session when the reply names its endpoint (a second channel),
-else to the front door. When that endpoint stops answering, the round fails with ReplicaUnreachable
+Everything but the rounds and cloud-only `Decode` streams goes to the front door. Those go where the
+last OpenSession said: straight to the replica that holds the session when the reply names its
+endpoint (a second channel), else to the front door. When that endpoint stops answering, the round
+(or stream) fails with ReplicaUnreachable
 (a FailedPrecondition: re-open at the front door, which knows where the session lives now), and the
 endpoint is avoided for a while, so an edge that cannot reach replicas directly still gets served.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import queue
+from collections.abc import Callable
 import threading
 import time
 from concurrent.futures import Future
@@ -32,7 +34,7 @@ from ..common.protocol.channel import SHARED_OPTIONS
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable, error_for_code
 from ..common.protocol.proto import verifier_pb2 as pb
 from ..common.protocol.proto import verifier_pb2_grpc as pb_grpc
-from ..common.protocol.wire import DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ..common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 from .config import CloudAccess
 
 CHANNEL_OPTIONS = [
@@ -185,10 +187,27 @@ class VerifierClient:
     def open_session(self, spec: SessionSpec) -> SessionOpened:
         """Open (spec.session_id empty) or re-open a session; returns the id the server issued for it,
         which every later call must carry, and the committed length the verifier now holds."""
+        return self.begin_open(spec)()
+
+    def begin_open(self, spec: SessionSpec) -> Callable[[], SessionOpened]:
+        """Send an OpenSession now and return the call that waits for its reply (`open_session`'s
+        result), so that the caller's own work overlaps the cloud's prefill and the link."""
         self._end_stream()
-        opened = codec.opened_from_pb(self._unary(self._front.stub.OpenSession, codec.session_to_pb(spec)))
-        self._route(opened.verify_address)
-        return opened
+        request = codec.session_to_pb(spec)
+        self._count(up=request.ByteSize())
+        future = self._front.stub.OpenSession.future(request, timeout=self.timeout_s, metadata=self.metadata)
+
+        def reply() -> SessionOpened:
+            try:
+                message = future.result()
+            except grpc.RpcError as exc:
+                raise _domain_error(exc, self.address) from None
+            self._count(down=message.ByteSize())
+            opened = codec.opened_from_pb(message)
+            self._route(opened.verify_address)
+            return opened
+
+        return reply
 
     def replica_lost(self, address: str, why: str) -> ReplicaUnreachable:
         """The error for a round whose replica endpoint failed; rounds avoid that endpoint for a while."""
@@ -249,7 +268,17 @@ class VerifierClient:
         self._count(up=request.ByteSize())
         # The whole stream's deadline: the usual timeout plus a generous second per token.
         call = self._front.stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens, metadata=self.metadata)
-        return TokenStream(call, self)
+        return TokenStream(call, self, self.address)
+
+    def decode(self, spec: DecodeSpec) -> TokenStream:
+        """Cloud-only decoding on the open session: the target's tokens, streamed from where its rounds
+        go (its replica's own endpoint when the open named one, skipping the front door and Ray).
+        Closing the stream early cancels it."""
+        request = codec.decode_to_pb(spec)
+        self._count(up=request.ByteSize())
+        endpoint = self._direct or self._front
+        call = endpoint.stub.Decode(request, timeout=self.timeout_s + spec.max_new_tokens, metadata=self.metadata)
+        return TokenStream(call, self, endpoint.address, direct=endpoint is self._direct)
 
     def _unary(self, method, request, timeout_s: float | None = None):
         self._count(up=request.ByteSize())
@@ -310,11 +339,12 @@ def _domain_error(exc: grpc.RpcError, address: str) -> HybridSpecError:
 
 
 class TokenStream:
-    """The target's tokens of one `Generate` call, as they stream in; `close` (or dropping it) cancels
-    the call, which is a no-op once the stream has ended."""
+    """The target's tokens of one `Generate` or `Decode` call, as they stream in; `close` (or dropping it)
+    cancels the call, which is a no-op once the stream has ended. A stream from a replica's own endpoint
+    that stops answering fails with ReplicaUnreachable (re-open at the front door)."""
 
-    def __init__(self, call, client: VerifierClient) -> None:
-        self._call, self._client = call, client
+    def __init__(self, call, client: VerifierClient, address: str, direct: bool = False) -> None:
+        self._call, self._client, self._address, self._direct = call, client, address, direct
 
     def __iter__(self) -> TokenStream:
         return self
@@ -324,7 +354,10 @@ class TokenStream:
             reply = next(self._call)
         except grpc.RpcError as exc:
             self._call.cancel()
-            raise _domain_error(exc, self._client.address) from None
+            error = _domain_error(exc, self._address)
+            if self._direct and isinstance(error, Unavailable):
+                raise self._client.replica_lost(self._address, str(error)) from None
+            raise error from None
         self._client._count(down=reply.ByteSize())
         return reply.token_id
 

@@ -1,4 +1,4 @@
-"""The cloud-only phase: the target decodes alone on one `Generate` stream, while the edge keeps
+"""The cloud-only phase: the target decodes alone on one stream (edge/cloud_stream.py), while the edge keeps
 measuring — the cloud's time per token T and the drafter's guesses against the cloud's tokens
 ("shadow drafting", which measures α and the drafter's time per token without risking a block; when
 sampling, the guess is the drafter's coupled draw: edge/proposal.py SHADOW_SAMPLED_MODES) — and
@@ -11,7 +11,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
-from ..common.protocol.wire import GenerateSpec
+from .cloud_stream import CloudStream
 from .controller import Phase
 from .state import Event, Origin
 
@@ -22,17 +22,14 @@ if TYPE_CHECKING:
 def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
     """Stream cloud tokens until done, or until hybrid looks faster; returns the next phase."""
     cfg, state, stats, ctl = run.cfg, run.state, run.stats, run.controller
-    # 1. One stream for the rest of the budget.
-    # The plain seed: the cloud draws each token by (seed, absolute position), as the coupled rule
-    # does, so a resumed stream goes on with fresh noise and a seed gives one output (docs/design.md §2.2).
-    spec = GenerateSpec(prompt_ids=tuple(state.committed), sampling=cfg.sampling,
-                        max_new_tokens=cfg.max_new_tokens - state.generated, seed=cfg.seed,
-                        tokenizer_fingerprint=run.tokenizer_fp, prompt_len=len(state.prompt))
+    # 1. One stream for the rest of the budget, on a session of its own (edge/cloud_stream.py).
     stats.cloud_streams += 1
-    # The request leaves first: setting up the drafter (a llama.cpp context takes about 15 ms) and the
+    # The open leaves first: setting up the drafter (a llama.cpp context takes about 15 ms) and the
     # round-trip probe then overlap the cloud's prefill and the link, instead of delaying the first token.
     sent = time.perf_counter()
-    stream = run.client.generate(spec)
+    cloud = CloudStream.of(run.session)
+    cloud.start()
+    stream = cloud.tokens(cfg.max_new_tokens - state.generated)
     try:
         ping = _ping_in_background(run)
         loading = not run.drafter_ready()  # the drafter still loads: no guesses, no decisions until it is there
@@ -47,9 +44,9 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             if last is not None:
                 run.estimates.cloud_token_s.add(now - last)
             else:
-                # What a switch to hybrid would cost, before any session was opened: on a loaded
-                # replica seconds of queue, not the bare prefill (8 edges: a 3 s stall after a switch).
-                run.estimates.observe_open(now - sent, len(spec.prompt_ids))
+                # What a switch to hybrid would cost: on a loaded replica seconds of queue, not the bare
+                # prefill (8 edges: a 3 s stall after a switch).
+                run.estimates.observe_open(now - sent, len(state.committed))
             last = now
             stats.cloud_only_tokens += 1
             yield state.commit([token], [Origin.CLOUD])  # the user first: guessing along can wait
@@ -86,6 +83,7 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
         return run.lost(exc, None)
     finally:
         stream.close()  # cancels the stream if we leave it early
+        cloud.close()
     if state.done or ctl.policy.cloud_only:
         return Phase.CLOUD_ONLY
     # 4. Back to hybrid: a session from everything committed so far.

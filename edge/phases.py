@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # type names only: a phase must not import the worker or the 
     from ..common.protocol.errors import Unavailable
     from ..common.protocol.wire import ModelInfo
     from .client import VerifierClient
+    from .session import CloudSession
     from .config import EdgeConfig
     from .controller import Controller, Phase
     from .drafter import Lookahead
@@ -53,6 +54,7 @@ class RunView(Protocol):
     in_flight: Proposal | None  # the block being verified when the cloud was lost
     gave_up: bool  # the cloud stayed unreachable: the unverified tail is the end
     verify_round: VerifyRound | None
+    session: CloudSession  # the generation's hybrid session (a cloud-only stream opens its own beside it)
 
     @property
     def drafter(self) -> Lookahead:

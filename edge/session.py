@@ -4,6 +4,7 @@ front door re-opens it and says where it lives now), closed at the end; and the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
@@ -23,9 +24,10 @@ class CloudSession:
     """Open/re-open/close one generation's session and send its rounds."""
 
     def __init__(self, client: VerifierClient, spec: SessionSpec, state: GenerationState, estimates: Estimates,
-                 stats: Stats, timeout_s: float, features: FeatureSink | None = None) -> None:
+                 stats: Stats, timeout_s: float, features: FeatureSink | None = None, measure_opens: bool = True) -> None:
         """spec: the session's settings; its ids and round come from `state` at each open. features:
-        where the prompt's features go when the spec asks for them."""
+        where the prompt's features go when the spec asks for them. measure_opens: each open's time is
+        a measurement of what a switch costs (estimates.observe_open)."""
         self.client = client
         self.features = features
         self.spec = spec
@@ -33,18 +35,30 @@ class CloudSession:
         self.estimates = estimates
         self.stats = stats
         self.timeout_s = timeout_s
+        self.measure_opens = measure_opens
         self.id = ""  # issued by the verifier at the first open; "" while there is no session
 
     def open(self) -> None:
         """Open the session, or re-open it under its id, from the committed tokens."""
+        self.begin_open()()
+
+    def begin_open(self) -> Callable[[], None]:
+        """Send the open now; the call returned waits for its reply and takes the session (so the
+        caller's own work can overlap the cloud's prefill)."""
         t0 = time.perf_counter()
         state = self.state
-        opened = self.client.open_session(replace(self.spec, session_id=self.id, committed_ids=tuple(state.committed),
-                                                  next_round=state.round))
-        self.id = opened.session_id
-        if opened.features is not None and self.features is not None:
-            self.features.add(opened.features)
-        self.estimates.observe_open(time.perf_counter() - t0, len(state.committed))
+        reply = self.client.begin_open(replace(self.spec, session_id=self.id, committed_ids=tuple(state.committed),
+                                               next_round=state.round))
+
+        def opened() -> None:
+            answer = reply()
+            self.id = answer.session_id
+            if answer.features is not None and self.features is not None:
+                self.features.add(answer.features)
+            if self.measure_opens:
+                self.estimates.observe_open(time.perf_counter() - t0, len(state.committed))
+
+        return opened
 
     def reopen(self) -> None:
         """Re-open after the verifier lost the session, waiting (bounded) for a restarting replica."""

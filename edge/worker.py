@@ -1,9 +1,8 @@
 """The edge worker: draft, get verified, commit — and decide when the cloud is better left alone.
 
 A generation moves between three phases (edge/controller.py decides between the first two):
-    hybrid      draft a block (γ from measured rates), verify it on the session's stream, commit;
-                optionally draft the next block while waiting (here)
-    cloud-only  the target decodes alone on a `Generate` stream (edge/cloud_only.py)
+    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile (here)
+    cloud-only  the target decodes alone, streamed from its replica (edge/cloud_only.py)
     offline     the cloud is unreachable and `allow_unverified` is on: the drafter continues alone,
                 then its tokens are verified or rolled back (edge/offline.py)
 Committed tokens never change (edge/state.py). Events report progress to a caller that streams text.
@@ -17,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec
+from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec, check_context
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
 from .config import EdgeConfig, GammaPolicy
@@ -172,6 +171,7 @@ class GenerationRun:
         self.prompt = prompt
         try:
             self.info = worker.info if worker.connected else worker.connect(self.client)
+            check_context(len(prompt), cfg.max_new_tokens, self.info.max_context)  # before any work
         except Unavailable:
             if not cfg.allow_unverified:
                 worker.release(self.client)

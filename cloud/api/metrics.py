@@ -51,6 +51,7 @@ class EndpointTally:
     def __init__(self) -> None:
         self._rounds: collections.deque[RoundSample] = collections.deque(maxlen=TALLY_KEEP)
         self._errors: collections.Counter[str] = collections.Counter()
+        self._tokens = 0
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Remember one answered round."""
@@ -60,11 +61,16 @@ class EndpointTally:
         """Remember one call answered with an error status."""
         self._errors[code] += 1
 
+    def observe_generated(self) -> None:
+        """Remember one token a Decode stream sent."""
+        self._tokens += 1
+
     def take(self) -> Tally:
         """Everything remembered since the last call."""
-        tally = Tally(tuple(self._rounds), tuple(self._errors.items()))
+        tally = Tally(tuple(self._rounds), tuple(self._errors.items()), self._tokens)
         self._rounds.clear()
         self._errors.clear()
+        self._tokens = 0
         return tally
 
 
@@ -99,8 +105,8 @@ class Metrics:
                                      "included, and Generate)", registry=r)
         self.generation_tokens = Counter("hybridspec_generation_tokens", "Tokens committed: accepted drafts plus "
                                          "each round's correction or bonus token, and Generate's tokens", registry=r)
-        self.generated_tokens = Counter("hybridspec_generate_tokens", "Tokens streamed by cloud-only Generate",
-                                        registry=r)
+        self.generated_tokens = Counter("hybridspec_generate_tokens", "Tokens streamed by cloud-only decoding "
+                                        "(Generate, and Decode at the front door or a replica's endpoint)", registry=r)
         self.batch_size = Histogram("hybridspec_batch_size", "Rounds scored in the forward pass that scored each "
                                     "round (one observation per round)", buckets=BATCH_BUCKETS, registry=r)
         self.verify_seconds = Histogram("hybridspec_verify_seconds", "Time per round at the endpoint that served it "
@@ -116,6 +122,16 @@ class Metrics:
         self.errors = Counter("hybridspec_errors", "Calls answered with an error status", ["code"], registry=r)
         self.feature_bytes = Counter("hybridspec_feature_bytes", "Bytes of target features sent to edges that "
                                      "asked for them (OpenSession and Verify replies)", registry=r)
+        self.prefix_lookups = Counter("hybridspec_prefix_cache_queries", "New sessions that looked for a cached "
+                                      "prefix of their prompt (vLLM's prefix_cache_queries counts tokens)", registry=r)
+        self.prefix_hits = Counter("hybridspec_prefix_cache_hits", "New sessions that started from a cached prefix",
+                                   registry=r)
+        self.prefix_tokens = Counter("hybridspec_prefix_cache_tokens_saved", "Prompt tokens not prefilled: copied "
+                                     "from a cached prefix", registry=r)
+        self.prefix_kept = Gauge("hybridspec_prefix_cache_kept_tokens", "Tokens of closed sessions' caches kept "
+                                 "for reuse, per replica", ["replica"], registry=r)
+        self.parked_tokens = Gauge("hybridspec_kv_parked_tokens", "Tokens of idle sessions parked in host memory "
+                                   "(llama.cpp), per replica", ["replica"], registry=r)
         self.replica_histograms = ReplicaHistograms()
         r.register(self.replica_histograms)
         self._seen: dict[tuple[str, str], int] = {}  # (counter, replica) -> the replica's last total
@@ -131,10 +147,10 @@ class Metrics:
         if opened is not None and opened.features is not None:
             self.feature_bytes.inc(opened.features.nbytes)
 
-    def observe_generated(self) -> None:
-        """Count one token a cloud-only Generate stream sent."""
-        self.generated_tokens.inc()
-        self.generation_tokens.inc()
+    def observe_generated(self, tokens: int = 1) -> None:
+        """Count tokens a cloud-only stream (Generate or Decode) sent."""
+        self.generated_tokens.inc(tokens)
+        self.generation_tokens.inc(tokens)
 
     def observe_error(self, code: str) -> None:
         """Count one call answered with an error status."""
@@ -146,6 +162,7 @@ class Metrics:
             self._count(sample)
         for code, calls in tally.errors:
             self.errors.labels(code).inc(calls)
+        self.observe_generated(tally.tokens)
 
     def _count(self, s: RoundSample) -> None:
         if s.gamma:
@@ -172,8 +189,13 @@ class Metrics:
             self._add_new("routed", r.name, r.routed_total, self.sessions_routed.labels(r.name))
             self.sessions_open.labels(r.name).set(r.sessions)
             self.cached_tokens.labels(r.name).set(r.cached_tokens)
+            self.prefix_kept.labels(r.name).set(r.prefixes.kept_tokens)
+            self.parked_tokens.labels(r.name).set(r.parked_tokens)
             if r.alive:  # a dead replica reports zeros, not a reset
                 self._add_new("evictions", r.name, r.evictions, self.evictions)
+                self._add_new("prefix_lookups", r.name, r.prefixes.lookups, self.prefix_lookups)
+                self._add_new("prefix_hits", r.name, r.prefixes.hits, self.prefix_hits)
+                self._add_new("prefix_tokens", r.name, r.prefixes.tokens_saved, self.prefix_tokens)
                 if r.telemetry is not None:
                     self.kv_usage.labels(r.name).set(r.telemetry.kv_usage)
                     self.replica_histograms.update(r.name, r.telemetry)

@@ -141,7 +141,7 @@ async def start_server(backend: Backend, host: str, port: int, metrics_port: int
 
 @dataclass
 class VerifyEndpoint:
-    """A replica's own endpoint: VerifyStream for the sessions that replica holds, and health."""
+    """A replica's own endpoint: VerifyStream and Decode for the sessions that replica holds, and health."""
 
     server: grpc.aio.Server
     address: str  # HOST:PORT as clients should dial it
@@ -150,14 +150,14 @@ class VerifyEndpoint:
 
 async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, advertised_host: str,
                                 access: AccessSpec = AccessSpec()) -> VerifyEndpoint:
-    """Serve `backend`'s VerifyStream on a free port of `host` (the front door's interface), with the
+    """Serve `backend`'s VerifyStream and Decode on a free port of `host` (the front door's interface), with the
     front door's TLS, credentials, rates, limits, validation and error handling (the same
     VerifierService); no other Verifier RPC: sessions are opened, closed and counted against their
     client only at the front door."""
     tally = EndpointTally()
     gate = Access(access)
     server = _grpc_server(gate, tally)
-    VerifierService(backend, tally, gate).register(server, only=("VerifyStream",))
+    VerifierService(backend, tally, gate).register(server, only=("VerifyStream", "Decode"))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _bind_grpc(server, host, 0, "a replica's verify endpoint", access.tls)

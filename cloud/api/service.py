@@ -26,7 +26,7 @@ from ...common.protocol.errors import HybridSpecError, InvalidArgument, incident
 from ...common.protocol.proto import verifier_pb2 as pb
 from ...common.protocol.wire import check_session_id
 from .access import Access, AccessSpec
-from ..pool.backend import Backend, generate_tokens
+from ..pool.backend import Backend, decode_tokens, generate_tokens
 from .metrics import EndpointTally, Metrics
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,10 @@ def authorization_of(context: grpc.aio.ServicerContext) -> str | None:
 
 class VerifierService:
     """Serves one backend: the front door's (an in-process verifier or the Ray pool), or a replica's
-    own scheduler behind its direct Verify endpoint (which registers VerifyStream only)."""
+    own scheduler behind its direct endpoint (which registers VerifyStream and Decode only)."""
 
     def __init__(self, backend: Backend, metrics: Metrics | EndpointTally, access: Access | None = None) -> None:
-        """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds and errors.
+        """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds, tokens and errors.
         access: who may call (default: anyone, named by address, unpaced)."""
         self.backend = backend
         self.metrics = metrics
@@ -90,6 +90,7 @@ class VerifierService:
             "CloseSession": unary(self.CloseSession, _lenient(pb.CloseSessionRequest),
                                   pb.CloseSessionReply.SerializeToString),
             "Generate": server_stream(self.Generate, _lenient(pb.GenerateRequest), pb.GenerateReply.SerializeToString),
+            "Decode": server_stream(self.Decode, _lenient(pb.DecodeRequest), pb.GenerateReply.SerializeToString),
         }
         if only is not None:
             handlers = {name: handler for name, handler in handlers.items() if name in only}
@@ -137,26 +138,42 @@ class VerifierService:
         return await self._guard(context, "CloseSession", work())
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateReply]:
-        async def start() -> tuple[Identity, object]:
+        async def start() -> tuple[Identity, AsyncIterator[int]]:
             caller = self._caller(context)
             spec = codec.generate_from_pb(await self._decoded(request))
             await self._pace(caller, len(spec.prompt_ids))
             self.metrics.observe_opened(len(spec.prompt_ids))
-            return caller, spec
+            return caller, generate_tokens(self.backend, spec, caller)
 
-        caller, spec = await self._guard(context, "Generate", start())
-        tokens = generate_tokens(self.backend, spec, caller)
+        async for reply in self._stream_tokens(context, "Generate", start()):
+            yield reply
+
+    async def Decode(self, request, context) -> AsyncIterator[pb.GenerateReply]:
+        async def start() -> tuple[Identity, AsyncIterator[int]]:
+            caller = self._caller(context)
+            spec = codec.decode_from_pb(await self._decoded(request))
+            check_session_id(spec.session_id)
+            return caller, decode_tokens(self.backend, spec, caller)
+
+        async for reply in self._stream_tokens(context, "Decode", start()):
+            yield reply
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    async def _stream_tokens(self, context: grpc.aio.ServicerContext, rpc: str,
+                             start: Awaitable[tuple[Identity, AsyncIterator[int]]]) -> AsyncIterator[pb.GenerateReply]:
+        """A cloud-only stream's replies, each token paced at the caller's rate; closing it (the client
+        went away) stops the decoding."""
+        caller, tokens = await self._guard(context, rpc, start)
         try:
             while True:
-                token = await self._guard(context, "Generate", self._next_token(caller, tokens))
+                token = await self._guard(context, rpc, self._next_token(caller, tokens))
                 if token is None:
                     return
                 self.metrics.observe_generated()
                 yield pb.GenerateReply(token_id=token)
         finally:
-            await tokens.aclose()  # closes the session when the client leaves early
-
-    # ---- helpers ------------------------------------------------------------------------------
+            await tokens.aclose()  # a Generate closes its session when the client leaves early
 
     async def _verify(self, request, context: grpc.aio.ServicerContext) -> pb.VerifyReply:
         caller = self._caller(context)

@@ -106,6 +106,7 @@ class Pass:
     opens: list[_Open] = field(default_factory=list)  # every open in the queue, to settle after the step
     feeding: list[Session] = field(default_factory=list)
     prefill_tokens: int = 0
+    busy: set[str] = field(default_factory=set)  # sessions with rounds queued for later steps
 
     @property
     def round_tokens(self) -> int:
@@ -229,7 +230,8 @@ class Scheduler:
             # 3. One step: the rounds, and as much prompt as the schedule allows.
             started = time.perf_counter()
             try:
-                results = self.verifier.step([r.block for r in step.rounds], step.feeding, step.prefill_tokens)
+                results = self.verifier.step([r.block for r in step.rounds], step.feeding, step.prefill_tokens,
+                                             step.busy)
                 if step.prefill_tokens:
                     self.cost.observe(time.perf_counter() - started, step.round_tokens + step.prefill_tokens)
                 self._fed_last_step = step.prefill_tokens > 0
@@ -280,6 +282,7 @@ class Scheduler:
         rest = [r for r in live if id(r) not in taken]
         self._rounds.clear()
         self._rounds.extend(rest)
+        step.busy = {r.block.session_id for r in rest}
         for r in step.rounds:
             self._recent[r.block.session_id] = r.arrived
         step.feeding = self._admit_opens(step.opens)

@@ -48,6 +48,7 @@ class Session:
         self.prefill_features: list[FeatureBlock] = []  # asked-for features of the prompt chunks so far
         self.opened_at = self.last_used = time.monotonic()
         self.answered_at = 0.0  # when its last round was answered; 0 = none since it was (re-)opened
+        self.looked_for_prefix = False  # whether its open has looked for a cached prefix to start from
 
     # ---- opening -------------------------------------------------------------------------------
 
@@ -111,11 +112,14 @@ class Session:
 class SessionStore:
     """LIVE sessions by id, least recently used first."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, release: Callable[[KVSequence], None]) -> None:
+    def __init__(self, max_sessions: int, idle_timeout_s: float, release: Callable[[KVSequence], None],
+                 retire: Callable[[Session], None] | None = None) -> None:
+        """release: frees a dropped session's cache; retire: takes a closed session (default: release it)."""
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
         self.evictions = 0  # sessions dropped for idleness or room in the cache, not by CloseSession
         self._release = release
+        self._retire = retire or (lambda session: release(session.kv))
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._evicted: OrderedDict[str, None] = OrderedDict()  # recent evictions, to say so in errors
 
@@ -125,6 +129,10 @@ class SessionStore:
     def ids(self) -> tuple[str, ...]:
         """The ids of the sessions held now."""
         return tuple(self._sessions)
+
+    def live(self) -> Iterable[Session]:
+        """The sessions held now (do not change the store while iterating)."""
+        return self._sessions.values()
 
     @property
     def cached_tokens(self) -> int:
@@ -163,19 +171,19 @@ class SessionStore:
         self._sessions[session.spec.session_id] = session
 
     def pop(self, session_id: str) -> bool:
-        """Drop a session and free its cache; True if it existed."""
+        """Close a session, handing it to `retire`; True if it existed."""
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            self._release(session.kv)
+            self._retire(session)
         return session is not None
 
-    def make_room(self, fits: Callable[[], bool], keep: Iterable[str]) -> None:
-        """Evict least recently used sessions (never those in `keep`) until `fits()`."""
+    def make_room(self, fits: Callable[[], bool], keep: Iterable[str], spare: KVSequence | None = None) -> None:
+        """Evict least recently used sessions (never those in `keep`, nor the one caching `spare`) until `fits()`."""
         keep = set(keep)
-        for sid in list(self._sessions):
+        for sid, session in list(self._sessions.items()):
             if fits():
                 return
-            if sid not in keep:
+            if sid not in keep and session.kv is not spare:
                 self._evict(sid)
 
     def expire_idle(self) -> int:

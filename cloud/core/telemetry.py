@@ -93,3 +93,4 @@ class Tally:
 
     rounds: tuple[RoundSample, ...] = ()
     errors: tuple[tuple[str, int], ...] = ()  # (status code, calls)
+    tokens: int = 0  # cloud-only tokens its Decode streams sent

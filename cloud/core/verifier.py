@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,12 +33,14 @@ import torch
 from ...common.maths.features import encode_features
 from ...common.models.loading import tokenizer_fingerprint
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
-from ...common.protocol.tree import feed_parents, leaves
+from ...common.protocol.tree import feed_parents
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
-from ..engine.base import Capabilities, Engine, Feed, KVSequence, Scores, Target
+from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
+from .passes import opening_sessions, split_rounds, tree_nodes
+from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
 from .session import Phase, Session, SessionStore, one_per_session
 from ..specs import VerifierLimits
@@ -57,6 +59,8 @@ class VerifierStats:
     session_ids: tuple[str, ...] = ()  # the sessions held right now, for the front door's routing table
     kv_capacity_tokens: int = 0  # what the KV pool holds in all
     telemetry: ReplicaTelemetry | None = None  # time to first token, inter-token latency, step sizes, KV fill
+    prefixes: PrefixStats = PrefixStats()  # prefix reuse since the start, closed sessions' caches kept now
+    parked_tokens: int = 0  # tokens of idle sessions parked in host memory (an engine that parks)
 
 
 Round = tuple[int, DraftBlock, Session]  # (index in the step's blocks, the block, its session)
@@ -83,8 +87,10 @@ class Verifier:
             max_draft=self.limits.max_draft, max_sessions=self.limits.max_sessions,
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
             device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim,
-            max_tree_nodes=_tree_nodes(self.limits.max_tree_nodes, caps))
-        self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release)
+            max_tree_nodes=tree_nodes(self.limits.max_tree_nodes, caps))
+        self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
+        self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
+                                      self._retire)
         self.telemetry = Telemetry()
         self._lock = threading.Lock()  # one step or bookkeeping call at a time
 
@@ -104,10 +110,11 @@ class Verifier:
             self._sessions.expire_idle()
             return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
                                  self._sessions.ids(), self.engine.capacity_tokens,
-                                 self.telemetry.snapshot(self.engine.fill()))
+                                 self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
+                                 getattr(self.engine, "parked_tokens", 0))
 
     def close_session(self, session_id: str) -> bool:
-        """Free a session's cache; True if it existed."""
+        """End a session (its cache may be kept for new sessions to start from); True if it existed."""
         with self._lock:
             return self._sessions.pop(session_id)
 
@@ -153,55 +160,44 @@ class Verifier:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Session],
-             prefill_tokens: int | None = None) -> list[VerifyResult | HybridSpecError]:
+    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Session], prefill_tokens: int | None = None,
+             busy: Collection[str] = ()) -> list[VerifyResult | HybridSpecError]:
         """Run rounds and up to `prefill_tokens` (default and at most `prefill_chunk`) prompt tokens of
-        `openings` (oldest first).
+        `openings` (oldest first). `busy`: sessions with work queued for later steps, which, like the
+        step's own, are never evicted to make room.
 
         Returns, per block and in order, its result or the error it earned; one bad block never
-        fails the others. A second round of a session waits for a second pass. An opening's progress
-        is in its phase.
+        fails the others. A second round of a session waits for a second pass, and so do rounds
+        beyond what one pass of the engine may carry. An opening's progress is in its phase.
         """
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
         chunk = self.limits.prefill_chunk
         budget = chunk if prefill_tokens is None else max(0, min(prefill_tokens, chunk))
         pending = list(enumerate(blocks))
+        keep = {b.session_id for b in blocks} | {s.spec.session_id for s in openings} | set(busy)
+        limit = self.engine.capabilities.max_sequences_per_pass or len(blocks) + len(openings)
         with self._lock:
             feeding = [s for s in openings if s.phase is Phase.PREFILLING]
             while True:
                 now, pending = one_per_session(pending, lambda item: item[1].session_id)
-                now, later = self._within_tree_limits(now)
+                streams = opening_sessions(feeding, budget, len(now), limit)
+                now, later = split_rounds(now, self.engine.capabilities, limit - streams)
                 pending = later + pending
-                self._run_pass(now, feeding, results, budget)
+                self._run_pass(now, feeding, results, budget, streams, keep)
                 feeding = []
                 if not pending:
                     break
         return results  # type: ignore[return-value]
 
-    def _within_tree_limits(self, items: list[tuple[int, DraftBlock]]) -> tuple[list, list]:
-        """Split rounds so that the trees of one pass stay within the engine's limits on leaves and on
-        trees; the rest wait for the next pass (a tree can always run: max_tree_nodes is capped to the
-        leaf limit)."""
-        caps = self.engine.capabilities
-        leaf_limit, tree_limit = caps.max_tree_leaves or float("inf"), caps.max_trees or float("inf")
-        now, later, used, trees = [], [], 0, 0
-        for item in items:
-            block = item[1]
-            count = leaves(block.parents) if block.is_tree else 0
-            if block.is_tree and now and (used + count > leaf_limit or trees + 1 > tree_limit):
-                later.append(item)
-            else:
-                now.append(item)
-                used, trees = used + count, trees + block.is_tree
-        return now, later
-
     def _run_pass(self, items: list[tuple[int, DraftBlock]], openings: list[Session], results: list,
-                  prefill_tokens: int) -> None:
-        """One verify round for blocks of distinct sessions, plus prompt chunks, in one pass (lock held)."""
+                  prefill_tokens: int, streams: int, keep: set[str]) -> None:
+        """One verify round for blocks of distinct sessions, plus prompt chunks of up to `streams`
+        openings, in one pass (lock held)."""
         # 1. Admit: identical replays are answered from memory, bad blocks get their error.
         rounds = self._admit(items, results)
-        # 2. Room in the cache for every feed; a feed that cannot get it fails alone.
-        feeds, rounds, chunks = self._plan(rounds, openings, results, prefill_tokens)
+        # 2. Room in the cache for every feed; a feed that cannot get it fails alone. A new session
+        #    first starts from the longest prefix of its prompt already cached.
+        feeds, rounds, chunks = self._plan(rounds, openings, results, prefill_tokens, streams, keep)
         # 3. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
         scores, forward_ms = self._forward(feeds, rounds, openings, results)
         if scores is not None:
@@ -241,11 +237,11 @@ class Verifier:
                 results[i] = exc
         return admitted
 
-    def _plan(self, admitted: list[Round], openings: list[Session], results: list,
-              prefill_tokens: int) -> tuple[list[Feed], list[Round], list[tuple[Session, int]]]:
-        """The pass's feeds: every admitted round that gets room, then prompt chunks up to
-        `prefill_tokens` tokens (with, per chunk, its session and the position of its first token)."""
-        keep = [block.session_id for _, block, _ in admitted] + [s.spec.session_id for s in openings]
+    def _plan(self, admitted: list[Round], openings: list[Session], results: list, prefill_tokens: int,
+              streams: int, keep: set[str]) -> tuple[list[Feed], list[Round], list[tuple[Session, int]]]:
+        """The pass's feeds: every admitted round that gets room, then prompt chunks of up to `streams`
+        openings and `prefill_tokens` tokens (with, per chunk, its session and the position of its first
+        token)."""
         feeds, rounds, chunks = [], [], []
         for i, block, session in admitted:
             tokens = session.round_tokens(block)
@@ -259,7 +255,12 @@ class Verifier:
             rounds.append((i, block, session))
         budget = prefill_tokens
         for session in openings:
-            if budget == 0 or session.remaining == 0:  # a one-token prompt has nothing to prefill
+            if budget == 0 or streams == 0 or session.phase is not Phase.PREFILLING:
+                continue
+            if not session.looked_for_prefix:
+                self._start_from_prefix(session, keep)
+            if session.remaining == 0:  # a one-token prompt, or one cached whole by another session
+                streams -= session.kv.length > 0
                 continue
             start, chunk = session.kv.length, session.next_chunk(budget)
             try:
@@ -270,7 +271,26 @@ class Verifier:
             feeds.append(Feed(session.kv, chunk, scored=False, features=_wants_features(session.spec)))
             chunks.append((session, start))
             budget -= len(chunk)
+            streams -= 1
         return feeds, rounds, chunks
+
+    def _start_from_prefix(self, session: Session, keep: set[str]) -> None:
+        """Start a new session's cache from the longest prefix of its prompt that a session of its
+        scope cached (cloud/core/prefixes.py), if there is one and room for it; else nothing changes."""
+        session.looked_for_prefix = True
+        if _wants_features(session.spec):
+            return  # its open must return the prompt's features, which only a prefill computes
+        sources = (Source(s.committed, s.kv, s.spec.owner) for s in self._sessions.live())
+        found = self.prefixes.find(session.committed[:-1], session.spec.owner, sources)
+        if found is None:
+            return
+        source, length = found
+        try:
+            self._make_room(session.kv, length, keep, spare=source)
+            self.engine.copy_prefix(source, session.kv, length)
+        except HybridSpecError:
+            return  # no room now: the prompt is prefilled as usual, or refused as it would have been
+        self.prefixes.hit(length)
 
     def _forward(self, feeds: list[Feed], rounds: list[Round], openings: list[Session],
                  results: list) -> tuple[list[Scores] | None, float]:
@@ -337,19 +357,23 @@ class Verifier:
             self.telemetry.ttft.observe(now - session.opened_at)
         session.answered_at = now
 
-    def _reserve(self, kv: KVSequence, tokens: int, keep: list[str]) -> None:
-        """Room for `tokens` more tokens, evicting idle LRU sessions (not those in `keep`) if the cache is full."""
-        if not self.engine.fits(kv, tokens):
-            self._sessions.make_room(lambda: self.engine.fits(kv, tokens), keep)
+    def _reserve(self, kv: KVSequence, tokens: int, keep: set[str]) -> None:
+        """Room for `tokens` more tokens of `kv`, making it if the cache is full (`_make_room`)."""
+        self._make_room(kv, tokens, keep)
         self.engine.reserve(kv, tokens)
 
+    def _make_room(self, kv: KVSequence, tokens: int, keep: set[str], spare: KVSequence | None = None) -> None:
+        """Until `tokens` more tokens of `kv` fit: drop closed sessions' kept caches, then evict idle
+        sessions, least recently used first; never a session in `keep`, nor the cache `spare`."""
+        fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
+        while not fits() and self.prefixes.drop_oldest(spare):
+            pass
+        if not fits():
+            self._sessions.make_room(fits, keep, spare)
 
-def _tree_nodes(limit: int, caps: Capabilities) -> int:
-    """The tree size a replica offers: the configured limit, none without tree masks, and never more
-    leaves than one pass may carry."""
-    if not caps.tree_masks:
-        return 0
-    return min(limit, caps.max_tree_leaves) if caps.max_tree_leaves else limit
+    def _retire(self, session: Session) -> None:
+        """A closed session's cache: kept for new sessions to start from, or released."""
+        self.prefixes.keep(session.committed, session.kv, session.spec.owner)
 
 
 def _wants_features(spec: SessionSpec) -> bool:

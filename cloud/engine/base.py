@@ -3,8 +3,8 @@
 The core (cloud/core/) decides what a forward pass carries and applies the verification rules to
 the scores it returns; an engine runs the pass and owns the KV cache behind it. The core sees a
 session's cache only as an opaque `KVSequence` handle whose `length` is the number of tokens cached:
-it asks the engine for room, feeds tokens, cuts a rejected suffix off and releases the handle when
-the session ends. Any engine that implements `Engine` (today's torch engine, cloud/engine/torch_engine.py;
+it asks the engine for room, feeds tokens, cuts a rejected suffix off, starts a new session from
+another's cached prefix, and releases the handle when the session ends. Any engine that implements `Engine` (today's torch engine, cloud/engine/torch_engine.py;
 the llama.cpp engine, cloud/engine/llamacpp_engine.py) serves every rule, mode and session feature the core offers.
 """
 from __future__ import annotations
@@ -59,6 +59,7 @@ class Capabilities:
     max_tree_leaves: int = 0  # leaves of all trees in one pass at most (0: no limit); the core defers the rest
     max_trees: int = 0  # trees in one pass at most (0: no limit); the core defers the rest
     max_sequence_tokens: int = 0  # most tokens one session may cache (0: only the whole cache bounds it)
+    max_sequences_per_pass: int = 0  # sessions one pass may feed at most (0: no limit); the core defers the rest
 
 
 class Target(Protocol):
@@ -105,6 +106,13 @@ class Engine(Protocol):
         Each cache grows by its feed's tokens only if the pass succeeds; on an exception no cache
         changed length (the rows written hold nothing any length covers).
         """
+
+    def copy_prefix(self, src: KVSequence, dst: KVSequence, length: int) -> None:
+        """Make the empty `dst` (from new_sequence) start from `src`'s first `length` cached tokens: their
+        keys and values as `src` holds them, so a pass over `dst` then scores exactly as if `dst` had
+        been fed those tokens itself. Takes the room `length` tokens need, as `reserve` does (check with
+        `fits(dst, length)`; ResourceExhausted, taking nothing, if it is not there); `src` keeps its
+        length and contents. ValueError if `dst` is not empty or `length` is not in [1, src.length]."""
 
     def truncate(self, kv: KVSequence, length: int) -> None:
         """Keep the first `length` cached tokens of `kv` (a rejected suffix, a failed round)."""

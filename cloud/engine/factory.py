@@ -47,10 +47,7 @@ def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, thre
         from .llamacpp_engine import LlamaCppEngine
 
         gguf = find_gguf(target)
-        # A stream per session: max_sessions streams of kv_cache_tokens / max_sessions cells. A session
-        # being re-opened while the replica is full takes the least recently used one's (eviction).
-        served = LlamaCppEngine(gguf, limits.kv_cache_tokens, limits.max_sessions, threads or 1,
-                                trees=limits.max_tree_nodes > 0)
+        served = LlamaCppEngine.serving(gguf, limits, threads or 1)
         return GgufTarget(name=target, path=gguf, vocab_size=served.vocab_size), served
     import torch
 

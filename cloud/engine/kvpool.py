@@ -4,7 +4,8 @@ All layers' keys (and values) live in one tensor of `pages × PAGE_TOKENS` token
 when the replica starts, so memory is bounded by the configured token budget and never grows with
 traffic. A session owns a `PageTable`: the pages holding its tokens in order. Extending a session
 takes free pages; rejecting a draft suffix or rolling back a failed round is a length update; a
-closed or evicted session gives its pages back. Nothing is ever concatenated or copied per round.
+closed or evicted session gives its pages back. Nothing is ever concatenated or copied per round; a
+session that starts from another's cached prefix gets copies of its rows in pages of its own.
 """
 from __future__ import annotations
 
@@ -96,6 +97,18 @@ class PageTable:
     def release(self) -> None:
         """Give every page back (the session is gone)."""
         self.truncate(0)
+
+    def copy_prefix(self, src: PageTable, length: int) -> None:
+        """Start this empty table from `src`'s first `length` tokens: pages of its own (ResourceExhausted,
+        nothing taken, if the pool lacks them) holding copies of their keys and values."""
+        if self.length or self.pages:
+            raise ValueError("a prefix is copied into an empty table only")
+        if not 0 < length <= src.length:
+            raise ValueError(f"cannot copy {length} tokens of a table of {src.length}")
+        self.grow(length)
+        device = self.pool.keys.device
+        self.pool.move_rows(self.rows(length, device), src.rows(length, device))
+        self.length = length
 
     def rows(self, stop: int, device: torch.device) -> torch.Tensor:
         """Pool row index of each of the tokens 0..stop-1, as a 1-D int64 tensor."""

@@ -1,52 +1,50 @@
 """The llama.cpp engine: a GGUF target served by llama.cpp's CPU kernels through llama-cpp-python's
 low-level API (the high-level `Llama` class holds one sequence and an n_ctx × vocab score matrix).
 
-One `llama_context` per engine holds the sessions' keys and values: `kv_tokens` cells split into one
-stream per session (llama.cpp's per-sequence KV, `kv_unified` off), a session being a llama.cpp
-sequence id. A pass is one `llama_decode` carrying every feed (rounds, decode steps, prefill chunks),
-with an output row only where a rule needs logits or a session asked for features. A rejected suffix
-is cut with `llama_memory_seq_rm`.
+One `llama_context` per engine holds the sessions' keys and values in `streams` streams of
+`stream_tokens` cells each (llama.cpp's per-sequence KV, `kv_unified` off; the serving default is 8
+streams of max_context cells). A session resident in a stream is a llama.cpp sequence id. A pass is one
+`llama_decode` carrying every feed (rounds, decode steps, prefill chunks), with an output row only where
+a rule needs logits or a session asked for features. A rejected suffix is cut with `llama_memory_seq_rm`.
 
-Both choices are for exactness (docs/engine.md). Flash attention is on: with it llama.cpp's CPU
-kernels compute each row of a block exactly as they compute that token alone. And each session has
-its own stream: the flash-attention kernel walks the cache in tiles of 64 cells, so in a cache shared
-by all sessions a session's logits would depend on where its cells fall among other sessions' (a
-session opened 10 cells later scores differently: blocks of 64 or more query rows take a tiled kernel
-whose rounding depends on where cells sit); in its own stream its cells always start at 0.
-Then a block scored at once, alone or batched, gives the logits of the same tokens decoded one by
-one, bit for bit, whatever else the replica serves (tests/test_llamacpp_engine.py). The price is a
-fixed share per session: `kv_tokens / max_sequences` tokens (`Capabilities.max_sequence_tokens`).
+Exactness (docs/engine.md). Flash attention is on: with it llama.cpp's CPU kernels compute each row of a
+block exactly as they compute that token alone, given under 64 rows per ubatch (llamacpp_context.py
+UBATCH), so a cache holds the same bits however its tokens were fed. And each session has its own
+stream: the flash-attention kernel walks the cache in tiles of 64 cells, so in a cache shared by all
+sessions a session's logits would depend on where its cells fall among other sessions' (a session opened
+10 cells later scores differently); in its own stream its cells always start at 0. Then a block scored
+at once, alone or batched, gives the logits of the same tokens decoded one by one, bit for bit,
+whatever else the replica serves (tests/test_llamacpp_engine.py).
+
+More sessions than streams. llama.cpp's streams are all one size and cannot grow: their K/V are one
+tensor per layer of [cells × streams], zero-filled and resident from the start (64 streams of 4,096 cells
+would take 5.6 GiB for the embedded target). So a replica keeps few, full-length streams, and a session
+that needs one while none is free takes the stream of the least recently used session that is not in
+the pass being planned: that session's state is parked in host memory (`llama_state_seq_get_data`,
+23 KB per cached token for the embedded target) and restored, into whatever stream is free, when it next
+runs (`set_data`; its cells land contiguous from 0, so it scores bit for bit as before). Host memory for
+parked states is bounded (`parked_tokens`); past it `fits` says no and the core evicts idle sessions.
+`copy_prefix` copies a session's first tokens into a new session's stream the same way.
 
 Draft trees. llama.cpp takes no attention mask: a token sees the cells holding its first sequence id
 at positions up to its own, so a tree needs an id per leaf, each node carrying the ids of the leaves
-below it and the context all of them; but a session's stream holds one id. What else was measured (one
-thread of an AMD EPYC, embedded Q4_1 target, 128 cached tokens; a chain pass of 3 tokens takes 29.6 ms,
-of 9 73 ms): a stream per branch needs the context copied into each (llama.cpp copies whole streams,
-7.7 ms per branch of 1,024 cells; 7 branches for 8 top-4 nodes) and recomputes shared nodes: slowest.
-One cache for all sessions (`kv_unified`) scores trees exactly but no longer chains (a block after
-another session opened: logits 0.57 apart; see streams above). Depth first in the session's stream, a
-decode per leaf, is exact but a decode costs ~4.5 ms beyond its tokens: +23 % at 4 nodes, +59 % at 32.
-
-Chosen: a second context, `kv_unified` on, for trees only, of TREE_STREAMS streams' cells (a tree and
-its session's context fit one stream's share; the core defers trees beyond that many a pass), made
-with the engine (made at the first tree, 1.5 GB cleared at 65,536 cells, it stalled that pass for
-seconds). A pass copies each tree's session cells there (llama.cpp's sequence state), gives them every
-leaf's id (`llama_memory_seq_cp` within a stream moves no data) and decodes the trees at once;
-keep_rows copies context and kept path back over the session's stream, consecutive. It costs a chain
-of as many tokens plus the copies: ~1 ms in and 0.8 ms back at 128 cached tokens (tree/chain
-1.00-1.03), ~7 and ~5 ms at 1,000 (bench/tree_verify_cost.py). Exact, bit for bit
-(tests/test_llamacpp_trees.py): the copies keep a session's cells in order, so flash attention visits
-a node's context and ancestors as a chain's, given under 64 rows per ubatch (from 64 its tiled kernel
-rounds otherwise, logits 1.1 apart). A chain-shaped tree is scored as a chain. Limits: a pass's trees
-are kept or cut before the next with trees; 256 leaves and TREE_STREAMS trees a pass.
+below it and the context all of them; but a session's stream holds one id. So a second context,
+`kv_unified` on, of TREE_CELLS cells, scores trees only (the alternatives measured, all slower or
+inexact, are in docs/engine.md); it is made with the engine (made at the first tree, it stalled that
+pass for seconds). A pass copies each tree's session cells there (llama.cpp's sequence state), gives
+them every leaf's id (`llama_memory_seq_cp` within a stream moves no data) and decodes the trees at
+once; keep_rows copies context and kept path back over the session's stream, consecutive. It costs a
+chain of as many tokens plus the copies (bench/tree_verify_cost.py), and is exact, bit for bit
+(tests/test_llamacpp_trees.py): the copies keep a session's cells in order. A chain-shaped tree is
+scored as a chain. Limits: a pass's trees are kept or cut before the next with trees; 256 leaves and
+`max_trees` trees (as many sessions' full contexts as TREE_CELLS holds, at most 8) a pass.
 
 ctypes releases the GIL during every llama.cpp call, so the replica's gRPC threads run during a pass.
 """
 from __future__ import annotations
 
-import ctypes
-import struct
-from collections.abc import Iterator, Sequence
+import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,84 +53,30 @@ import numpy as np
 import torch
 
 from ...common.protocol.errors import ResourceExhausted
-from ...common.protocol.tree import feed_depths
+from ..specs import VerifierLimits
 from .base import Capabilities, Feed, Scores
+from .llamacpp_context import LOG_CALLBACK, MAX_BATCH_TOKENS, Context, Mover
+from .llamacpp_trees import PlantedTree, is_tree, plant
 
 FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 15: "Q4_K_M", 17: "Q5_K_M",
           18: "Q6_K", 32: "BF16"}  # llama_ftype values of the weight types a user is likely to bring
-MAX_BATCH_TOKENS = 2048  # tokens per llama_decode call; a larger pass is split (the logits are read in between)
 TREE_BRANCHES = 256  # llama.cpp's LLAMA_MAX_SEQ: the tree context's sequence ids, one per leaf of a pass's trees
-TREE_STREAMS = 8  # the tree context holds this many streams' cells: trees a pass (module doc)
-TREE_UBATCH = 63  # tree rows per ubatch: below the 64 query rows where flash attention goes tiled (module doc)
-STATE_HEADER = struct.Struct("<IiI")  # a sequence state's magic, sequence id and stream count
-
-
-def _quiet(level: int, text: bytes, data: ctypes.c_void_p) -> None:
-    """llama.cpp's log callback: its progress chatter would drown the server's own log lines."""
-
-
-_LOG_CALLBACK = llama.llama_log_callback(_quiet)  # kept alive for the process: llama.cpp holds the pointer
-
-
-@dataclass(frozen=True)
-class _Tree:
-    """A tree scored in the tree context and not yet kept or cut."""
-
-    start: int  # the session's length before the pass
-    parents: tuple[int, ...]
-    depths: tuple[int, ...]
-    sequences: tuple[tuple[int, ...], ...]  # per fed token, the ids of the leaves below it (the first rules)
+TREE_STREAMS = 8  # trees a pass at most
+TREE_CELLS = 8192  # the tree context's cells: 8 trees of sessions up to 1,024 tokens, fewer of longer ones
 
 
 @dataclass(eq=False)
 class LlamaSequence:
-    """One session's cache: a llama.cpp sequence id (taken at the first reservation) and its length."""
+    """One session's cache: resident in a stream (a llama.cpp sequence id), parked in host memory, or
+    empty; and its length."""
 
     length: int = 0  # tokens cached (after a tree pass, with the tree's tokens until keep_rows)
-    held: int = 0  # cells reserved for it, >= length
-    seq_id: int | None = None
-    tree: _Tree | None = None  # the last pass's tree, until keep_rows, truncate or release
-
-
-class _Context:
-    """A llama_context over the engine's model, and the batch its decodes fill."""
-
-    def __init__(self, model, source: str, cells: int, sequences: int, unified: bool, ubatch: int, threads: int,
-                 flash_attention: bool) -> None:
-        params = llama.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = cells, min(cells, MAX_BATCH_TOKENS), min(cells, ubatch)
-        params.n_seq_max, params.kv_unified = sequences, unified
-        params.n_threads = params.n_threads_batch = threads
-        params.flash_attn_type = (llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention
-                                  else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        params.pooling_type = llama.LLAMA_POOLING_TYPE_NONE  # features: one hidden state per position
-        params.embeddings = False  # switched on only for passes that carry a features feed
-        self.ctx = llama.llama_init_from_model(model, params)
-        if not self.ctx:
-            raise ValueError(f"llama.cpp cannot make a context of {cells} tokens for {source}")
-        self.memory = llama.llama_get_memory(self.ctx)
-        self.streams, self.batch_size, self.embeddings = 1 if unified else sequences, params.n_batch, False
-        self.batch = llama.llama_batch_init(self.batch_size, 0, sequences if unified else 1)
-
-    def set_embeddings(self, on: bool) -> None:
-        """Final hidden states from the next decodes, or not."""
-        if on != self.embeddings:
-            llama.llama_set_embeddings(self.ctx, on)
-            self.embeddings = on
-
-    def decode(self, rows: Sequence[tuple[int, int, Sequence[int], bool]]) -> None:
-        """One llama_decode of `rows` (token, position, sequence ids: the first rules what it sees, whether
-        it is an output); RuntimeError naming the cause if it fails."""
-        batch = self.batch
-        for r, (token, position, seq_ids, output) in enumerate(rows):
-            batch.token[r], batch.pos[r], batch.n_seq_id[r], batch.logits[r] = token, position, len(seq_ids), output
-            for k, seq_id in enumerate(seq_ids):
-                batch.seq_id[r][k] = seq_id
-        batch.n_tokens = len(rows)
-        status = llama.llama_decode(self.ctx, batch)
-        if status != 0:
-            cause = "no free KV cells" if status == 1 else f"status {status}"
-            raise RuntimeError(f"llama_decode failed: {cause}")
+    held: int = 0  # cells reserved for it in its stream, >= length while resident
+    seq_id: int | None = None  # its stream while resident
+    parked: bytearray | mmap.mmap | None = None  # its state while parked
+    parked_cells: int = 0  # tokens that state holds (>= length: a cut while parked applies at the restore)
+    used: int = 0  # the engine's pass count when it was last reserved: who is parked first, and who not now
+    tree: PlantedTree | None = None  # the last pass's tree, until keep_rows, truncate or release
 
 
 class LlamaCppEngine:
@@ -140,37 +84,53 @@ class LlamaCppEngine:
     engine.base.Engine; its handles are LlamaSequences)."""
 
     def __init__(self, gguf: str | Path, kv_tokens: int, max_sequences: int, threads: int = 1,
-                 flash_attention: bool = True, trees: bool = True) -> None:
-        """`flash_attention` off only to measure what it buys (bench/llamacpp_engine.py): without it
-        blocks are not scored exactly as single tokens (docs/engine.md). `trees` off: chains only."""
-        llama.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
+                 flash_attention: bool = True, trees: bool = True, parked_tokens: int = 0) -> None:
+        """`kv_tokens` cells in `max_sequences` streams: sessions resident at once, each up to
+        kv_tokens / max_sequences tokens; `parked_tokens`: the host memory idle sessions' states may
+        take, in tokens (0: a session without a stream is evicted instead). `flash_attention` off only to
+        measure what it buys (bench/llamacpp_engine.py): without it blocks are not scored exactly as
+        single tokens (docs/engine.md). `trees` off: chains only."""
+        llama.llama_log_set(LOG_CALLBACK, None)
         llama.llama_backend_init()
         self._model = llama.llama_model_load_from_file(str(gguf).encode(), llama.llama_model_default_params())
         if not self._model:
             raise ValueError(f"llama.cpp cannot load {gguf}")
         self._source = str(gguf)  # kv_unified off below: a stream per session (module doc)
-        self._main = _Context(self._model, self._source, kv_tokens, max_sequences, False, MAX_BATCH_TOKENS, threads,
-                              flash_attention)
+        self._main = Context(self._model, self._source, kv_tokens, max_sequences, False, threads, flash_attention)
+        self._mover = Mover()
         self._pending = 0  # trees scored and not yet kept or cut
-        self._state = bytearray()  # a sequence state on its way between the two contexts
         self._vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self._model))
         self._hidden, self._capacity = llama.llama_model_n_embd(self._model), kv_tokens
         self._per_sequence = llama.llama_n_ctx_seq(self._main.ctx)
-        streams = min(TREE_STREAMS, max_sequences)
-        self._trees = _Context(self._model, self._source, streams * self._per_sequence, TREE_BRANCHES, True,
-                               TREE_UBATCH, threads, flash_attention) if trees else None
+        streams = max(1, min(TREE_STREAMS, max_sequences, TREE_CELLS // self._per_sequence))
+        self._trees = Context(self._model, self._source, streams * self._per_sequence, TREE_BRANCHES, True,
+                              threads, flash_attention) if trees else None
         self._free_ids = list(range(max_sequences - 1, -1, -1))
+        self._resident: dict[int, LlamaSequence] = {}  # stream -> the sequence in it
         self._held = 0
+        self._parked_budget, self._parked_cells = parked_tokens, 0
+        self._passes = 1  # passes run (and failed); a sequence reserved since the last one is in the next
+        self.parks = self.restores = 0  # states moved to host memory and back, since the start
         ftype = llama.llama_model_ftype(self._model)
         self.capabilities = Capabilities(name="llamacpp", device="cpu", dtype=FTYPES.get(ftype, f"ftype {ftype}"),
                                          feature_dim=self._hidden, tree_masks=trees, max_tree_leaves=TREE_BRANCHES,
-                                         max_trees=streams, max_sequence_tokens=self._per_sequence)
+                                         max_trees=streams, max_sequence_tokens=self._per_sequence,
+                                         max_sequences_per_pass=max_sequences)
+
+    @classmethod
+    def serving(cls, gguf: str | Path, limits: VerifierLimits, threads: int) -> LlamaCppEngine:
+        """The engine a replica serves with: `kv_streams` streams (at most `max_sessions`) of `max_context`
+        cells, as many as `kv_cache_tokens` holds (at least one, of kv_cache_tokens cells if that is
+        less than max_context), and the rest of kv_cache_tokens for parked states."""
+        cells = min(limits.max_context, limits.kv_cache_tokens)
+        streams = max(1, min(limits.kv_streams, limits.max_sessions, limits.kv_cache_tokens // cells))
+        return cls(gguf, streams * cells, streams, threads, trees=limits.max_tree_nodes > 0,
+                   parked_tokens=max(0, limits.kv_cache_tokens - streams * cells))
 
     def __del__(self) -> None:
         for context in (getattr(self, "_trees", None), getattr(self, "_main", None)):  # before the model
             if context is not None:
-                llama.llama_batch_free(context.batch)
-                llama.llama_free(context.ctx)
+                context.free()
         if getattr(self, "_model", None):
             llama.llama_model_free(self._model)
 
@@ -181,34 +141,62 @@ class LlamaCppEngine:
 
     @property
     def capacity_tokens(self) -> int:
-        """Cells of the KV cache."""
+        """Cells of the streams."""
         return self._capacity
+
+    @property
+    def parked_tokens(self) -> int:
+        """Tokens the states parked in host memory hold."""
+        return self._parked_cells
 
     def fill(self) -> float:
         """The fraction of all cells reserved by sessions."""
         return self._held / self._capacity
 
     def new_sequence(self) -> LlamaSequence:
-        """An empty handle; it takes a sequence id and cells when it first grows."""
+        """An empty handle; it takes a stream when it first grows."""
         return LlamaSequence()
 
     def fits(self, kv: LlamaSequence, extra: int) -> bool:
-        """True if `kv` has a stream, or one is free, and `extra` more tokens fit in it."""
-        return kv.length + extra <= self._per_sequence and (kv.seq_id is not None or bool(self._free_ids))
+        """True if `extra` more tokens fit in `kv`'s stream, and `kv` has a stream or can have one: a
+        free one, or that of an idle session whose state fits in host memory."""
+        if kv.length + extra > self._per_sequence:
+            return False
+        return kv.seq_id is not None or bool(self._free_ids) or self._victim(kv) is not None
 
     def reserve(self, kv: LlamaSequence, extra: int) -> None:
-        """Take the cells `extra` more tokens need; ResourceExhausted, taking nothing, if they are not free."""
+        """Take the cells `extra` more tokens need, in a stream (parking an idle session's state, or
+        restoring `kv`'s, if it must); ResourceExhausted, taking nothing, if they do not fit. `kv` is not
+        parked before the next pass."""
         if not self.fits(kv, extra):
             raise ResourceExhausted(f"the KV cache has no room for {extra} more tokens")
         if kv.seq_id is None:
-            kv.seq_id = self._free_ids.pop()
+            self._take_stream(kv)
+        kv.used = self._passes
         need = max(0, kv.length + extra - kv.held)
         kv.held += need
         self._held += need
 
+    def copy_prefix(self, src: LlamaSequence, dst: LlamaSequence, length: int) -> None:
+        """Make the empty `dst` hold `src`'s first `length` tokens (see Engine): its stream gets `src`'s
+        state, from its stream or host memory, cut after `length` tokens."""
+        if dst.length or dst.seq_id is not None or dst.parked is not None:
+            raise ValueError("a prefix is copied into an empty sequence only")
+        if not 0 < length <= src.length or src.tree is not None:
+            raise ValueError(f"cannot copy {length} tokens of a sequence of {src.length}")
+        self.reserve(dst, length)  # may park `src` itself: then its state is read back from host memory
+        state = src.parked if src.parked is not None else self._main.save(src.seq_id)
+        self._main.load(dst.seq_id, state, length)
+        dst.length = length
+
     def truncate(self, kv: LlamaSequence, length: int) -> None:
         """Keep the first `length` tokens; the cells after them are free again. After a tree pass, the
         tree's tokens kept must be a chain from its first (see keep_rows); keeping none drops the tree."""
+        if kv.parked is not None:
+            kv.length = min(kv.length, length)  # the restore cuts it
+            if not kv.length:
+                self.release(kv)
+            return
         if kv.tree is not None:
             start = kv.tree.start
             if length > start:
@@ -217,7 +205,7 @@ class LlamaCppEngine:
             self._drop_tree(kv)
             kv.length = start
         if kv.seq_id is not None and length < kv.length:
-            llama.llama_memory_seq_rm(self._main.memory, kv.seq_id, length, -1)
+            self._main.remove(kv.seq_id, length)
         kv.length = min(kv.length, length)
         self._held -= kv.held - kv.length
         kv.held = kv.length
@@ -236,33 +224,40 @@ class LlamaCppEngine:
         if start != tree.start or rows[:1] != [0] or any(b <= a or tree.parents[b] != a for a, b in steps):
             raise ValueError(f"rows {rows} from {start} are not a root path of the tree fed at {tree.start}")
         branch = tree.sequences[rows[-1]][0]
-        llama.llama_memory_seq_rm(self._trees.memory, branch, start + len(rows), -1)
+        self._trees.remove(branch, start + len(rows))
         self._drop_tree(kv)
-        self._move(self._trees, branch, self._main, kv.seq_id)
+        self._mover.move(self._trees, branch, self._main, kv.seq_id)
         kv.length = start + len(rows)
         self.truncate(kv, kv.length)  # the cells held beyond go back
 
     def release(self, kv: LlamaSequence) -> None:
-        """Every cell and the sequence id back."""
+        """Every cell, the stream or the parked state back."""
         if kv.tree is not None:
             self._drop_tree(kv)
         if kv.seq_id is not None:
-            llama.llama_memory_seq_rm(self._main.memory, kv.seq_id, -1, -1)
-            self._free_ids.append(kv.seq_id)
+            self._main.remove(kv.seq_id)
+            self._free_stream(kv)
+        self._parked_cells -= kv.parked_cells
+        kv.parked, kv.parked_cells = None, 0
         self._held -= kv.held
         kv.length = kv.held = 0
-        kv.seq_id = None
 
     def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
         """Append every feed's tokens to its sequence in one pass: the chains in one llama_decode of
         the sessions' context, the trees in one of the tree context (more only past MAX_BATCH_TOKENS);
         per feed, its Scores. On failure every sequence is as it was before the pass."""
-        trees = [f for f, feed in enumerate(feeds) if _is_tree(feed)]
+        try:
+            return self._forward(feeds)
+        finally:
+            self._passes += 1  # the sequences of this pass may be parked again
+
+    def _forward(self, feeds: Sequence[Feed]) -> list[Scores]:
+        trees = [f for f, feed in enumerate(feeds) if is_tree(feed)]
         self._check(feeds, trees)
         chains = [f for f in range(len(feeds)) if f not in trees]
         logits: list[list[np.ndarray]] = [[] for _ in feeds]
         hidden: list[list[np.ndarray]] = [[] for _ in feeds]
-        planted: dict[int, _Tree] = {}
+        planted: dict[int, PlantedTree] = {}
         try:
             # 1. The chains, every token as (feed, index in feed), a batch per decode; each decode's
             #    outputs are read before the next.
@@ -278,7 +273,7 @@ class LlamaCppEngine:
                 self._score_trees(feeds, trees, planted, logits, hidden)
         except BaseException:
             for feed in feeds:
-                llama.llama_memory_seq_rm(self._main.memory, feed.kv.seq_id, feed.kv.length, -1)
+                self._main.remove(feed.kv.seq_id, feed.kv.length)
             raise
         # 3. Every feed's tokens are cached now (a tree's in the tree context, until keep_rows).
         self._pending += len(planted)
@@ -288,6 +283,50 @@ class LlamaCppEngine:
         return [Scores(torch.from_numpy(np.stack(logits[f])) if feed.scored else None,
                        torch.from_numpy(np.stack(hidden[f])) if feed.features else None)
                 for f, feed in enumerate(feeds)]
+
+    def _victim(self, incoming: LlamaSequence) -> LlamaSequence | None:
+        """The least recently used resident sequence that may give `incoming` its stream: not reserved for
+        the coming pass, no tree pending, its state within what host memory has left once `incoming`'s
+        own parked state (if any) is restored."""
+        room = self._parked_budget - self._parked_cells + incoming.parked_cells
+        idle = [kv for kv in self._resident.values()
+                if kv.used != self._passes and kv.tree is None and kv.length <= room]
+        return min(idle, key=lambda kv: kv.used, default=None)
+
+    def _take_stream(self, kv: LlamaSequence) -> None:
+        """Give `kv` a stream (fits() said one can be had), restoring its parked state into it."""
+        if not self._free_ids:
+            self._park(self._victim(kv))
+        kv.seq_id = self._free_ids.pop()
+        self._resident[kv.seq_id] = kv
+        if kv.parked is None:
+            return
+        try:
+            self._main.load(kv.seq_id, kv.parked, kv.length)
+        except BaseException:
+            self._free_stream(kv)
+            raise
+        self._parked_cells -= kv.parked_cells
+        kv.parked, kv.parked_cells = None, 0
+        kv.held = kv.length
+        self._held += kv.held
+        self.restores += 1
+
+    def _park(self, kv: LlamaSequence) -> None:
+        """Move a resident sequence's state to host memory and free its stream."""
+        if kv.length:
+            kv.parked, kv.parked_cells = self._main.save(kv.seq_id), kv.length
+            self._parked_cells += kv.length
+            self.parks += 1
+        self._main.remove(kv.seq_id)
+        self._free_stream(kv)
+        self._held -= kv.held
+        kv.held = 0
+
+    def _free_stream(self, kv: LlamaSequence) -> None:
+        del self._resident[kv.seq_id]
+        self._free_ids.append(kv.seq_id)
+        kv.seq_id = None
 
     def _check(self, feeds: Sequence[Feed], trees: list[int]) -> None:
         """ValueError (ResourceExhausted: too many leaves) before anything changes if the pass cannot run."""
@@ -310,7 +349,7 @@ class LlamaCppEngine:
         if trees and (self._trees is None or len(trees) > self.capabilities.max_trees):
             raise ResourceExhausted(f"this engine scores at most {self.capabilities.max_trees} draft trees a pass")
 
-    def _score_trees(self, feeds: Sequence[Feed], trees: list[int], planted: dict[int, _Tree],
+    def _score_trees(self, feeds: Sequence[Feed], trees: list[int], planted: dict[int, PlantedTree],
                      logits: list[list[np.ndarray]], hidden: list[list[np.ndarray]]) -> None:
         """Copy each tree's session cells into the tree context under every leaf's sequence id and
         decode the trees, whole trees per decode (llama.cpp checks each sequence's positions per call)."""
@@ -319,9 +358,9 @@ class LlamaCppEngine:
         context.set_embeddings(any(feeds[f].features for f in trees))
         free = iter(range(TREE_BRANCHES))
         for f in trees:
-            tree = planted[f] = _plant(feeds[f], free)
+            tree = planted[f] = plant(feeds[f], free)
             first = tree.sequences[0]  # the root's: every leaf's id
-            self._move(self._main, feeds[f].kv.seq_id, context, first[0])
+            self._mover.move(self._main, feeds[f].kv.seq_id, context, first[0])
             for seq_id in first[1:]:
                 llama.llama_memory_seq_cp(context.memory, first[0], seq_id, -1, -1)
         chunks: list[list[tuple[int, int]]] = [[]]
@@ -334,7 +373,7 @@ class LlamaCppEngine:
                              feeds[f].scored or feeds[f].features) for f, i in chunk])
             self._read(context, feeds, chunk, logits, hidden)
 
-    def _read(self, context: _Context, feeds: Sequence[Feed], chunk: list[tuple[int, int]],
+    def _read(self, context: Context, feeds: Sequence[Feed], chunk: list[tuple[int, int]],
               logits: list[list[np.ndarray]], hidden: list[list[np.ndarray]]) -> None:
         """The outputs of the decode of `chunk`, row by row, into their feeds' lists."""
         for row, (f, _) in enumerate(chunk):
@@ -346,51 +385,6 @@ class LlamaCppEngine:
     def _drop_tree(self, kv: LlamaSequence) -> None:
         """Forget the session's pending tree (its cells go at the tree context's next clear)."""
         kv.tree, self._pending = None, self._pending - 1
-
-    def _move(self, src: _Context, src_seq: int, dst: _Context, dst_seq: int) -> None:
-        """Replace `dst_seq`'s cells in `dst` by a copy of `src_seq`'s in `src`, in order, through
-        llama.cpp's sequence state: a header (magic, sequence id, stream count), then per stream a cell
-        count and its cells, only the sequence's own stream having any. The contexts count streams
-        differently, so the header and the empty streams' counts are rewritten in place around that
-        stream's block, which Python never copies. RuntimeError if the state is not laid out so."""
-        size = llama.llama_state_seq_get_size(src.ctx, src_seq)
-        src_stream, dst_stream = (0 if c.streams == 1 else seq for c, seq in ((src, src_seq), (dst, dst_seq)))
-        before, after = 4 * src_stream, 4 * (src.streams - 1 - src_stream)
-        pad, tail = 4 * dst_stream, 4 * (dst.streams - 1 - dst_stream)
-        if len(self._state) < size + 4 * (src.streams + dst.streams):
-            self._state = bytearray(size + 4 * (src.streams + dst.streams))
-        state = self._state  # read in at `pad`, the block lies where the rewritten state needs it
-        n = llama.llama_state_seq_get_data(src.ctx, (ctypes.c_uint8 * size).from_buffer(state, pad), size, src_seq)
-        magic, seq_id, streams = STATE_HEADER.unpack_from(state, pad)
-        block, end = pad + STATE_HEADER.size + before, pad + n - after
-        if n == 0 or streams != src.streams or any(state[pad + STATE_HEADER.size:block]) or any(state[end:pad + n]):
-            raise RuntimeError("llama.cpp's sequence state is not laid out as this engine expects")
-        STATE_HEADER.pack_into(state, before, magic, seq_id, dst.streams)
-        state[before + STATE_HEADER.size:block] = bytes(pad)
-        state[end:end + tail] = bytes(tail)
-        total = end + tail - before
-        if not llama.llama_state_seq_set_data(dst.ctx, (ctypes.c_uint8 * total).from_buffer(state, before), total,
-                                              dst_seq):
-            raise RuntimeError("llama.cpp could not restore a sequence state")
-
-
-def _is_tree(feed: Feed) -> bool:
-    """True for a feed with parents that are not a chain (a chain-shaped tree is scored as a chain)."""
-    return feed.parents is not None and any(p != j - 1 for j, p in enumerate(feed.parents))
-
-
-def _plant(feed: Feed, free: Iterator[int]) -> _Tree:
-    """The tree of `feed`, a sequence id per leaf from `free`: each token carries the ids of the leaves
-    below it, so under its own first id it sees the cached context (which carries them all), its
-    ancestors and itself, and no other token of the tree."""
-    parents = tuple(feed.parents)
-    sequences: list[list[int]] = [[] for _ in parents]
-    for leaf in sorted(set(range(len(parents))) - set(parents)):
-        seq_id, node = next(free), leaf
-        while node >= 0:
-            sequences[node].append(seq_id)
-            node = parents[node]
-    return _Tree(feed.kv.length, parents, tuple(feed_depths(parents)), tuple(map(tuple, sequences)))
 
 
 def _row(pointer, size: int) -> np.ndarray:

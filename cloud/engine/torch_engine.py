@@ -148,6 +148,10 @@ class TorchEngine:
     def reserve(self, kv: PageTable, extra: int) -> None:
         kv.grow(extra)
 
+    def copy_prefix(self, src: PageTable, dst: PageTable, length: int) -> None:
+        """Copy `src`'s first `length` tokens' rows into pages of the empty `dst` (see Engine)."""
+        dst.copy_prefix(src, length)
+
     def truncate(self, kv: PageTable, length: int) -> None:
         kv.truncate(length)
 

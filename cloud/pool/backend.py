@@ -7,7 +7,9 @@ cache, per-client limits (cloud/pool/routing.py) — and leaves the calls to one
 baseline for the Ray hop's cost) and `RayPool` in pool.py (the production pool). A backend may name,
 per replica, a direct Verify endpoint that the session's rounds can go to instead of the front door
 (`SessionOpened.verify_address`); `ReplicaEndpointBackend` is what such an endpoint serves. Cloud-only
-generation is written once, on top of any backend, in `generate_tokens`.
+generation is written once, on top of any backend: `generate_tokens` (a session of its own, the
+`Generate` RPC) and `decode_tokens` (on a session the client opened, the `Decode` RPC, which a
+replica's own endpoint serves too).
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from dataclasses import dataclass, replace
 
 from ...common.security.credentials import Identity
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, ResourceExhausted, Unavailable
-from ...common.protocol.wire import (DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened, SessionSpec,
-                           VerifyResult)
+from ...common.protocol.wire import (DecodeSpec, DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened,
+                                     SessionSpec, VerifyResult, check_context)
+from ..core.prefixes import PrefixStats
 from ..core.telemetry import Tally
 from ..core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Scheduler
 from .routing import SessionTable
@@ -43,8 +46,10 @@ class ReplicaStatus:
     evictions: int  # sessions the replica dropped (idle or LRU) since it started
     failures: int = 0  # times the pool saw this replica die
     routed_total: int = 0  # sessions ever routed to this replica
-    direct: Tally = Tally()  # rounds and errors its own endpoint answered since the last status
+    direct: Tally = Tally()  # rounds, tokens and errors its own endpoint answered since the last status
     telemetry: ReplicaTelemetry | None = None  # its own histograms and KV fill (None while it is down)
+    prefixes: PrefixStats = PrefixStats()  # its prefix reuse since it started
+    parked_tokens: int = 0  # tokens of its idle sessions parked in host memory
 
 
 class ReplicaLost(FailedPrecondition):
@@ -154,7 +159,8 @@ class Backend(ABC):
             for orphan in self.table.unrouted(name, held):  # held there, routed nowhere: free it
                 self._close_quietly(name, orphan)
             return ReplicaStatus(name, True, stats.sessions, stats.cached_tokens, stats.evictions, failures,
-                                 self.routed_total.get(name, 0), await self._tally_of(name), stats.telemetry)
+                                 self.routed_total.get(name, 0), await self._tally_of(name), stats.telemetry,
+                                 stats.prefixes, stats.parked_tokens)
 
         return list(await asyncio.gather(*(one(name) for name in self._replica_names())))
 
@@ -263,11 +269,12 @@ class InProcessBackend(Backend):
 
 
 class ReplicaEndpointBackend(InProcessBackend):
-    """A replica's own scheduler, as its direct Verify endpoint serves it (cloud/api/server.py).
+    """A replica's own scheduler, as its direct endpoint serves it (cloud/api/server.py).
 
     Sessions reach that scheduler only through the front door, which issued their ids and routed them
     there; so no second routing table is kept: its verifier is the authority, answering
-    FAILED_PRECONDITION for any id it does not hold, whoever presents it. Only `verify` is served.
+    FAILED_PRECONDITION for any id it does not hold, whoever presents it. Only `verify` and `decode`
+    are served.
     """
 
     def __init__(self, scheduler: Scheduler) -> None:
@@ -278,6 +285,23 @@ class ReplicaEndpointBackend(InProcessBackend):
         """Verify one round, sent by `caller`, of a session this replica holds (the verifier checks
         that the session is the caller's)."""
         return await self._live().verify(replace(block, owner=caller.owner))
+
+    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int],
+                     caller: Identity) -> AsyncIterator[int]:
+        """Cloud-only decoding of a session this replica holds, straight from its scheduler."""
+        async for token in self._live().decode(replace(block, owner=caller.owner), max_tokens, eos):
+            yield token
+
+
+async def decode_tokens(backend: Backend, spec: DecodeSpec, caller: Identity) -> AsyncIterator[int]:
+    """Cloud-only decoding on a session the caller opened: its tokens as the replica decodes them, from
+    the front door (routed) or from the replica's own endpoint (ReplicaEndpointBackend). Validated
+    before anything is decoded."""
+    info = backend.model_info()
+    spec.validate(info.max_context)
+    first = DraftBlock(spec.session_id, spec.round, spec.committed_len, ())  # an empty round: the first token
+    async for token in backend.decode(first, spec.max_new_tokens, frozenset(info.eos_token_ids), caller):
+        yield token
 
 
 async def generate_tokens(backend: Backend, spec: GenerateSpec, caller: Identity) -> AsyncIterator[int]:
@@ -291,8 +315,7 @@ async def generate_tokens(backend: Backend, spec: GenerateSpec, caller: Identity
     """
     info = backend.model_info()
     spec.validate(info.vocab_size)
-    if len(spec.prompt_ids) + spec.max_new_tokens > info.max_context:
-        raise ResourceExhausted(f"prompt + max_new_tokens exceeds max_context {info.max_context}")
+    check_context(len(spec.prompt_ids), spec.max_new_tokens, info.max_context)
     session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling,
                           mode=Mode.GREEDY if spec.sampling.greedy else Mode.COUPLED,
                           seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint,

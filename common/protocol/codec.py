@@ -5,8 +5,8 @@ import math
 
 from .errors import InvalidArgument
 from .proto import verifier_pb2 as pb
-from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DraftBlock, FeatureBlock, FeatureFormat, GenerateSpec, Mode,
-                   ModelInfo, SamplingParams, SessionOpened, SessionSpec, VerifyResult)
+from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DecodeSpec, DraftBlock, FeatureBlock, FeatureFormat,
+                   GenerateSpec, Mode, ModelInfo, SamplingParams, SessionOpened, SessionSpec, VerifyResult)
 
 _MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
                Mode.BILD: pb.MODE_BILD, Mode.LENIENT: pb.MODE_LENIENT, Mode.COUPLED: pb.MODE_COUPLED}
@@ -173,3 +173,14 @@ def generate_from_pb(m: pb.GenerateRequest) -> GenerateSpec:
     return GenerateSpec(prompt_ids=tuple(m.prompt_ids), sampling=sampling_from_pb(m.sampling),
                         max_new_tokens=m.max_new_tokens, seed=m.seed,
                         tokenizer_fingerprint=m.tokenizer_fingerprint, prompt_len=m.prompt_len)
+
+
+def decode_to_pb(d: DecodeSpec) -> pb.DecodeRequest:
+    """Encode a cloud-only stream on an open session."""
+    return pb.DecodeRequest(session_id=d.session_id, round=d.round, committed_len=d.committed_len,
+                            max_new_tokens=d.max_new_tokens)
+
+
+def decode_from_pb(m: pb.DecodeRequest) -> DecodeSpec:
+    """Decode a cloud-only stream on an open session."""
+    return DecodeSpec(m.session_id, m.round, m.committed_len, m.max_new_tokens)

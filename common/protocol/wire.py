@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from .errors import FailedPrecondition, InvalidArgument
 from .tree import check_tree, children, is_chain
 
 PROB_SUM_TOLERANCE = 1e-3  # float32 renormalisation error stays far below this
@@ -228,8 +228,8 @@ class SessionSpec:
             raise FailedPrecondition(f"model fingerprint mismatch: edge expects {self.model_fingerprint[:64]}, "
                                      f"verifier serves {info.model_fingerprint}")
         if len(self.committed_ids) >= info.max_context:
-            raise ResourceExhausted(
-                f"committed_ids holds {len(self.committed_ids)} tokens; max_context is {info.max_context}")
+            raise InvalidArgument(f"committed_ids holds {len(self.committed_ids)} tokens; this verifier's "
+                                  f"max_context is {info.max_context}")
 
 
 @dataclass(frozen=True)
@@ -351,6 +351,37 @@ class GenerateSpec:
         _check_prompt_len(self.prompt_len, self.prompt_ids, "prompt_ids")
         if self.max_new_tokens < 1:
             raise InvalidArgument("max_new_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Cloud-only decoding on an open session: up to `max_new_tokens` tokens after its committed ones,
+    each the token of an empty round."""
+
+    session_id: str
+    round: int  # the session's next round
+    committed_len: int  # the committed length the client believes in
+    max_new_tokens: int
+
+    def validate(self, max_context: int) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        check_session_id(self.session_id)
+        if self.max_new_tokens < 1:
+            raise InvalidArgument("max_new_tokens must be >= 1")
+        if self.committed_len + self.max_new_tokens > max_context:
+            raise InvalidArgument(f"committed_len ({self.committed_len}) plus max_new_tokens ({self.max_new_tokens}) "
+                                  f"exceeds the verifier's max_context of {max_context} tokens")
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, max_context: int) -> None:
+    """InvalidArgument, naming the numbers, when a prompt and the tokens to generate after it do not fit
+    in a session's max_context (0: not known, nothing to check): what the cloud's Generate and an edge
+    check before any work."""
+    if max_context and prompt_tokens >= max_context:
+        raise InvalidArgument(f"the prompt is {prompt_tokens} tokens; the verifier's max_context is {max_context}")
+    if max_context and prompt_tokens + max_new_tokens > max_context:
+        raise InvalidArgument(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                              f"the verifier's max_context of {max_context} tokens")
 
 
 def _check_ids(name: str, ids: tuple[int, ...], vocab_size: int) -> None:

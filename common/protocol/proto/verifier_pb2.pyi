@@ -222,6 +222,18 @@ class GenerateRequest(_message.Message):
     prompt_len: int
     def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "round", "committed_len", "max_new_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    committed_len: int
+    max_new_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_len: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateReply(_message.Message):
     __slots__ = ("token_id",)
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class VerifierStub:
                 request_serializer=hybridspec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.GenerateReply.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/hybridspec.v1.Verifier/Decode',
+                request_serializer=hybridspec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.GenerateReply.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -116,6 +121,19 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """Cloud-only decoding on an open session: the target decodes up to max_new_tokens tokens after the
+        session's committed ones and streams them back, each committed as the token of an empty round
+        (so drawn by the session's rule: MODE_COUPLED draws by (seed, position) as Generate does). A
+        replica's own endpoint (OpenSessionReply.verify_address) serves it too, for the sessions it holds,
+        so the tokens skip the front door. The stream ends after max_new_tokens tokens, an end-of-sequence
+        token, or an error; a client that leaves early may find the session committed a few tokens past
+        those it read (its next round then gets FAILED_PRECONDITION: re-open from what it holds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +165,11 @@ def add_VerifierServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.GenerateRequest.FromString,
+                    response_serializer=hybridspec_dot_v1_dot_verifier__pb2.GenerateReply.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=hybridspec_dot_v1_dot_verifier__pb2.GenerateReply.SerializeToString,
             ),
     }
@@ -311,6 +334,33 @@ class Verifier:
             target,
             '/hybridspec.v1.Verifier/Generate',
             hybridspec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
+            hybridspec_dot_v1_dot_verifier__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hybridspec.v1.Verifier/Decode',
+            hybridspec_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
             hybridspec_dot_v1_dot_verifier__pb2.GenerateReply.FromString,
             options,
             channel_credentials,
