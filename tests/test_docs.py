@@ -105,3 +105,13 @@ def test_the_readmes_first_screen_quotes_only_registered_figures():
     unregistered = [m.group(0) for m in FIRST_SCREEN_UNITS.finditer(CODE.sub("", first))
                     if not any(m.group(0) in quote or quote in m.group(0) for quote in registered)]
     assert not unregistered, f"README's first screen quotes figures with no source in docs/figures.yaml: {unregistered}"
+
+
+def test_the_python_the_docs_require_is_the_one_pyproject_requires():
+    """README (and any page naming a requirement) asks for the Python version pip will enforce."""
+    required = re.search(r'requires-python\s*=\s*">=\s*([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    stated = {(page.relative_to(ROOT), m.group(1)) for page in PAGES
+              for m in re.finditer(r"Python\s*(?:≥|>=)\s*([\d.]+)", page.read_text())}
+    assert stated, "README no longer states which Python it needs"
+    wrong = [f"{page}: Python ≥ {version}" for page, version in stated if version != required]
+    assert not wrong, f"pyproject requires Python >={required}, but {wrong}"
