@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,16 @@ def test_the_python_the_docs_require_is_the_one_pyproject_requires():
     assert stated, "README no longer states which Python it needs"
     wrong = [f"{page}: Python ≥ {version}" for page, version in stated if version != required]
     assert not wrong, f"pyproject requires Python >={required}, but {wrong}"
+
+
+def test_the_readmes_layout_table_names_every_folder_in_the_tree():
+    """Each tracked top-level folder, and each package folder inside cloud/, common/ and edge/, has
+    its row in README's layout table (a new folder cannot go undocumented)."""
+    table = (ROOT / "README.md").read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `([^`]+)`", table, re.MULTILINE))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    folders = {f.split("/")[0] + "/" for f in tracked if "/" in f}
+    folders |= {f"{top}/{p.name}/" for top in ("cloud", "common", "edge")
+                for p in (ROOT / top).iterdir() if (p / "__init__.py").is_file()}
+    missing = [f for f in sorted(folders) if not any(n.startswith(f) for n in named)]
+    assert not missing, f"README's layout table has no row for {missing}"
