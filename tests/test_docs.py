@@ -2,8 +2,11 @@
 and every figure registered in docs/figures.yaml still reads what its result file says."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -66,10 +69,21 @@ SELECT = re.compile(r"^(?P<key>[^\[\]]+)?(?:\[(?P<sel>[^\]]+)\])?$")
 FIRST_SCREEN_UNITS = re.compile(r"\d[\d.,]*\s*(?:ms|×|tokens/s|tok/s|%|s\b|min\b)")
 
 
-def lookup(data, path: str):
+def load(file: Path):
+    """A result file: JSON, JSON lines (a list of rows) or CSV (a list of rows, values as text)."""
+    text = file.read_text()
+    if file.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if file.suffix == ".csv":
+        return list(csv.DictReader(io.StringIO(text)))
+    return json.loads(text)
+
+
+def lookup(data, path: str, every: bool = False):
     """A value in a result file: keys joined by slashes, `[i]` an index, `[k=v,…]` the first list item
-    whose fields equal those values."""
-    for part in re.split(r"/(?![^\[]*\])", path):
+    whose fields equal those values (with `every`, all of them: a list of the rest of the path's values)."""
+    parts = re.split(r"/(?![^\[]*\])", path)
+    for i, part in enumerate(parts):
         m = SELECT.match(part)
         if m.group("key"):
             data = data[m.group("key")]
@@ -80,16 +94,29 @@ def lookup(data, path: str):
             data = data[int(sel)]
             continue
         want = dict(item.split("=", 1) for item in sel.split(","))
-        data = next(row for row in data if all(str(row[k]) == v for k, v in want.items()))
+        rows = [row for row in data if all(str(row[k]) == v for k, v in want.items())]
+        if every:
+            rest = "/".join(parts[i + 1:])
+            return [lookup(row, rest) if rest else row for row in rows]
+        data = rows[0]
     return data
 
 
 def figure(entry: dict) -> str:
-    """The quote a registry entry's result file gives today."""
-    file = json.loads((ROOT / entry["file"]).read_text())
-    value = lookup(file, entry["value"])
+    """The quote a registry entry's result file gives today (`reduce: mean` or `median` over every
+    row its selector matches)."""
+    data = load(ROOT / entry["file"])
+    reduce = {"mean": statistics.mean, "median": statistics.median}.get(entry.get("reduce"))
+
+    def value_at(path: str):
+        if reduce is None:
+            value = lookup(data, path)
+            return float(value) if isinstance(value, str) else value
+        return reduce([float(v) for v in lookup(data, path, every=True)])
+
+    value = value_at(entry["value"])
     if "over" in entry:
-        value = value / lookup(file, entry["over"])
+        value = value / value_at(entry["over"])
     return entry["format"].format(value)
 
 
