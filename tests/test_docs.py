@@ -156,3 +156,16 @@ def test_the_readmes_layout_table_names_every_folder_in_the_tree():
                 for p in (ROOT / top).iterdir() if (p / "__init__.py").is_file()}
     missing = [f for f in sorted(folders) if not any(n.startswith(f) for n in named)]
     assert not missing, f"README's layout table has no row for {missing}"
+
+
+def test_a_registry_path_reads_json_lines_and_csv_and_reduces_over_every_matching_row(tmp_path, monkeypatch):
+    rows = [{"s": "a", "x": 1.0}, {"s": "b", "x": 5.0}, {"s": "a", "x": 3.0}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "r.csv").write_text("s,x\n" + "".join(f"{r['s']},{r['x']}\n" for r in rows))
+    for name in ("r.jsonl", "r.csv"):
+        data = load(tmp_path / name)
+        assert float(lookup(data, "[s=a]/x")) == 1.0
+        assert [float(v) for v in lookup(data, "[s=a]/x", every=True)] == [1.0, 3.0]
+    monkeypatch.setitem(figure.__globals__, "ROOT", tmp_path)
+    assert figure({"file": "r.csv", "reduce": "mean", "value": "[s=a]/x", "over": "[s=b]/x",
+                   "format": "{:.2f}"}) == "0.40"
