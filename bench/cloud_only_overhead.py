@@ -49,7 +49,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
-from machine import cpu_model
+from machine import commit, cpu_model
 
 EDGE_CORE, CLOUD_CORE = 0, 1
 
@@ -185,7 +185,7 @@ def main() -> None:
         stop_cloud_process(inproc)
         stop_cloud_process(ray)
     base = statistics.median(ms["llamacpp_alone"])
-    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
+    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
               "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
         name: {"ms_per_token": round(statistics.median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
                "vs_llamacpp_alone": round(base / statistics.median(v), 3),

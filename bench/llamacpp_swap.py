@@ -32,7 +32,7 @@ from hybridspec.cloud.specs import VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
 from conversations import long_conversation
-from machine import cpu_model
+from machine import commit, cpu_model
 
 DECODED = 16
 
@@ -95,7 +95,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         engine.release(session)
-    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "weights": served_weights(target),
+    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(target),
               "engine": "llamacpp, 1 thread, a stream of 4,096 cells", "decoded_tokens": DECODED, "sessions": rows}
     text = json.dumps(result, indent=1)
     print(text)

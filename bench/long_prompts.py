@@ -30,7 +30,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.state import EventKind
 from hybridspec.edge.worker import EdgeWorker
 from conversations import long_conversation
-from machine import cpu_model
+from machine import commit, cpu_model
 
 EDGE_CORE, CLOUD_CORE = 0, 1
 STRATEGIES = {"cloud-only": {"cloud_only": True}, "default-edge": {},
@@ -75,7 +75,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stop_cloud_process(proc)
-    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
+    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
               "pool": "cloud serve defaults (Ray, one replica, llama.cpp, 1 thread, max_context 4096) on core 1",
               "new_tokens": args.new_tokens, "lengths": rows}
     text = json.dumps(result, indent=1)

@@ -32,7 +32,7 @@ from hybridspec.common.protocol.wire import GenerateSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from conversations import chat
-from machine import cpu_model
+from machine import commit, cpu_model
 
 EDGE_CORE, CLOUD_CORE = 0, 1
 
@@ -88,7 +88,7 @@ def main() -> None:
     prompts = [chat(tokenizer, q) for q in FREEFORM_PROMPTS[:args.sessions]]
     on, off = run(prompts, args.new_tokens, "identity"), run(prompts, args.new_tokens, "off")
     same = sum(a == b for a, b in zip(on.pop("tokens"), off.pop("tokens")))
-    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "weights": served_weights(target),
+    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(target),
               "pool": "cloud serve defaults (Ray, one replica, llama.cpp, 1 thread) on core 1",
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
               "shared_prefix_tokens": min(next((i for i, (x, y) in enumerate(zip(p, prompts[0])) if x != y), len(p))

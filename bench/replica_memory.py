@@ -27,7 +27,7 @@ from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import served_weights
 from hybridspec.common.protocol.wire import SessionSpec
 from hybridspec.edge.client import VerifierClient
-from machine import cpu_model
+from machine import commit, cpu_model
 
 CLOUD_CORE = 1
 PACKAGES = ("cli", "cloud", "common", "distill", "edge", "fetch", "lab", "netem")
@@ -88,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         baseline = measure(args.sessions, args.tokens, str(baseline_path(args.baseline_commit, Path(workdir))))
     current = measure(args.sessions, args.tokens)
-    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "weights": served_weights(default_paths()["target"]),
+    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(default_paths()["target"]),
               "server": "cloud serve --backend inprocess, defaults, core 1", "sessions": args.sessions,
               "prompt_tokens": args.tokens, args.baseline_commit: baseline, f"{head} (this code)": current,
               "ratio": round(current["rss_with_sessions_mib"] / baseline["rss_with_sessions_mib"], 3)}

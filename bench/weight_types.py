@@ -43,7 +43,7 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from conversations import chat
 from llamacpp_exactness import BATCH, GAMMA, prompt_set, verify_blocks
 from hybridspec.lab.baselines import engine_greedy
-from machine import cpu_model
+from machine import commit, cpu_model
 
 TYPES = ("Q4_1", "Q4_0", "Q8_0", "F16")
 SHIPPED = "Q4_1"
@@ -152,7 +152,7 @@ def main() -> None:
     for weights, row in rows.items():
         for key in ("ttft_s", "decode_tok_s", "prefill_tok_s", "prefill_tok_s_ubatch_2048"):
             row[f"{key}_median"] = statistics.median(row[key])
-    result = {"date": date.today().isoformat(), "cpu": cpu_model(), "engine": "llamacpp, 1 thread",
+    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "engine": "llamacpp, 1 thread",
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": NEW_TOKENS, "types": rows}
     text = json.dumps(result, indent=1)
     print(text)
