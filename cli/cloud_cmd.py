@@ -53,7 +53,7 @@ def run_serve(args) -> int:
 
 def _check_ports(ports: dict) -> None:
     """PortUnavailable, naming the port, if the gRPC or (when on) the metrics port cannot be bound."""
-    from ..cloud.process import check_port
+    from ..cloud.api.ports import check_port
 
     if ports["port"] > 0:
         check_port(ports["host"], ports["port"], "gRPC front door")
@@ -90,7 +90,8 @@ def _backend(config):
     if config.backend == "ray":
         from ..cloud.pool.ray_pool import RayPool
 
-        return RayPool(config.pool_spec(target)), f"{target}, {kind} engine, {config.replicas} Ray replica(s)"
+        pool = RayPool(config.pool_spec(target), config.replica_endpoint())
+        return pool, f"{target}, {kind} engine, {config.replicas} Ray replica(s)"
     from ..cloud.core.verifier import Verifier
     from ..cloud.engine.factory import load_engine
     from ..cloud.pool.backend import InProcessBackend
