@@ -5,7 +5,7 @@ import asyncio
 import logging
 import sys
 
-from ..cloud.config import ServeConfig
+from ..cloud.config import Backend, ServeConfig
 from ..cloud.process import READY_PREFIX
 from ..common.config import load_config
 from .flags import add_config_flags, config_overrides
@@ -87,7 +87,7 @@ def _backend(config):
     target = resolve(config.target, "target")
     classify_model(target)  # fail here, in one line, before Ray replicas try to load it
     kind = pick_engine(target, config.engine, config.device, config.dtype, config.max_sessions)
-    if config.backend == "ray":
+    if config.backend is Backend.RAY:
         from ..cloud.pool.ray_pool import RayPool
 
         pool = RayPool(config.pool_spec(target), config.replica_endpoint())
