@@ -46,6 +46,9 @@ CHANNEL_OPTIONS = [
 ]
 _END = object()
 AVOID_UNREACHABLE_S = 60.0  # a replica endpoint that failed is not dialled again for this long
+# How long closing a client waits for the session closes it sent without waiting: a close is a soft
+# cache release (the verifier expires idle sessions itself), so a dead link must not hold an exit up.
+CLOSE_FLUSH_S = 1.0
 
 
 class ReplicaUnreachable(FailedPrecondition):
@@ -155,6 +158,7 @@ class VerifierClient:
         self._direct: _Endpoint | None = None  # where rounds go instead of the front door
         self._avoid: dict[str, float] = {}  # replica endpoint -> when it may be dialled again
         self._stream: _Stream | None = None
+        self._closing: list[grpc.Future] = []  # CloseSession calls sent without waiting for their reply
 
     @property
     def rounds_address(self) -> str:
@@ -162,9 +166,17 @@ class VerifierClient:
         return self._direct.address if self._direct is not None else self.address
 
     def close(self) -> None:
-        """End the stream and the channels."""
+        """End the stream, let the session closes already sent arrive (bounded), close the channels."""
         self._end_stream()
         self._route("")
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for call in closing:
+            try:
+                call.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (grpc.RpcError, grpc.FutureTimeoutError):
+                pass  # the verifier expires idle sessions itself
         self._front.channel.close()
 
     def __enter__(self) -> VerifierClient:
@@ -221,16 +233,14 @@ class VerifierClient:
         return self._unary(self._front.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).existed
 
     def close_session_later(self, session_id: str) -> None:
-        """Free the session without waiting for the reply (a round trip the edge need not spend)."""
+        """Free the session without waiting for the reply (a round trip the edge need not spend);
+        `close` lets it arrive before the channel goes."""
         self._end_stream()
-
-        def close() -> None:
-            try:
-                self._unary(self._front.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
-            except HybridSpecError:
-                pass  # the verifier expires idle sessions itself
-
-        threading.Thread(target=close, daemon=True, name="close-session").start()
+        request = pb.CloseSessionRequest(session_id=session_id)
+        self._count(up=request.ByteSize())
+        call = self._front.stub.CloseSession.future(request, timeout=self.timeout_s, metadata=self.metadata)
+        with self._lock:
+            self._closing = [c for c in self._closing if not c.done()] + [call]
 
     def submit(self, block: DraftBlock) -> PendingRound:
         """Send one round on the session's stream; the reply arrives in the returned handle."""

@@ -2,8 +2,12 @@
 and every figure registered in docs/figures.yaml still reads what its result file says."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
+import statistics
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,10 +69,21 @@ SELECT = re.compile(r"^(?P<key>[^\[\]]+)?(?:\[(?P<sel>[^\]]+)\])?$")
 FIRST_SCREEN_UNITS = re.compile(r"\d[\d.,]*\s*(?:ms|×|tokens/s|tok/s|%|s\b|min\b)")
 
 
-def lookup(data, path: str):
+def load(file: Path):
+    """A result file: JSON, JSON lines (a list of rows) or CSV (a list of rows, values as text)."""
+    text = file.read_text()
+    if file.suffix == ".jsonl":
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if file.suffix == ".csv":
+        return list(csv.DictReader(io.StringIO(text)))
+    return json.loads(text)
+
+
+def lookup(data, path: str, every: bool = False):
     """A value in a result file: keys joined by slashes, `[i]` an index, `[k=v,…]` the first list item
-    whose fields equal those values."""
-    for part in re.split(r"/(?![^\[]*\])", path):
+    whose fields equal those values (with `every`, all of them: a list of the rest of the path's values)."""
+    parts = re.split(r"/(?![^\[]*\])", path)
+    for i, part in enumerate(parts):
         m = SELECT.match(part)
         if m.group("key"):
             data = data[m.group("key")]
@@ -79,16 +94,29 @@ def lookup(data, path: str):
             data = data[int(sel)]
             continue
         want = dict(item.split("=", 1) for item in sel.split(","))
-        data = next(row for row in data if all(str(row[k]) == v for k, v in want.items()))
+        rows = [row for row in data if all(str(row[k]) == v for k, v in want.items())]
+        if every:
+            rest = "/".join(parts[i + 1:])
+            return [lookup(row, rest) if rest else row for row in rows]
+        data = rows[0]
     return data
 
 
 def figure(entry: dict) -> str:
-    """The quote a registry entry's result file gives today."""
-    file = json.loads((ROOT / entry["file"]).read_text())
-    value = lookup(file, entry["value"])
+    """The quote a registry entry's result file gives today (`reduce: mean` or `median` over every
+    row its selector matches)."""
+    data = load(ROOT / entry["file"])
+    reduce = {"mean": statistics.mean, "median": statistics.median}.get(entry.get("reduce"))
+
+    def value_at(path: str):
+        if reduce is None:
+            value = lookup(data, path)
+            return float(value) if isinstance(value, str) else value
+        return reduce([float(v) for v in lookup(data, path, every=True)])
+
+    value = value_at(entry["value"])
     if "over" in entry:
-        value = value / lookup(file, entry["over"])
+        value = value / value_at(entry["over"])
     return entry["format"].format(value)
 
 
@@ -105,3 +133,39 @@ def test_the_readmes_first_screen_quotes_only_registered_figures():
     unregistered = [m.group(0) for m in FIRST_SCREEN_UNITS.finditer(CODE.sub("", first))
                     if not any(m.group(0) in quote or quote in m.group(0) for quote in registered)]
     assert not unregistered, f"README's first screen quotes figures with no source in docs/figures.yaml: {unregistered}"
+
+
+def test_the_python_the_docs_require_is_the_one_pyproject_requires():
+    """README (and any page naming a requirement) asks for the Python version pip will enforce."""
+    required = re.search(r'requires-python\s*=\s*">=\s*([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    stated = {(page.relative_to(ROOT), m.group(1)) for page in PAGES
+              for m in re.finditer(r"Python\s*(?:≥|>=)\s*([\d.]+)", page.read_text())}
+    assert stated, "README no longer states which Python it needs"
+    wrong = [f"{page}: Python ≥ {version}" for page, version in stated if version != required]
+    assert not wrong, f"pyproject requires Python >={required}, but {wrong}"
+
+
+def test_the_readmes_layout_table_names_every_folder_in_the_tree():
+    """Each tracked top-level folder, and each package folder inside cloud/, common/ and edge/, has
+    its row in README's layout table (a new folder cannot go undocumented)."""
+    table = (ROOT / "README.md").read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"^\| `([^`]+)`", table, re.MULTILINE))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    folders = {f.split("/")[0] + "/" for f in tracked if "/" in f}
+    folders |= {f"{top}/{p.name}/" for top in ("cloud", "common", "edge")
+                for p in (ROOT / top).iterdir() if (p / "__init__.py").is_file()}
+    missing = [f for f in sorted(folders) if not any(n.startswith(f) for n in named)]
+    assert not missing, f"README's layout table has no row for {missing}"
+
+
+def test_a_registry_path_reads_json_lines_and_csv_and_reduces_over_every_matching_row(tmp_path, monkeypatch):
+    rows = [{"s": "a", "x": 1.0}, {"s": "b", "x": 5.0}, {"s": "a", "x": 3.0}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "r.csv").write_text("s,x\n" + "".join(f"{r['s']},{r['x']}\n" for r in rows))
+    for name in ("r.jsonl", "r.csv"):
+        data = load(tmp_path / name)
+        assert float(lookup(data, "[s=a]/x")) == 1.0
+        assert [float(v) for v in lookup(data, "[s=a]/x", every=True)] == [1.0, 3.0]
+    monkeypatch.setitem(figure.__globals__, "ROOT", tmp_path)
+    assert figure({"file": "r.csv", "reduce": "mean", "value": "[s=a]/x", "over": "[s=b]/x",
+                   "format": "{:.2f}"}) == "0.40"

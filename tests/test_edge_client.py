@@ -63,3 +63,20 @@ def test_streams_the_server_ended_leave_no_thread_behind(server):
         while threading.active_count() > before + 5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert threading.active_count() <= before + 5
+
+
+def test_a_session_closed_without_waiting_is_freed_before_the_client_goes(target):
+    """`close_session_later` is how a generation frees its session without a round trip. A client that
+    is closed right after (an edge process ending, a test's `with` block) must still deliver it: the
+    close used to leave on a daemon thread that the closed channel cancelled, so the session stayed on
+    its replica, counting against the caller's limit and the replica's load, until it idled out."""
+    verifier = Verifier(target, VerifierLimits(max_context=512))
+    srv = BackgroundServer(verifier)
+    try:
+        for _ in range(5):
+            with VerifierClient(srv.address, timeout_s=TIMEOUT_S) as client:
+                opened = client.open_session(SessionSpec("", (5, 6, 7)))
+                client.close_session_later(opened.session_id)
+        assert verifier.stats().sessions == 0
+    finally:
+        srv.stop()
