@@ -39,7 +39,7 @@ from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
-from hybridspec.cloud.specs import PrefixScope, VerifierLimits
+from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
 from hybridspec.common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, SessionSpec

@@ -32,7 +32,7 @@ from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.factory import load_engine
-from hybridspec.cloud.specs import EngineKind
+from hybridspec.cloud.engine.kinds import EngineKind
 from hybridspec.common.config import DType
 from hybridspec.lab.baselines import engine_greedy
 from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec

@@ -30,10 +30,10 @@ import torch
 
 from hybridspec.cloud.pool.backend import InProcessBackend
 from hybridspec.cloud.pool.cluster import start_local
-from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool
-from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
+from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
 from hybridspec.cloud.core.scheduler import DEFAULT_MAX_WAIT_MS
-from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
@@ -119,10 +119,10 @@ def main() -> None:
     start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
                 logging_level="ERROR")
     servers = {}
-    for name, verify_host in (("front-door", ""), ("direct", "127.0.0.1")):
-        spec = ReplicaSpec(target=target, device="cpu", torch_threads=1, limits=LIMITS, max_wait_ms=args.max_wait_ms,
-                           verify_host=verify_host)
-        servers[name] = BackgroundServer(RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=f"hop-{name}")))
+    for name, endpoint in (("front-door", None), ("direct", ReplicaEndpoint("127.0.0.1"))):
+        spec = ReplicaSpec(target=target, device="cpu", torch_threads=1, limits=LIMITS, max_wait_ms=args.max_wait_ms)
+        pool = RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=f"hop-{name}"), endpoint)
+        servers[name] = BackgroundServer(pool)
     if pin:
         os.sched_setaffinity(0, {cores[0]})  # the front doors' loops, the in-process verifier and the edges
     verifier = Verifier(load_model(target, device="cpu"), LIMITS)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.specs import VerifierLimits
+from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, requantize
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec

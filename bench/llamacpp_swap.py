@@ -28,7 +28,7 @@ import torch
 
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.specs import VerifierLimits
+from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
 from conversations import long_conversation

@@ -160,9 +160,9 @@ def _pool_runs(args, target, refs, cores):
     import ray
 
     from hybridspec.cloud.pool.cluster import start_local
-    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, PoolSpec, RayPool
-    from hybridspec.cloud.pool.replica import ReplicaSpec
-    from hybridspec.cloud.api.server import BackgroundServer
+    from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
+    from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+    from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 
     if cores:
         os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
@@ -171,8 +171,10 @@ def _pool_runs(args, target, refs, cores):
     servers = {}
     for name, max_batch in (("unbatched", 1), ("batched", MAX_BATCH)):
         spec = ReplicaSpec(target=args.target, device=args.device, torch_threads=1 if cores else 0, limits=LIMITS,
-                           max_batch=max_batch, max_wait_ms=2.0, verify_host="127.0.0.1")  # direct verify, the default
-        servers[name] = BackgroundServer(RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=name)))
+                           max_batch=max_batch, max_wait_ms=2.0)
+        pool = RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=name),
+                       ReplicaEndpoint("127.0.0.1"))  # direct verify, the default
+        servers[name] = BackgroundServer(pool)
     if cores:
         os.sched_setaffinity(0, {cores[0]})  # the front doors' loops and the edges
     try:

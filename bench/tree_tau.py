@@ -44,7 +44,7 @@ from hybridspec.edge.draft_lm import TorchLM
 from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.prompt import encode_prompt
-from hybridspec.edge.proposal import DraftSettings, Proposal
+from hybridspec.edge.proposal import DraftSettings, DrafterKind, Proposal
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
 
 GAMMA = 4
@@ -112,7 +112,7 @@ def greedy_replay(loaded: LoadedModel, settings: DraftSettings, prompts: list[li
     for setting in SETTINGS:
         taus, times = [], []
         for prompt, text in zip(prompts, texts):
-            drafter = make_drafter("model", loaded, settings)
+            drafter = make_drafter(DrafterKind.MODEL, loaded, settings)
             done = 0
             while done < len(text):
                 t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def sampled_run(target: LoadedModel, loaded: LoadedModel, settings: DraftSetting
     for setting in SETTINGS:
         taus = []
         for index, prompt in enumerate(prompts):
-            drafter = make_drafter("model", loaded, settings)
+            drafter = make_drafter(DrafterKind.MODEL, loaded, settings)
             verifier = TorchLM(target, vocab)
             committed, generated, round_index = list(prompt), 0, 0
             while generated < tokens and committed[-1] not in eos:

@@ -35,7 +35,7 @@ from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine import llamacpp_context
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.specs import PrefixScope, VerifierLimits
+from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, requantize, typed_gguf
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec

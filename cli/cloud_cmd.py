@@ -5,7 +5,7 @@ import asyncio
 import logging
 import sys
 
-from ..cloud.config import ServeConfig
+from ..cloud.config import Backend, ServeConfig
 from ..cloud.process import READY_PREFIX
 from ..common.config import load_config
 from .flags import add_config_flags, config_overrides
@@ -53,7 +53,7 @@ def run_serve(args) -> int:
 
 def _check_ports(ports: dict) -> None:
     """PortUnavailable, naming the port, if the gRPC or (when on) the metrics port cannot be bound."""
-    from ..cloud.process import check_port
+    from ..cloud.api.ports import check_port
 
     if ports["port"] > 0:
         check_port(ports["host"], ports["port"], "gRPC front door")
@@ -87,10 +87,11 @@ def _backend(config):
     target = resolve(config.target, "target")
     classify_model(target)  # fail here, in one line, before Ray replicas try to load it
     kind = pick_engine(target, config.engine, config.device, config.dtype, config.max_sessions)
-    if config.backend == "ray":
+    if config.backend is Backend.RAY:
         from ..cloud.pool.ray_pool import RayPool
 
-        return RayPool(config.pool_spec(target)), f"{target}, {kind} engine, {config.replicas} Ray replica(s)"
+        pool = RayPool(config.pool_spec(target), config.replica_endpoint())
+        return pool, f"{target}, {kind} engine, {config.replicas} Ray replica(s)"
     from ..cloud.core.verifier import Verifier
     from ..cloud.engine.factory import load_engine
     from ..cloud.pool.backend import InProcessBackend

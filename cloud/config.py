@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..common.config import Choice, DType, check_fields, like, setting
 from ..common.protocol.channel import DEFAULT_HOST, DEFAULT_PORT
 from ..common.security.tls import ServerTLS, check_plaintext
 from .api.access import AccessSpec
-from .specs import EngineKind, PoolSpec, PrefixScope, ReplicaSpec, VerifierLimits
+from .core.limits import PrefixScope, VerifierLimits
+from .engine.kinds import EngineKind
+from .pool.specs import PoolSpec, ReplicaSpec
+
+if TYPE_CHECKING:
+    from .api.server import ReplicaEndpoint
 
 
 class Backend(Choice):
@@ -97,8 +103,16 @@ class ServeConfig:
         """What each replica loads (`target` already resolved to a path or hub id)."""
         return ReplicaSpec(target=target, engine=self.engine, device=self.device, dtype=self.dtype, torch_threads=self.torch_threads,
                            limits=self.limits, max_batch=self.max_batch_size, max_wait_ms=self.max_wait_ms,
-                           prefill_budget_ms=self.prefill_budget_ms, pass_cost_tokens=self.pass_cost_tokens,
-                           verify_host=self.host if self.direct_verify else "", access=self.access)
+                           prefill_budget_ms=self.prefill_budget_ms, pass_cost_tokens=self.pass_cost_tokens)
+
+    def replica_endpoint(self) -> ReplicaEndpoint | None:
+        """The endpoint each Ray replica serves its sessions' rounds on, on the front door's interface
+        with its access rules; None without direct_verify (rounds then go through the front door)."""
+        if not self.direct_verify:
+            return None
+        from .api.server import ReplicaEndpoint  # gRPC: only once a pool is built
+
+        return ReplicaEndpoint(self.host, self.access)
 
     def pool_spec(self, target: str) -> PoolSpec:
         """The Ray pool this config describes."""

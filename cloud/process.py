@@ -1,12 +1,11 @@
-"""`hybridspec cloud serve` as a process: the port checks its start makes, and starting it as a child
-process (for the demo and experiments, which need the cloud on its own core(s), apart from the edge).
+"""`hybridspec cloud serve` as a child process, for the demo and experiments, which need the cloud on its
+own core(s), apart from the edge; and the line it prints once serving. (The port checks its start
+makes are cloud/api/ports.py.)
 
-Light on purpose (no grpc, torch or ray): the CLI checks its ports with it before the slow imports."""
+Light on purpose (no grpc, torch or ray)."""
 from __future__ import annotations
 
-import errno
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,47 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from ..common.protocol.errors import HybridSpecError, Unavailable
+from ..common.protocol.errors import Unavailable
 
 READY_PREFIX = "hybridspec verifier serving on "
-
-
-class PortUnavailable(HybridSpecError):
-    """A port to listen on is taken (or not a local address): the message names port, host and role."""
-
-    code = "UNAVAILABLE"
-
-
-def check_port(host: str, port: int, what: str) -> None:
-    """Fail fast, before anything slow starts, if host:port is already in use (0 = any port: never).
-
-    Only a probe: other bind errors are left to the real bind (which gives the same messages), and
-    the real bind can still lose a race to another process."""
-    if port != 0:
-        error = probe_port(host, port)
-        if error is not None and error.errno == errno.EADDRINUSE:
-            raise port_unavailable(host, port, what, error)
-
-
-def probe_port(host: str, port: int) -> OSError | None:
-    """The error binding host:port gives now, the way gRPC and the metrics server bind (SO_REUSEADDR)."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in infos:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(address)
-    except OSError as exc:
-        return exc
-    return None
-
-
-def port_unavailable(host: str, port: int, what: str, error: OSError | None) -> PortUnavailable:
-    """The one-line error for a port that could not be bound, `error` being what binding it gave."""
-    if error is not None and error.errno == errno.EADDRINUSE:
-        return PortUnavailable(f"port {port} on {host} is already in use ({what})")
-    reason = (error.strerror or str(error)) if error is not None else "in use or not a local address"
-    return PortUnavailable(f"cannot listen on port {port} on {host} ({what}): {reason}")
 
 
 def parse_ready_line(line: str) -> str | None:

@@ -35,7 +35,7 @@ from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavai
 from ..common.protocol.proto import verifier_pb2 as pb
 from ..common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from ..common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
-from .config import CloudAccess
+from .config import DEFAULT_TIMEOUT_S, CloudAccess
 
 CHANNEL_OPTIONS = [
     *SHARED_OPTIONS,
@@ -143,7 +143,7 @@ class _Stream:
 class VerifierClient:
     """A connection to a verifier pool's front door, and to the replica holding the current session."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0, access: CloudAccess = CloudAccess()) -> None:
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, access: CloudAccess = CloudAccess()) -> None:
         """access: TLS and token (EdgeConfig.cloud_access); the default is plaintext without a token."""
         self.address = address
         self.timeout_s = timeout_s

@@ -6,12 +6,14 @@ import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..common.config import Choice, ConfigError, DType, check_fields, setting
+from ..common.config import Choice, ConfigError, DType, check_fields, like, setting
 from ..common.models.drafter_gguf import DrafterEngine
 from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
-from ..common.protocol.wire import DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat, Mode, SamplingParams
+from ..common.protocol.wire import (DEFAULT_LENIENCE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat,
+                                    Mode, SamplingParams)
+from .controller import Policy
 from .proposal import DraftSettings, DrafterKind
 
 
@@ -21,6 +23,21 @@ class GammaPolicy(Choice):
     ADAPTIVE = "adaptive"  # γ (or a tree's size) each round for the most tokens/s, from measured rates
     FIXED = "fixed"  # always a chain of max_draft
     TREE = "tree"  # always a tree of tree_nodes nodes, max_draft deep, tree_top_k children per node
+
+
+class RuleChoice(Choice):
+    """The acceptance rule asked for: one of Mode's, or auto (decided per generation: `resolved_mode`)."""
+
+    AUTO = "auto"  # greedy at temperature 0; when sampling, coupled with a seed, speculative without
+    GREEDY = Mode.GREEDY.value
+    SPECULATIVE = Mode.SPECULATIVE.value
+    BILD = Mode.BILD.value
+    LENIENT = Mode.LENIENT.value
+    COUPLED = Mode.COUPLED.value
+
+    @classmethod
+    def _missing_(cls, value: object) -> RuleChoice | None:
+        return cls.AUTO if value == "" else None  # "" was auto's spelling in config files before it had a name
 
 
 class WireFeatures(Choice):
@@ -33,6 +50,7 @@ class WireFeatures(Choice):
 MAX_STOP_STRINGS = 16  # stop strings per generation (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters per stop string
 TOKEN_ENV = "HYBRIDSPEC_TOKEN"  # the edge's token when no token_file is given
+DEFAULT_TIMEOUT_S = 30.0  # no reply within this long: the cloud is unreachable (also VerifierClient's default)
 
 
 @dataclass(frozen=True)
@@ -56,7 +74,7 @@ class EdgeConfig:
                                                         "features")
     fallback_drafter: str = setting("", "eagle drafters: what drafts while there are no features: a drafter "
                                         "path or ngram; empty: the embedded plain drafter")
-    ngram_max: int = setting(3, "ngram: the longest suffix looked up in the context", ge=1)
+    ngram_max: int = like(DraftSettings, "ngram_max")
     drafter_engine: DrafterEngine = setting(DrafterEngine.AUTO, "what runs a drafter LM: llamacpp runs the GGUF "
                                                                 "converted beside it (`models pull` writes the "
                                                                 "embedded one's); torch the checkpoint; auto = "
@@ -66,7 +84,7 @@ class EdgeConfig:
     dtype: DType = setting(DType.AUTO, "the drafter's weights; auto = float32 on a CPU, bfloat16 on a GPU")
     torch_threads: int = setting(0, "the drafter's threads on a CPU: torch's intra-op threads (0 keeps torch's "
                                     "default), or llama.cpp's (0 = 1)", ge=0)
-    max_new_tokens: int = setting(128, "tokens to generate at most (an end-of-sequence token ends sooner)", ge=1)
+    max_new_tokens: int = setting(DEFAULT_MAX_NEW_TOKENS, "tokens to generate at most (an end-of-sequence token ends sooner)", ge=1)
     temperature: float = setting(0.0, "sampling temperature; 0 = greedy")
     top_k: int = setting(0, "top-k truncation, applied on both sides; 0 = off")
     top_p: float = setting(1.0, "nucleus truncation, applied on both sides; 1 = off")
@@ -82,34 +100,30 @@ class EdgeConfig:
     # (prompt, seed). None: a fresh seed per generation and standard rejection sampling (docs/design.md §2.2).
     seed: int | None = setting(None, "the same text for the same seed when sampling (coupled rule); none: a "
                                      "fresh seed per generation")
-    mode: str = setting("", "acceptance rule; none: greedy at temperature 0, else coupled with a seed and "
-                            "speculative without", choices=("", *(m.value for m in Mode)))
+    mode: RuleChoice = setting(RuleChoice.AUTO, "acceptance rule; auto: greedy at temperature 0, else coupled "
+                                                "with a seed and speculative without")
     max_draft: int = setting(8, "most tokens drafted per round (the server's limit caps it too)", ge=1)
     tree_nodes: int = setting(32, "most nodes of a draft tree per round; the policy sends a tree only when it "
                                   "predicts one faster than a chain (greedy, speculative and coupled modes, "
                                   "model drafters, servers that verify trees); 0 or 1 = chains only", ge=0)
-    tree_top_k: int = setting(4, "most children per node of a draft tree", ge=1)
+    tree_top_k: int = like(Policy, "tree_top_k")
     gamma_policy: GammaPolicy = setting(GammaPolicy.ADAPTIVE, "adaptive: the block length (or tree size) per "
                                                               "round from measured acceptance, RTT and costs; "
                                                               "fixed: a chain of max_draft; tree: a tree of "
                                                               "tree_nodes (where trees are possible)")
-    fallback_threshold: float = setting(0.6, "BiLD alpha_FB: end a block when the drafter's top probability "
-                                             "falls below this", ge=0, le=1)
-    keep_low_confidence: bool = setting(True, "send the token that triggered alpha_FB, or drop it (BiLD)")
+    fallback_threshold: float = like(DraftSettings, "fallback_threshold")
+    keep_low_confidence: bool = like(DraftSettings, "keep_low_confidence")
     rollback_threshold: float = setting(DEFAULT_ROLLBACK_THRESHOLD, "BiLD alpha_RB in nats (mode bild)")
     lenience: float = setting(DEFAULT_LENIENCE, "lenience in (0, 1] (mode lenient)")
-    wire_top_k: int = setting(64, "q is truncated to this many tokens before sampling and sending; 0 = full",
-                              ge=0)
-    pipeline: bool = setting(True, "draft the next block while the current one is verified")
-    cloud_only_switch: bool = setting(True, "let the cloud decode alone while that is predicted to be faster")
-    cloud_only: bool = setting(False, "the baseline: the cloud decodes every token alone and the drafter "
-                                      "never runs (same CLI path)")
-    probe_tokens: int = setting(32, "while cloud-only: tokens per stream before measuring and deciding again",
-                                ge=0)
+    wire_top_k: int = like(DraftSettings, "wire_top_k")
+    pipeline: bool = like(Policy, "pipeline")
+    cloud_only_switch: bool = like(Policy, "cloud_only_switch")
+    cloud_only: bool = like(Policy, "cloud_only")
+    probe_tokens: int = like(Policy, "probe_tokens")
     allow_unverified: bool = setting(False, "if the cloud is unreachable, keep generating with the drafter "
                                             "alone, marked unverified")
     reconnect_s: float = setting(1.0, "offline: seconds between attempts to reach the cloud again", gt=0)
-    timeout_s: float = setting(30.0, "no reply within this many seconds = the cloud is unreachable", gt=0)
+    timeout_s: float = setting(DEFAULT_TIMEOUT_S, "no reply within this many seconds = the cloud is unreachable", gt=0)
     tls: bool = setting(False, "speak TLS to the cloud, trusting the system's CAs (implied by tls_ca and "
                                "tls_cert)")
     tls_ca: str = setting("", "PEM CA bundle the cloud's certificate must chain to; empty: the system's roots")
@@ -175,15 +189,15 @@ class EdgeConfig:
     def resolved_mode(self) -> Mode:
         """The acceptance rule: the explicit mode, else greedy at T=0; when sampling, coupled if a seed
         was given (the same text for the same seed), else speculative (more tokens accepted)."""
-        if self.mode:
-            return Mode(self.mode)
+        if self.mode is not RuleChoice.AUTO:
+            return Mode(self.mode.value)
         if self.temperature > 0 and self.seed is not None:
             return Mode.COUPLED
         return Mode.default_for(self.temperature)
 
     def resolved(self) -> EdgeConfig:
         """This config with its rule named and a seed drawn if none was given: one generation's settings."""
-        if self.seed is not None and self.mode:
+        if self.seed is not None and self.mode is not RuleChoice.AUTO:
             return self
         seed = self.seed if self.seed is not None else secrets.randbits(63)
         return replace(self, seed=seed, mode=self.resolved_mode.value)

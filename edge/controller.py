@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ..common.config import setting
 from . import policy, tree_policy
 from .estimates import Estimates
 from .tree_policy import Shape
@@ -40,17 +41,20 @@ class Phase(Enum):
 
 @dataclass(frozen=True)
 class Policy:
-    """The settings the controller follows (from EdgeConfig)."""
+    """The settings the controller follows, and the one place the defaults, help and bounds of those
+    EdgeConfig passes on live (its fields of the same names copy them: `like`)."""
 
     cap: int  # most tokens per block: min(the edge's and the server's max_draft)
-    adaptive: bool = True  # choose γ (or a tree) per round; False: always `cap`
+    adaptive: bool = True  # choose γ (or a tree) per round; False: always `cap` (EdgeConfig.gamma_policy)
     fixed_tree: bool = False  # not adaptive: always a tree of tree_nodes, `cap` deep (where trees are possible)
-    pipeline: bool = True  # blocks are drafted ahead while waiting
-    cloud_only_switch: bool = True  # may hand decoding to the cloud
-    probe_tokens: int = 32  # while cloud-only: tokens between decisions; 0 = never reconsider
-    cloud_only: bool = False  # the baseline: cloud-only from start to end, nothing measured or drafted
-    tree_nodes: int = 0  # most nodes of a draft tree; 0 = chains only
-    tree_top_k: int = 4  # most children per tree node
+    pipeline: bool = setting(True, "draft the next block while the current one is verified")
+    cloud_only_switch: bool = setting(True, "let the cloud decode alone while that is predicted to be faster")
+    probe_tokens: int = setting(32, "while cloud-only: tokens per stream before measuring and deciding again; "
+                                    "0 = never reconsider", ge=0)
+    cloud_only: bool = setting(False, "the baseline: the cloud decodes every token alone and the drafter never "
+                                      "runs (same CLI path)")
+    tree_nodes: int = 0  # most nodes of a draft tree, as resolved for this server and drafter; 0 = chains only
+    tree_top_k: int = setting(4, "most children per node of a draft tree", ge=1)
 
 
 class Controller:

@@ -104,7 +104,7 @@ class NgramDrafter:
     """Prompt lookup: after the latest earlier occurrence of the context's last n tokens, copy what
     followed (longest n first). q is one-hot on the copied token, which keeps sampling exact too."""
 
-    def __init__(self, sampling: SamplingParams, max_ngram: int = 3, min_ngram: int = 1,
+    def __init__(self, sampling: SamplingParams, max_ngram: int = DraftSettings.ngram_max, min_ngram: int = 1,
                  stop_ids: frozenset[int] = frozenset()) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

@@ -10,22 +10,20 @@ from __future__ import annotations
 from ..common.models.loading import LoadedModel
 from .drafter import ModelDrafter, NgramDrafter
 from .eagle import EagleDrafter, FeatureLog
-from ..common.config import choice
 from .proposal import DraftSettings, Drafter, DrafterKind
 
 
-def make_drafter(kind: str, loaded: LoadedModel | None, settings: DraftSettings,
+def make_drafter(kind: DrafterKind, loaded: LoadedModel | None, settings: DraftSettings,
                  fallback: LoadedModel | None = None) -> Drafter:
     """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
     gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
     while it has none. A drafter LM loaded for llama.cpp gets a fresh llama.cpp context of its own."""
-    kind = choice(DrafterKind, kind, "drafter kind")
     if kind is DrafterKind.NGRAM:
         return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
     if loaded is None:
         raise ValueError("a model drafter needs a model")
     if loaded.is_eagle:
-        plain = make_drafter("ngram" if fallback is None else "model", fallback, settings)
+        plain = make_drafter(DrafterKind.NGRAM if fallback is None else DrafterKind.MODEL, fallback, settings)
         return EagleDrafter(loaded, settings, FeatureLog(), plain)
     if loaded.llama is not None:
         from .llamacpp_lm import LlamaCppLM

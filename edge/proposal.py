@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..common.config import Choice
+from ..common.config import Choice, setting
 from ..common.protocol.errors import Internal
 from ..common.protocol.tree import ROOT, children, is_chain, path_to
 from ..common.protocol.wire import DraftBlock, Mode, SamplingParams, VerifyResult
@@ -34,18 +34,21 @@ SHADOW_SAMPLED_MODES = frozenset({Mode.COUPLED, Mode.SPECULATIVE, Mode.LENIENT})
 
 @dataclass(frozen=True)
 class DraftSettings:
-    """Everything fixed for one generation's drafting."""
+    """Everything fixed for one generation's drafting. The one place the drafting settings' defaults,
+    help and bounds live: EdgeConfig's fields of the same names copy them (`like`)."""
 
     sampling: SamplingParams
     vocab_size: int  # the target's; drafter logits are cut or padded to it so ids always agree
     stop_ids: frozenset[int]  # a block ends after one of these
-    fallback_threshold: float = 0.6  # BiLD α_FB: a block ends at the first token drafted with max q below it
+    fallback_threshold: float = setting(0.6, "BiLD alpha_FB: end a block when the drafter's top probability "
+                                             "falls below this", ge=0, le=1)
     # When the fallback ends a block, keep the token that triggered it (as Hugging Face assisted
     # generation does: the verifier scores it at almost no cost) or drop it (as BiLD does).
-    keep_low_confidence: bool = True
-    wire_top_k: int = 64  # q is truncated to this many tokens before sampling and sending; 0 = full
+    keep_low_confidence: bool = setting(True, "send the token that triggered alpha_FB, or drop it (BiLD)")
+    wire_top_k: int = setting(64, "q is truncated to this many tokens before sampling and sending; 0 = full",
+                              ge=0)
     seed: int = 0  # seeds the drafter's sampling
-    ngram_max: int = 3  # prompt lookup: longest suffix looked up
+    ngram_max: int = setting(3, "ngram: the longest suffix looked up in the context", ge=1)
     # Tokens of the prompt at the head of every context (penalties count only what follows as
     # generated); 0 = all of the first context drafted after is prompt, as SessionSpec.prompt_len 0 is.
     prompt_len: int = 0

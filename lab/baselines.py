@@ -12,6 +12,7 @@ from ..common.models.loading import LoadedModel
 from ..common.protocol.wire import DraftBlock, FeatureFormat, SessionSpec, VerifyResult
 from ..edge.config import EdgeConfig
 from ..edge.drafters import make_drafter
+from ..edge.proposal import DrafterKind
 from ..edge.eagle import EagleDrafter
 from ..edge.rounds import VerifyRound
 from ..edge.state import GenerationState
@@ -31,7 +32,7 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
     """Speculative decoding with drafter and target in one process: the same drafter, rule and verify
     round as the edge (blocks of max_draft, the BiLD fallback), each block verified by a direct call."""
     stop = frozenset(verifier.info.eos_token_ids)
-    draft = make_drafter("model", drafter, cfg.draft_settings(verifier.info.vocab_size, stop))
+    draft = make_drafter(DrafterKind.MODEL, drafter, cfg.draft_settings(verifier.info.vocab_size, stop))
     log = draft.log if isinstance(draft, EagleDrafter) else None
     sid = f"colocated-{uuid.uuid4().hex}"
     state, stats = GenerationState(prompt, cfg.max_new_tokens, stop), Stats()
@@ -88,7 +89,7 @@ def hf_assisted(target: LoadedModel, assistant, prompt: list[int], cfg: EdgeConf
 def edge_only(drafter: LoadedModel, vocab_size: int, stop_ids: tuple[int, ...], prompt: list[int],
               cfg: EdgeConfig) -> LocalRun:
     """The drafter alone, decoding with the same sampling transform."""
-    draft = make_drafter("model", drafter, cfg.draft_settings(vocab_size, frozenset(stop_ids)))
+    draft = make_drafter(DrafterKind.MODEL, drafter, cfg.draft_settings(vocab_size, frozenset(stop_ids)))
     start = time.perf_counter()
     tokens = draft.propose(list(prompt), cfg.max_new_tokens, fallback=False).ids
     return LocalRun(tokens, time.perf_counter() - start)

@@ -65,7 +65,7 @@ def test_edge_file_lists_every_knob_at_its_default():
 
 @pytest.mark.parametrize("cls, key, bad", [("ServeConfig", "backend", "kubernetes"), ("ServeConfig", "dtype", "int4"),
                                            ("EdgeConfig", "gamma_policy", "greedy"), ("EdgeConfig", "drafter_kind", "lm"),
-                                           ("EdgeConfig", "features", "fp8")])
+                                           ("EdgeConfig", "features", "fp8"), ("EdgeConfig", "mode", "fast")])
 def test_a_bad_choice_is_one_line_naming_the_choices(tmp_path, cls, key, bad):
     kind = {"ServeConfig": ServeConfig, "EdgeConfig": EdgeConfig}[cls]
     path = tmp_path / "c.yaml"
@@ -79,3 +79,18 @@ def test_a_bad_choice_is_one_line_naming_the_choices(tmp_path, cls, key, bad):
     path.write_text(f"{key}: {good.value}\n")
     loaded = getattr(load_config(kind, path), key)
     assert loaded is good and loaded == good.value and str(loaded) == good.value
+
+
+def test_the_acceptance_rule_is_a_choice_and_auto_keeps_its_old_spelling(tmp_path):
+    """mode is an enum (auto or one of the rules); "" (auto before it had a name) still loads as auto."""
+    from hybridspec.common.protocol.wire import Mode
+    from hybridspec.edge.config import RuleChoice
+
+    path = tmp_path / "edge.yaml"
+    for spelled in ('""', "auto"):
+        path.write_text(f"mode: {spelled}\n")
+        assert load_config(EdgeConfig, path).mode is RuleChoice.AUTO
+    assert EdgeConfig().resolved_mode is Mode.GREEDY
+    assert EdgeConfig(temperature=0.7, seed=1).resolved().mode is RuleChoice.COUPLED
+    assert EdgeConfig(mode="bild").resolved_mode is Mode.BILD
+    assert {m.value for m in RuleChoice} == {"auto", *(m.value for m in Mode)}

@@ -10,8 +10,8 @@ import ray
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.scheduler import Scheduler
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
-from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.cloud.pool.ray_pool import RayPool
+from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
 from hybridspec.common.protocol.errors import FailedPrecondition, Unavailable
 from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.edge.client import VerifierClient

@@ -7,9 +7,9 @@ import pytest
 import ray
 
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
-from hybridspec.cloud.pool.replica import ReplicaSpec
-from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.pool.ray_pool import RayPool
+from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol import codec
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
@@ -27,9 +27,9 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def direct_pool(ray_cluster, model_dirs):
     """Two replicas, each with its own Verify endpoint on 127.0.0.1, behind a front door."""
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, verify_host="127.0.0.1",
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1,
                           limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=8))
-    pool = RayPool(PoolSpec(replica=replica, replicas=2, num_cpus=0.5, name="direct-pool"))
+    pool = RayPool(PoolSpec(replica=replica, replicas=2, num_cpus=0.5, name="direct-pool"), ReplicaEndpoint("127.0.0.1"))
     server = BackgroundServer(pool, metrics_port=0)
     yield server, pool
     server.stop()
@@ -157,9 +157,9 @@ def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, tar
 
 
 def test_direct_verify_is_a_config_switch():
-    assert ServeConfig().replica_spec("t").verify_host == "127.0.0.1"
-    assert ServeConfig(host="0.0.0.0", insecure=True).replica_spec("t").verify_host == "0.0.0.0"
-    assert ServeConfig(direct_verify=False).replica_spec("t").verify_host == ""
+    assert ServeConfig().replica_endpoint().host == "127.0.0.1"
+    assert ServeConfig(host="0.0.0.0", insecure=True).replica_endpoint().host == "0.0.0.0"
+    assert ServeConfig(direct_verify=False).replica_endpoint() is None
 
 
 def test_the_in_process_backend_names_no_replica_endpoint(server):

@@ -8,8 +8,10 @@ import pytest
 from hybridspec.cli.flags import config_overrides
 from hybridspec.cli.main import build_parser, main
 from hybridspec.cloud.api.access import AccessSpec
+from hybridspec.cloud.api.server import ReplicaEndpoint
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.cloud.specs import PoolSpec, ReplicaSpec, VerifierLimits
+from hybridspec.cloud.core.limits import VerifierLimits
+from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
 from hybridspec.common.config import Choice, load_config
 from hybridspec.distill.config import DistillConfig
 from hybridspec.edge.config import EdgeConfig
@@ -84,7 +86,8 @@ def test_flat_configs_take_the_defaults_of_the_specs_they_feed():
     assert config.limits == VerifierLimits()
     assert config.access == AccessSpec()
     spec = config.pool_spec("t")
-    assert spec == PoolSpec(replica=ReplicaSpec(target="t", verify_host=config.host))
+    assert spec == PoolSpec(replica=ReplicaSpec(target="t"))
+    assert config.replica_endpoint() == ReplicaEndpoint(config.host, AccessSpec())
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -8,7 +8,7 @@ from hybridspec.cloud.core.passes import opening_sessions, split_rounds
 from hybridspec.cloud.core.session import Session
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Capabilities
-from hybridspec.cloud.specs import PrefixScope, VerifierLimits
+from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.protocol.errors import FailedPrecondition, ResourceExhausted
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
 

@@ -20,7 +20,7 @@ from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge.draft_lm import TorchLM
 from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.drafters import make_drafter
-from hybridspec.edge.proposal import DraftSettings
+from hybridspec.edge.proposal import DraftSettings, DrafterKind
 
 llama_lm = pytest.importorskip("hybridspec.edge.llamacpp_lm")  # llama-cpp-python is a dependency; its build may fail
 
@@ -116,8 +116,8 @@ def test_greedy_proposals_are_the_torch_drafters(converted):
     assert on_llama.llama is not None
     identical = 0
     for context in contexts(3, 6, 25):
-        theirs = make_drafter("model", on_torch, settings())
-        ours = make_drafter("model", on_llama, settings())
+        theirs = make_drafter(DrafterKind.MODEL, on_torch, settings())
+        ours = make_drafter(DrafterKind.MODEL, on_llama, settings())
         assert isinstance(ours.lm, llama_lm.LlamaCppLM) and isinstance(theirs.lm, TorchLM)
         a, b = ours.propose(context, 8).ids, theirs.propose(context, 8).ids
         assert len(a) == len(b) == 8
@@ -180,12 +180,12 @@ def test_proposals_after_a_rollback_equal_a_fresh_drafters(converted):
     _, path = converted
     loaded = load_model(path, device="cpu", engine="llamacpp")
     a, b = contexts(5, 2, 30)
-    drafter = make_drafter("model", loaded, settings())
+    drafter = make_drafter(DrafterKind.MODEL, loaded, settings())
     block = drafter.propose(a, 6)
     drafter.observe(2, 7)  # two accepted, then the verifier's own token
     after = a + block.ids[:2] + [7]
-    assert drafter.propose(after, 6).ids == make_drafter("model", loaded, settings()).propose(after, 6).ids
-    assert drafter.propose(a[:10] + b, 6).ids == make_drafter("model", loaded, settings()).propose(a[:10] + b, 6).ids
+    assert drafter.propose(after, 6).ids == make_drafter(DrafterKind.MODEL, loaded, settings()).propose(after, 6).ids
+    assert drafter.propose(a[:10] + b, 6).ids == make_drafter(DrafterKind.MODEL, loaded, settings()).propose(a[:10] + b, 6).ids
 
 
 def test_sampled_blocks_send_the_q_they_were_drawn_from(converted):
@@ -195,7 +195,7 @@ def test_sampled_blocks_send_the_q_they_were_drawn_from(converted):
     loaded = load_model(path, device="cpu", engine="llamacpp")
     sampled = DraftSettings(sampling=SamplingParams(temperature=0.8), vocab_size=VOCAB, stop_ids=frozenset(),
                             fallback_threshold=0.0, seed=3)
-    block = make_drafter("model", loaded, sampled).propose(contexts(6, 1, 20)[0], 6)
+    block = make_drafter(DrafterKind.MODEL, loaded, sampled).propose(contexts(6, 1, 20)[0], 6)
     head = set(loaded.head_ids.tolist())
     assert len(block.ids) == 6 and len(block.dists) == 6
     for token, q in zip(block.ids, block.dists):
@@ -212,7 +212,7 @@ def test_the_engine_choice(compact_dir, converted, tmp_path):
         load_model(compact_dir, device="cpu", engine="llamacpp")
     with pytest.raises(ValueError, match="drafter_engine must be one of"):
         load_model(path, device="cpu", engine="onnx")
-    assert isinstance(make_drafter("model", load_model(path, device="cpu", engine="torch"), settings()).lm, TorchLM)
+    assert isinstance(make_drafter(DrafterKind.MODEL, load_model(path, device="cpu", engine="torch"), settings()).lm, TorchLM)
 
 
 def test_a_conversion_of_other_weights_is_not_used(converted, tmp_path):

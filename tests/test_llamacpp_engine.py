@@ -129,7 +129,8 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
     from hybridspec.cloud.api.server import BackgroundServer
     from hybridspec.cloud.core.verifier import Verifier
     from hybridspec.cloud.engine.factory import load_engine
-    from hybridspec.cloud.specs import EngineKind, VerifierLimits
+    from hybridspec.cloud.core.limits import VerifierLimits
+    from hybridspec.cloud.engine.kinds import EngineKind
     from hybridspec.common.config import DType
     from hybridspec.common.models.loading import load_model
     from hybridspec.edge.client import VerifierClient

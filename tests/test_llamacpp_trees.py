@@ -184,7 +184,8 @@ def test_greedy_tree_rounds_through_the_verifier_commit_the_engines_own_tokens()
     require_embedded()
     from hybridspec.cloud.core.verifier import Verifier
     from hybridspec.cloud.engine.factory import load_engine
-    from hybridspec.cloud.specs import EngineKind, VerifierLimits
+    from hybridspec.cloud.core.limits import VerifierLimits
+    from hybridspec.cloud.engine.kinds import EngineKind
     from hybridspec.common.config import DType
     from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 

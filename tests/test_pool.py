@@ -8,8 +8,8 @@ import psutil
 import pytest
 import ray
 
-from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
-from hybridspec.cloud.pool.replica import ReplicaSpec
+from hybridspec.cloud.pool.ray_pool import RayPool
+from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol.proto import verifier_pb2 as pb

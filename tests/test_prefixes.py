@@ -11,7 +11,7 @@ import pytest
 from conftest import random_ids, require_embedded
 from hybridspec.cloud.core.prefixes import MIN_PREFIX_TOKENS, PrefixCache, Source
 from hybridspec.cloud.core.verifier import Verifier
-from hybridspec.cloud.specs import PrefixScope, VerifierLimits
+from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.protocol.wire import DraftBlock, FeatureFormat, Mode, SamplingParams, SessionSpec
 
 LIMITS = VerifierLimits(max_context=512, max_draft=8, max_sessions=8, max_tree_nodes=16, kv_cache_tokens=4096)

@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridspec.cloud.api.access import AccessSpec
 from hybridspec.cloud.pool.backend import InProcessBackend
-from hybridspec.cloud.pool.ray_pool import PoolSpec, RayPool
-from hybridspec.cloud.pool.replica import ReplicaSpec
-from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.pool.ray_pool import RayPool
+from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.config import ConfigError
 from hybridspec.common.security.credentials import add_identity, remove_identity
@@ -282,9 +282,9 @@ def test_a_revoked_token_stops_working_without_a_restart(target, pki, tmp_path):
 @pytest.fixture(scope="module")
 def secure_pool(ray_cluster, model_dirs, pki, tokens):
     spec = access(pki, tokens)
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, verify_host="127.0.0.1",
-                          limits=LIMITS, access=spec)
-    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="secure-pool"))
+    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, limits=LIMITS)
+    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="secure-pool"),
+                   ReplicaEndpoint("127.0.0.1", spec))
     server = BackgroundServer(pool, access=spec)
     yield server, pool
     server.stop()

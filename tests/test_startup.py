@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from hybridspec.cloud.pool.backend import InProcessBackend
-from hybridspec.cloud.process import PortUnavailable
+from hybridspec.cloud.api.ports import PortUnavailable
 from hybridspec.cloud.api.server import BackgroundServer, start_server
 
 from test_cli import ENV

@@ -20,7 +20,7 @@ from hybridspec.common.protocol.tree import ROOT, check_tree, children, chain_pa
 from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge.draft_lm import TorchLM
 from hybridspec.edge.drafter import ModelDrafter
-from hybridspec.edge.proposal import DraftSettings
+from hybridspec.edge.proposal import DraftSettings, DrafterKind
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
 
 llama_lm = pytest.importorskip("hybridspec.edge.llamacpp_lm")
@@ -330,17 +330,17 @@ def test_the_shipped_drafter_drafts_trees(engine):
     vocab = loaded.vocab_size
     s = replace(settings(), vocab_size=vocab)
     prompt = encode_prompt(loaded.tokenizer, FREEFORM_PROMPTS[0], chat=True)
-    drafter = make_drafter("model", loaded, s)
+    drafter = make_drafter(DrafterKind.MODEL, loaded, s)
     budget = TreeBudget(32, 8, 4)
     tree = draft_tree(drafter, prompt, budget)
     well_formed(tree, budget)
     # All 32 nodes, and deeper than the whole budget spent level by level would go (4 + 16 + 12 nodes).
     assert len(tree.ids) == 32 and max(depths(tree.parents)) > 3
-    fresh = make_drafter("model", loaded, s)
+    fresh = make_drafter(DrafterKind.MODEL, loaded, s)
     assert draft_tree(drafter, prompt, TreeBudget(8, 8, 1)).ids == fresh.propose(prompt, 8).ids
     lm = drafter.lm
     lm.advance(prompt)
     rows = lm.feed_tree(tree.ids, list(tree.parents))
     for i in range(0, 32, 3):
         path = [tree.ids[j] for j in path_to(tree.parents, i)]
-        assert close(rows[i], make_drafter("model", loaded, s).lm.advance(prompt + path), engine), i
+        assert close(rows[i], make_drafter(DrafterKind.MODEL, loaded, s).lm.advance(prompt + path), engine), i

@@ -28,8 +28,9 @@ from .access import Access, AccessSpec
 from .admission import Admission
 from ..pool.backend import Backend, InProcessBackend, ReplicaEndpointBackend
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
-from ..process import port_unavailable, probe_port
+from .ports import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
+from ..core.telemetry import Tally
 from ..core.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,23 @@ class VerifyEndpoint:
     server: grpc.aio.Server
     address: str  # HOST:PORT as clients should dial it
     tally: EndpointTally  # its rounds and errors, until the front door collects them
+
+    def take_tally(self) -> Tally:
+        """Its rounds and errors since the last call (the replica hands them to the front door's metrics)."""
+        return self.tally.take()
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoint:
+    """The endpoint each Ray replica starts for its own sessions' rounds (cloud/pool/replica.py takes it as
+    an `EndpointStarter`): bound on `host`, with the front door's access rules."""
+
+    host: str  # the front door's interface
+    access: AccessSpec = AccessSpec()  # TLS and credentials (the files are read on the replica's node)
+
+    async def start(self, backend: ReplicaEndpointBackend, advertised_host: str) -> VerifyEndpoint:
+        """Serve `backend` on a free port of `host`; clients dial `advertised_host`."""
+        return await start_verify_endpoint(backend, self.host, advertised_host, self.access)
 
 
 async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, advertised_host: str,

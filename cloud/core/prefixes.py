@@ -9,7 +9,7 @@ needs room: a live session's cache always comes before a closed one's). The copy
 caches a token's keys and values as a function of the tokens up to it, however they were fed, so the
 new session scores exactly as if it had prefilled its whole prompt (tests/test_prefixes.py).
 
-Who may start from whose tokens is a scope (cloud/specs.py PrefixScope). A cache shared across tenants
+Who may start from whose tokens is a scope (cloud/core/limits.py PrefixScope). A cache shared across tenants
 is a timing side channel (a hit answers sooner, telling one tenant what another's prompt began with:
 vLLM's CVE-2025-46570 and its cache_salt), so by default a session reuses only what sessions of its own
 identity computed; anonymous callers of a server without credentials are one identity, as they share
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine.base import KVSequence
-from ..specs import PrefixScope
+from .limits import PrefixScope
 
 MIN_PREFIX_TOKENS = 16  # a shorter common prefix (the chat template's first line) is prefilled again
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
-from ..specs import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
+from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .decoding import DecodeStream
 from .session import Phase, Session, one_per_session
 from .verifier import Verifier, VerifierStats

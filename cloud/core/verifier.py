@@ -43,7 +43,7 @@ from .passes import opening_sessions, split_rounds, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
 from .session import Phase, Session, SessionStore, one_per_session
-from ..specs import VerifierLimits
+from .limits import VerifierLimits
 from .telemetry import ReplicaTelemetry, Telemetry
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,17 @@ class KVSequence(Protocol):
         """Tokens whose keys and values are cached."""
 
 
+class KVLimits(Protocol):
+    """The limits that size an engine's KV cache (cloud/core/limits.py VerifierLimits has them): the
+    engine reads them, the core owns them."""
+
+    max_context: int  # tokens one session may cache
+    max_sessions: int  # sessions one replica holds
+    max_tree_nodes: int  # 0: chains only
+    kv_cache_tokens: int  # everything the sessions cache, together
+    kv_streams: int  # llama.cpp: sessions resident at once
+
+
 @dataclass(frozen=True)
 class Feed:
     """Tokens to append to one session's cache in a pass."""

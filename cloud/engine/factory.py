@@ -7,8 +7,8 @@ from typing import Any
 from ...common.config import ConfigError, DType
 from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads
 from ...common.models.loading import load_model, pick_device
-from ..specs import EngineKind, VerifierLimits
-from .base import Engine, Target
+from .base import Engine, KVLimits, Target
+from .kinds import EngineKind
 
 
 MAX_LLAMACPP_SESSIONS = 256  # llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold
@@ -41,7 +41,7 @@ def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType, max_
 
 
 def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, threads: int,
-                limits: VerifierLimits) -> tuple[Target, Engine]:
+                limits: KVLimits) -> tuple[Target, Engine]:
     """The target's identity and the engine that serves it, loaded."""
     if pick_engine(target, engine, device, dtype, limits.max_sessions) is EngineKind.LLAMACPP:
         from .llamacpp_engine import LlamaCppEngine

@@ -53,8 +53,7 @@ import numpy as np
 import torch
 
 from ...common.protocol.errors import ResourceExhausted
-from ..specs import VerifierLimits
-from .base import Capabilities, Feed, Scores
+from .base import Capabilities, Feed, KVLimits, Scores
 from .llamacpp_context import LOG_CALLBACK, MAX_BATCH_TOKENS, Context, Mover
 from .llamacpp_trees import PlantedTree, is_tree, plant
 
@@ -118,7 +117,7 @@ class LlamaCppEngine:
                                          max_sequences_per_pass=max_sequences)
 
     @classmethod
-    def serving(cls, gguf: str | Path, limits: VerifierLimits, threads: int) -> LlamaCppEngine:
+    def serving(cls, gguf: str | Path, limits: KVLimits, threads: int) -> LlamaCppEngine:
         """The engine a replica serves with: `kv_streams` streams (at most `max_sessions`) of `max_context`
         cells, as many as `kv_cache_tokens` holds (at least one, of kv_cache_tokens cells if that is
         less than max_context), and the rest of kv_cache_tokens for parked states."""

@@ -7,7 +7,8 @@ FAILED_PRECONDITION and the edge re-opens them with its committed tokens: on ano
 or — with a single replica — on the restarted one, which a new session waits for (bounded). The pool
 never parses protobuf, and no Ray error text (tracebacks, pids, addresses) ever reaches a client.
 
-Replicas started with a `verify_host` serve their sessions' rounds on their own gRPC endpoint too;
+Replicas given an endpoint to start (cloud/api/server.py `ReplicaEndpoint`, passed in by whoever builds
+the pool) serve their sessions' rounds on their own gRPC endpoint too;
 OpenSession answers with the owning replica's address, and a (re)started replica reports its new one.
 Opening, closing, limits and routing stay here either way.
 """
@@ -27,8 +28,8 @@ from .backend import Backend, ReplicaLost
 from .cluster import join, last_line, start_local
 from ..core.telemetry import Tally
 from .reaper import start_reaper
-from ..specs import PoolSpec
-from .replica import ReplicaReady, VerifierReplica
+from .specs import PoolSpec
+from .replica import EndpointStarter, ReplicaReady, VerifierReplica
 from ..core.verifier import VerifierStats
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,13 @@ class _Replica:
 class RayPool(Backend):
     """Backend whose replicas are Ray actors."""
 
-    def __init__(self, spec: PoolSpec) -> None:
+    def __init__(self, spec: PoolSpec, endpoint: EndpointStarter | None = None) -> None:
+        """`endpoint`: what each replica starts to take its sessions' rounds directly (None: none)."""
         if spec.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {spec.replicas}")
         super().__init__(spec.max_sessions_per_client, spec.max_sessions_per_address)
         self.spec = spec
+        self.endpoint = endpoint
         self.replicas: dict[str, _Replica] = {}
         self._started_ray = False
         self._revived = asyncio.Event()  # set whenever a replica comes back
@@ -82,9 +85,10 @@ class RayPool(Backend):
         actor = ray.remote(VerifierReplica)
         for i in range(self.spec.replicas):
             name = f"{self.spec.name}-replica-{i}"
-            handle = actor.options(name=name, num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus,
-                                   max_restarts=-1, max_task_retries=0, max_concurrency=1024, lifetime=None,
-                                   runtime_env={"env_vars": replica_env(self.spec.niceness)}).remote(self.spec.replica)
+            options = actor.options(name=name, num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus,
+                                    max_restarts=-1, max_task_retries=0, max_concurrency=1024, lifetime=None,
+                                    runtime_env={"env_vars": replica_env(self.spec.niceness)})
+            handle = options.remote(self.spec.replica, self.endpoint)
             self.replicas[name] = _Replica(name, handle)
         try:
             readies: list[ReplicaReady] = await asyncio.gather(*(r.handle.ready.remote()

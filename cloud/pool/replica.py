@@ -4,29 +4,48 @@ The actor speaks the wire dataclasses (Ray pickles them); it never sees protobuf
 returned as values rather than raised, so the pool gets the error itself instead of Ray's wrapped
 traceback, and a raised exception always means the replica itself failed.
 
-With a `verify_host`, the actor also hosts its own small gRPC endpoint (cloud/api/server.py,
-`start_verify_endpoint`) on its event loop, beside the Ray calls: edges stream their rounds to it
-directly, saving the front door's hop and the Ray call per round. Protobuf stays in service.py.
+Given an endpoint to start (the gRPC layer's `ReplicaEndpoint`, cloud/api/server.py, handed down
+through the pool so that the pool never imports the layer above it), the actor also hosts its own
+small gRPC endpoint on its event loop, beside the Ray calls: edges stream their rounds to it
+directly, saving the front door's hop and the Ray call per round. Protobuf stays in cloud/api/.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
 from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
 from .backend import ReplicaEndpointBackend
+from .specs import ReplicaSpec
 from ..core.telemetry import Tally
 from ..core.scheduler import Scheduler
-from ..api.server import VerifyEndpoint, start_verify_endpoint
 from ..core.verifier import Verifier, VerifierStats
-from ..specs import ReplicaSpec
+from ..engine.factory import load_engine
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bound on every interface: advertise the node's address
 
 T = TypeVar("T")
+
+
+class Endpoint(Protocol):
+    """A replica's own gRPC endpoint, once started."""
+
+    address: str  # HOST:PORT as clients should dial it
+
+    def take_tally(self) -> Tally:
+        """Its rounds and errors since the last call."""
+
+
+class EndpointStarter(Protocol):
+    """Starts a replica's own endpoint for its sessions' rounds (picklable: Ray ships it to the actor)."""
+
+    host: str  # the interface to bind
+
+    async def start(self, backend: ReplicaEndpointBackend, advertised_host: str) -> Endpoint:
+        """Serve `backend` on a free port of `host`; clients dial `advertised_host`."""
 
 
 @dataclass(frozen=True)
@@ -40,30 +59,29 @@ class ReplicaReady:
 class VerifierReplica:
     """Ray actor class (the pool applies ray.remote with its resources)."""
 
-    def __init__(self, spec: ReplicaSpec) -> None:
-        from ..engine.factory import load_engine
-
+    def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None) -> None:
+        """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
+        come through the front door only)."""
         target, engine = load_engine(spec.target, spec.engine, spec.device, spec.dtype, spec.torch_threads, spec.limits)
         verifier = Verifier(target, spec.limits, engine)
         verifier.measure_pass_costs(spec.pass_cost_tokens)
         self.scheduler = Scheduler(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
-        self._verify_host = spec.verify_host
-        self._access = spec.access
-        self._endpoint: VerifyEndpoint | None = None
+        self._starter = endpoint
+        self._endpoint: Endpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
 
     async def ready(self) -> ReplicaReady:
         """Answers once the model is loaded (the constructor has run). The first call starts the
         direct endpoint: it needs the actor's event loop, which the constructor does not run on."""
         async with self._starting:
-            if self._verify_host and self._endpoint is None:
-                self._endpoint = await start_verify_endpoint(ReplicaEndpointBackend(self.scheduler), self._verify_host,
-                                                             _advertised(self._verify_host), self._access)
+            if self._starter is not None and self._endpoint is None:
+                self._endpoint = await self._starter.start(ReplicaEndpointBackend(self.scheduler),
+                                                           _advertised(self._starter.host))
         return ReplicaReady(self.scheduler.verifier.info, self._endpoint.address if self._endpoint else "")
 
     async def take_tally(self) -> Tally:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
-        return self._endpoint.tally.take() if self._endpoint else Tally()
+        return self._endpoint.take_tally() if self._endpoint else Tally()
 
     async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
         """Open or re-open a session."""

@@ -21,6 +21,7 @@ MAX_TEMPERATURE = 1e3
 MAX_SESSION_ID_CHARS = 64  # server-issued ids are far shorter; longer ones are refused unread
 MAX_REPETITION_PENALTY = 10.0  # beyond this every repeated token is ruled out anyway
 MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as in the OpenAI API
+DEFAULT_MAX_NEW_TOKENS = 128  # a generation's tokens at most, unless asked otherwise (the edge's default too)
 
 
 class Mode(str, Enum):
@@ -331,7 +332,7 @@ class GenerateSpec:
 
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
     tokenizer_fingerprint: str = ""
     # prompt_ids[:prompt_len] is the user's prompt, the rest what was generated before this stream

@@ -1,66 +1,16 @@
-"""The plain settings the cloud's runtime objects take, and the single place their defaults live.
+"""What the pool starts: each replica's model, engine and batching, and the replicas on a Ray cluster.
 
 Free of torch, Ray and gRPC, so configuration (cloud/config.py, the CLI) can be read and checked
-before anything heavy is imported; the verifier, the scheduler, the replicas and the pool import
-their settings from here.
+before anything heavy is imported. A replica's own gRPC endpoint is not a setting here: the layer that
+serves gRPC hands the pool an endpoint to start (cloud/api/server.py, `ReplicaEndpoint`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common.config import Choice, DType, check_fields, setting
-from .api.access import AccessSpec
-
-class EngineKind(Choice):
-    """What computes the target's forward passes in a replica (cloud/engine/)."""
-
-    AUTO = "auto"  # llama.cpp on a CPU when the target has a GGUF file, else torch
-    TORCH = "torch"  # Hugging Face weights in torch: the GPU path and the reference
-    LLAMACPP = "llamacpp"  # the GGUF file in llama.cpp's CPU kernels
-
-
-class PrefixScope(Choice):
-    """Whose cached prefixes a new session may start from (cloud/core/prefixes.py)."""
-
-    OFF = "off"  # none: every session prefills its whole prompt
-    IDENTITY = "identity"  # those computed by sessions of the same identity (anonymous callers are one)
-    SHARED = "shared"  # any identity's: an operator's choice, never a client's (a timing side channel)
-
-
-DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
-DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
-# A step with a prompt chunk takes about this long while others wait: about one round on a CPU core.
-DEFAULT_PREFILL_BUDGET_MS = 60.0
-
-
-@dataclass(frozen=True)
-class VerifierLimits:
-    """Per-replica limits; requests beyond them get an explicit status."""
-
-    max_context: int = setting(4096, "committed + draft tokens per session", ge=1)
-    max_draft: int = setting(32, "longest draft block accepted (and deepest draft tree)", ge=1)
-    max_tree_nodes: int = setting(64, "most nodes of a draft tree scored in one pass; 0 = chains only (also "
-                                      "when the engine cannot score trees)", ge=0)
-    max_sessions: int = setting(64, "sessions per replica; more get RESOURCE_EXHAUSTED", ge=1)
-    idle_timeout_s: int = setting(600, "an idle session is dropped after this many seconds", ge=1)
-    kv_cache_tokens: int = setting(65536, "KV cache per replica in tokens, everything its sessions cache (torch: a "
-                                          "page pool allocated once; llamacpp: kv_streams x max_context cells "
-                                          "allocated once, the rest for idle sessions parked in host memory); "
-                                          "when it is full the least recently used idle sessions are evicted", ge=1)
-    kv_streams: int = setting(8, "llamacpp: sessions whose KV is resident at once, in a stream of max_context "
-                                 "cells each; an idle session beyond them is parked in host memory and "
-                                 "restored when it runs again", ge=1, le=256)
-    prefix_scope: PrefixScope = setting(PrefixScope.IDENTITY, "a new session starts from the KV of the longest "
-                                        "prefix of its prompt already cached by a session of: its own identity "
-                                        "(anonymous callers share one); shared = any identity's (a timing side "
-                                        "channel between tenants: an operator's choice); off = never")
-    prefix_cache_tokens: int = setting(16384, "KV of closed sessions kept for new sessions to start from, in "
-                                              "tokens (least recently used out, and first out when room is "
-                                              "needed); 0 = only live sessions' prefixes", ge=0)
-    prefill_chunk: int = setting(128, "prompt tokens per forward pass at most (fewer while others wait)", ge=1)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+from ...common.config import DType, check_fields, setting
+from ..core.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
+from ..engine.kinds import EngineKind
 
 
 @dataclass(frozen=True)
@@ -86,8 +36,6 @@ class ReplicaSpec:
     pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
                                         "the curve to edges, which size their blocks by it; 0 = do not measure",
                                     ge=0)
-    verify_host: str = ""  # interface of the replica's own Verify endpoint; "" = none (rounds via the front door)
-    access: AccessSpec = AccessSpec()  # that endpoint's TLS and credentials: the front door's (files read on this node)
 
     def __post_init__(self) -> None:
         check_fields(self)
