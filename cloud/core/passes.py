@@ -80,7 +80,7 @@ def check_pass(work: Pass, caps: Capabilities) -> None:
     limit = caps.max_sequences_per_pass
     if limit and len(work.rounds) + min(work.streams, len(work.openings)) > limit:
         raise ValueError(f"the pass feeds more than {limit} sessions")
-    now, split = split_rounds(list(enumerate(work.rounds)), caps, len(work.rounds))
+    _, split = split_rounds(list(enumerate(work.rounds)), caps, len(work.rounds))
     if split:
         raise ValueError(f"the pass's trees exceed the {caps.name} engine's limits")
 
