@@ -6,9 +6,10 @@ Paths, each a real gRPC client (edge/client.py) on localhost sending one round a
     front-door  the front door routes each round to a 1-replica Ray pool (direct_verify off)
     direct      the edge streams to the replica's own endpoint, named in OpenSessionReply (direct_verify on)
     in-process  the front door runs the verifier itself (InProcessBackend, no Ray): the floor
-overhead = client round trip (submit → reply) − the verifier's forward time (VerifyResult.verify_ms −
-queue_ms, cloud/core/scheduler.py), with the configured batching wait (a lone session's round never waits
-for company): what is left is gRPC, the front door, Ray and the event-loop and thread hand-offs.
+overhead = client round trip (submit → reply) − the replica's step (VerifyResult.verify_ms − queue_ms,
+both set by cloud/core/scheduler.py: the forward pass with its round's admission and rule), with the
+configured batching wait (a lone session's round never waits for company): what is left is gRPC, the
+front door, Ray and the event-loop and thread hand-offs.
 The paths take turns round by round, so load from other work on the machine hits all of them alike.
 --target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py);
 --pin puts Ray's processes (the replicas) on the second core and the front doors and edges on the first.

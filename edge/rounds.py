@@ -3,7 +3,8 @@ tokens drafted offline, and co-located speculative decoding (lab/baselines.py).
 
     1. send the block          (over gRPC, or a direct call of the verifier core)
     2. work while it is scored (pipelined drafting, optional)
-    3. take the verdict
+    3. take the verdict        (`take`: on the cloud, edge/session.py `CloudSession.verdict`, which
+                                re-opens a session the verifier lost and sends the block again)
     4. commit what it kept, count the round, tell the drafter (and hand an eagle drafter the features)
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ class InFlight(Protocol):
         ...
 
     def result(self) -> VerifyResult:
-        """Wait for the verdict."""
+        """Wait for the verdict (or raise the error that came instead); reading it changes nothing."""
         ...
 
 
@@ -39,20 +40,29 @@ class FeatureSink(Protocol):
 
 # Sends a block (its session_id is the sender's to fill in) and returns it in flight.
 Send = Callable[[DraftBlock], InFlight]
+# Takes a block's verdict, recovering on the way if the sender can (step 3).
+Take = Callable[[InFlight], VerifyResult]
+
+
+def read(in_flight: InFlight) -> VerifyResult:
+    """Take the verdict as it came: the `Take` of a sender with nothing to recover."""
+    return in_flight.result()
 
 
 class VerifyRound:
     """Runs rounds of one generation against one verifier."""
 
     def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, send: Send, with_q: bool,
-                 features: FeatureSink | None = None) -> None:
+                 features: FeatureSink | None = None, take: Take = read) -> None:
         """with_q: send each draft token's q (the acceptance rules that read it); features: where the
-        target's features in replies go (an eagle drafter's log)."""
+        target's features in replies go (an eagle drafter's log); take: how a verdict is taken (and a
+        lost session recovered) from what `send` returned."""
         self.features = features
         self.state = state
         self.stats = stats
         self.drafter = drafter
         self.send = send
+        self.take = take
         self.with_q = with_q
 
     def __call__(self, proposal: Proposal, gamma: int, *, while_waiting: Callable[[InFlight], None] | None = None,
@@ -64,8 +74,8 @@ class VerifyRound:
         # 2. Work meanwhile.
         if while_waiting is not None:
             while_waiting(in_flight)
-        # 3. The verdict.
-        result = in_flight.result()
+        # 3. The verdict, recovering a lost session if `take` can (an explicit step, never a getter's).
+        result = self.take(in_flight)
         nodes, token = proposal.accepted(result), result.next_token
         # 4. Commit, count, learn.
         if unverified:

@@ -92,9 +92,36 @@ class CloudSession:
         block = replace(block, session_id=self.id)
         return Round(self, block, self.client.submit(block))
 
+    def verdict(self, round_: Round) -> VerifyResult:
+        """Step 3 of a verify round on the cloud (edge/rounds.py): wait for `round_`'s reply, and if the
+        verifier lost the session, recover (`recover`). A reply that came straight back also measures
+        the round trip: its wait minus the verifier's time. All of the wait counts as cloud time."""
+        t0 = time.perf_counter()
+        try:
+            try:
+                result = round_.result()
+            except FailedPrecondition as exc:
+                return self.recover(round_, exc)
+            pending = round_.pending
+            self.estimates.rtt_s.add(max(0.0, pending.arrived - pending.sent - result.verify_ms / 1e3))
+            return result
+        finally:
+            self.stats.cloud_s += time.perf_counter() - t0
+
+    def recover(self, round_: Round, lost: FailedPrecondition) -> VerifyResult:
+        """The verifier lost the session (`lost`): re-open it from the committed tokens and send the
+        round's block again; returns its verdict."""
+        if isinstance(lost, ReplicaUnreachable):
+            # The session's replica stopped answering on its own endpoint. If the front door is gone
+            # too this is an outage (Unavailable, handled as always); else re-open there.
+            self.client.ping()
+        self.reopen()
+        return self.client.verify(replace(round_.block, session_id=self.id))
+
 
 class Round:
-    """A round in flight on the session's stream."""
+    """A round in flight on the session's stream. Reading it changes nothing: recovering a session the
+    verifier lost is the session's explicit step (`CloudSession.verdict`)."""
 
     def __init__(self, session: CloudSession, block: DraftBlock, pending: PendingRound) -> None:
         self.session = session
@@ -106,22 +133,6 @@ class Round:
         return self.pending.done()
 
     def result(self) -> VerifyResult:
-        """The verdict; a verifier that lost the session gets it back from what the edge holds.
-        A reply that came straight back also measures the round trip: its wait minus the verifier's time."""
-        session = self.session
-        t0 = time.perf_counter()
-        try:
-            try:
-                result = session.client.wait(self.pending)
-            except FailedPrecondition as exc:
-                if isinstance(exc, ReplicaUnreachable):
-                    # The session's replica stopped answering on its own endpoint. If the front door is
-                    # gone too this is an outage (Unavailable, handled as always); else re-open there.
-                    session.client.ping()
-                session.reopen()
-                return session.client.verify(replace(self.block, session_id=session.id))
-            pending = self.pending
-            session.estimates.rtt_s.add(max(0.0, pending.arrived - pending.sent - result.verify_ms / 1e3))
-            return result
-        finally:
-            session.stats.cloud_s += time.perf_counter() - t0
+        """Wait for the reply: the verdict, or the error the verifier answered (FailedPrecondition if
+        it lost the session; Unavailable if no reply came in time)."""
+        return self.session.client.wait(self.pending)

@@ -250,7 +250,7 @@ class GenerationRun:
         self._build_session()  # no session is open yet: hybrid decoding needs the drafter first
         self.verify_round = VerifyRound(self.state, self.stats, self._drafter, self.session.send,
                                         with_q=cfg.resolved_mode.uses_draft_probs,
-                                        features=self.eagle.log if self.eagle else None)
+                                        features=self.eagle.log if self.eagle else None, take=self.session.verdict)
 
     def open_hybrid(self) -> None:
         """Get ready for verify rounds: the drafter (waiting for it if it still loads), then the session."""

@@ -79,7 +79,7 @@ def test_prompt_chunks_in_a_round_step_change_no_round(target):
     for r in range(4):
         blocks = [DraftBlock(s.session_id, r, committed[s.session_id],
                              tuple(rng.randrange(4, 256) for _ in range(rng.randint(0, 6)))) for s in specs]
-        for block, result in zip(blocks, verifier.step(blocks, [opening])):
+        for block, result in zip(blocks, verifier.run(blocks, [opening])):
             committed[block.session_id] = result.committed_len
             history.append((result.num_accepted, result.next_token, result.committed_len))
     assert history == alone
@@ -217,9 +217,9 @@ def test_a_refused_open_leaves_the_scheduler_idle(target):
 class SlowSteps(Verifier):
     """A verifier whose steps take 150 ms, as a big target's would: the scheduler's timing is under test."""
 
-    def step(self, blocks, openings, prefill_tokens=None, busy=()):
+    def step(self, work):
         time.sleep(0.15)
-        return super().step(blocks, openings, prefill_tokens, busy)
+        return super().step(work)
 
 
 def test_sessions_answered_by_a_step_rejoin_the_next_one(target):
@@ -327,7 +327,7 @@ def test_a_one_token_reopen_in_a_round_step_fails_no_round(target):
     alone.open_session(SessionSpec("victim", (6, 7, 8)))
     expected = alone.verify(DraftBlock("victim", 0, 3, (10,)))
     reopen = verifier.begin_open(SessionSpec("x", (5,)))
-    x_round, victim_round = verifier.step([DraftBlock("x", 0, 1, (9,)), DraftBlock("victim", 0, 3, (10,))], [reopen])
+    x_round, victim_round = verifier.run([DraftBlock("x", 0, 1, (9,)), DraftBlock("victim", 0, 3, (10,))], [reopen])
     assert isinstance(x_round, VerifyResult), x_round
     assert (victim_round.num_accepted, victim_round.next_token) == (expected.num_accepted, expected.next_token)
     assert verifier.stats().sessions == 2

@@ -203,7 +203,7 @@ def test_features_are_each_sessions_own_in_a_shared_pass(target):
     committed = {sid: list(p) for sid, p in prompts.items()}
     for r in range(4):
         rounds = [DraftBlock(sid, r, len(committed[sid]), (9, 10)) for sid in committed]
-        results = verifier.step(rounds, [late])
+        results = verifier.run(rounds, [late])
         for block, result in zip(rounds, results):
             committed[block.session_id] += [*block.draft_ids[:result.num_accepted], result.next_token]
         assert results[0].features is None

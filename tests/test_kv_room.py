@@ -22,7 +22,7 @@ def test_a_busy_session_is_never_evicted_for_a_new_one(target):
         verifier.open_session(SessionSpec("a", tuple([5] * 30)))
         opening = verifier.begin_open(SessionSpec("b", tuple([6] * 30)))
         blocks = [DraftBlock("a", 0, 30, ())] if busy == "in the step" else []
-        results = verifier.step(blocks, [opening], busy=() if blocks else ("a",))
+        results = verifier.run(blocks, [opening], busy=() if blocks else ("a",))
         assert isinstance(opening.error, ResourceExhausted), busy
         assert all(isinstance(r, VerifyResult) for r in results)
         assert verifier.stats().evictions == 0 and verifier.stats().session_ids == ("a",)
@@ -76,6 +76,6 @@ def test_llamacpp_sessions_beyond_the_streams_are_served_and_parked_exactly():
     got = {sid: [] for sid in prompts}
     for r in range(4):
         blocks = [DraftBlock(sid, r, len(prompt) + r, ()) for sid, prompt in prompts.items()]
-        for block, result in zip(blocks, shared.step(blocks, [])):
+        for block, result in zip(blocks, shared.run(blocks, [])):
             got[block.session_id].append(result.next_token)
     assert got == alone and engine.restores >= 4

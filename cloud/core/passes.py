@@ -1,13 +1,99 @@
-"""What one forward pass may carry, within what its engine can do: pure decisions the verifier applies
-(cloud/core/verifier.py `step`)."""
+"""What one forward pass carries, decided once: `plan_pass` turns queued rounds and opening sessions
+into a `Pass` within what the engine can do, and the verifier runs exactly that pass
+(cloud/core/verifier.py `step`). Pure decisions, no engine calls: the scheduler plans its steps with
+them (cloud/core/scheduler.py `schedule`), and `Verifier.run` plans passes the same way for callers
+that drive the verifier directly."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from ...common.protocol.tree import leaves
 from ...common.protocol.wire import DraftBlock
 from ..engine.base import Capabilities
-from .session import Session
+from .session import Phase, Session
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Exactly what one forward pass carries: rounds of distinct sessions, the sessions being opened
+    (oldest first), how many prompt tokens in all and how many of those sessions (`streams`) get a
+    chunk, and the sessions never evicted to make room for it (its own, and those with work queued)."""
+
+    rounds: tuple[DraftBlock, ...] = ()
+    openings: tuple[Session, ...] = ()
+    prefill_tokens: int = 0
+    streams: int = 0
+    keep: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        ids = [block.session_id for block in self.rounds]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a pass carries one round per session, got {ids}")
+        if self.prefill_tokens < 0 or self.streams < 0:
+            raise ValueError(f"prefill_tokens and streams must be >= 0, got {self.prefill_tokens}, {self.streams}")
+
+    @property
+    def round_tokens(self) -> int:
+        """Tokens the rounds feed: the newest committed token and the drafts, per round."""
+        return sum(len(block.draft_ids) + 1 for block in self.rounds)
+
+
+class Plan(NamedTuple):
+    """A pass and where each offered block went, by its index among the blocks offered."""
+
+    work: Pass
+    taken: list[int]  # the pass's rounds, in its order
+    split: list[int]  # rounds the engine's limits left for the next pass (they go first)
+    waiting: list[int]  # a session's later rounds, and rounds past max_rounds, in arrival order
+
+
+def plan_pass(blocks: Sequence[DraftBlock], openings: Iterable[Session], prefill: Callable[[int], int],
+              caps: Capabilities, max_rounds: int | None = None, busy: Collection[str] = ()) -> Plan:
+    """The next pass over `blocks` (in arrival order) and `openings` (oldest first).
+
+    1. One round per session (a session's rounds are scored one after the other, never together),
+       the first `max_rounds` of them.
+    2. The prompt tokens the pass may carry beside those rounds: `prefill(round tokens)`.
+    3. How many openings get a chunk, within the engine's sessions per pass (`opening_sessions`).
+    4. The rounds the engine can take beside them (`split_rounds`); the rest go to the next pass.
+    """
+    indexed = list(enumerate(blocks))
+    first, later = one_per_session(indexed, lambda item: item[1].session_id)
+    if max_rounds is not None:
+        first, later = first[:max_rounds], first[max_rounds:] + later
+    feeding = tuple(s for s in openings if s.phase is Phase.PREFILLING)
+    budget = min(prefill(sum(len(block.draft_ids) + 1 for _, block in first)),
+                 sum(s.remaining for s in feeding))
+    limit = caps.max_sequences_per_pass or len(first) + len(feeding)
+    streams = opening_sessions(feeding, budget, len(first), limit)
+    now, split = split_rounds(first, caps, limit - streams)
+    keep = frozenset({block.session_id for block in blocks} | {s.spec.session_id for s in feeding} | set(busy))
+    work = Pass(tuple(block for _, block in now), feeding, max(0, budget), streams, keep)
+    return Plan(work, [i for i, _ in now], [i for i, _ in split], sorted(i for i, _ in later))
+
+
+def check_pass(work: Pass, caps: Capabilities) -> None:
+    """Raise ValueError if `work` asks more of the engine than one pass may carry (a planning bug:
+    the verifier runs a pass as given and never re-splits it)."""
+    limit = caps.max_sequences_per_pass
+    if limit and len(work.rounds) + min(work.streams, len(work.openings)) > limit:
+        raise ValueError(f"the pass feeds more than {limit} sessions")
+    _, split = split_rounds(list(enumerate(work.rounds)), caps, len(work.rounds))
+    if split:
+        raise ValueError(f"the pass's trees exceed the {caps.name} engine's limits")
+
+
+def one_per_session(items: Iterable, session_of: Callable[[object], str]) -> tuple[list, list]:
+    """Split work into what may share a pass (the first item of each session, in order) and what
+    must wait for a later one: a session's rounds are scored one after the other, never together."""
+    now, later, seen = [], [], set()
+    for item in items:
+        sid = session_of(item)
+        (later if sid in seen else now).append(item)
+        seen.add(sid)
+    return now, later
 
 
 def split_rounds(items: list[tuple[int, DraftBlock]], caps: Capabilities,

@@ -1,11 +1,13 @@
 """Continuous batching: what each forward pass of a replica carries, and the thread that runs them
-(no tensors here). `Scheduler.schedule` is the one place every scheduling rule is applied; the
-model thread loops wait → schedule → step → answer, and callers on an event loop await the answers.
+(no tensors here). `Scheduler.schedule` is the one place every scheduling rule is applied: it returns
+the exact pass (cloud/core/passes.py `Pass`), which the verifier runs as given. The model thread loops
+wait → schedule → step → answer, and callers on an event loop await the answers.
 
-Every step carries every queued round (one per session, at most `max_batch` sessions) plus a chunk
-of the prompts being opened, oldest first (cloud/core/verifier.py `step`). Rounds come first because an
-edge is waiting on each one; a prompt advances at least every other step, so it is never starved by
-them. Verify blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
+Every step carries the queued rounds (one per session, at most `max_batch` sessions, as many as one
+pass of the engine may carry: the rest go first in the next step, without waiting for company) plus
+a chunk of the prompts being opened, oldest first (cloud/core/verifier.py `step`). Rounds come first
+because an edge is waiting on each one; a prompt advances at least every other step, so it is never
+starved by them. Verify blocks and cloud-only decode steps (a block with no draft) are the same kind of work.
 
 How long a chunk is depends on who is waiting. With nobody else active, a prompt is fed
 `prefill_chunk` tokens a step, the most efficient size. While other sessions are sending rounds, a
@@ -29,13 +31,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, SessionOpened, SessionSpec, VerifyResult
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS
 from .decoding import DecodeStream
-from .session import Phase, Session, one_per_session
+from .passes import Pass, plan_pass
+from .session import Phase, Session
 from .verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
@@ -96,22 +99,16 @@ class _Open:
     session: Session | None = None  # set once the scheduler thread has admitted it
 
 
-@dataclass
-class Pass:
-    """What one step carries: rounds of distinct sessions, the sessions being prefilled, and how
-    many prompt tokens they may have."""
+@dataclass(frozen=True)
+class Step:
+    """One turn of the model thread, as `Scheduler.schedule` decided it: the bookkeeping calls, the
+    queued rounds that `work` carries (in its order), every open in the queue (to settle after the
+    step), and `work`, exactly the pass the verifier runs."""
 
-    calls: list[tuple[Callable[[], object], Future]] = field(default_factory=list)
-    rounds: list[_Round] = field(default_factory=list)
-    opens: list[_Open] = field(default_factory=list)  # every open in the queue, to settle after the step
-    feeding: list[Session] = field(default_factory=list)
-    prefill_tokens: int = 0
-    busy: set[str] = field(default_factory=set)  # sessions with rounds queued for later steps
-
-    @property
-    def round_tokens(self) -> int:
-        """Tokens the rounds feed: the newest committed token and the drafts, per round."""
-        return sum(len(r.block.draft_ids) + 1 for r in self.rounds)
+    calls: list[tuple[Callable[[], object], Future]]
+    rounds: list[_Round]
+    opens: list[_Open]
+    work: Pass
 
 
 class Scheduler:
@@ -128,6 +125,7 @@ class Scheduler:
         self.prefill_budget_ms = prefill_budget_ms
         self.cost = StepCost()  # of the steps that fed a prompt
         self._fed_last_step = False
+        self._split = False  # the last step left rounds for the engine's limits
         self._cv = threading.Condition()
         # The queues are made once and only ever changed in place, under the lock: a submitter is
         # handed the queue object before it takes the lock, so swapping in a new queue would drop
@@ -224,29 +222,29 @@ class Scheduler:
             # 2. Bookkeeping first: a close or a stats call never waits behind a long queue.
             for fn, future in step.calls:
                 _resolve(future, _call(fn))
-            if not step.rounds and not step.feeding:
+            if not step.rounds and not step.work.openings:
                 self._settle_opens(step.opens)  # opens refused at admission leave the queue
                 continue
-            # 3. One step: the rounds, and as much prompt as the schedule allows.
+            # 3. One step: exactly the pass the schedule made.
+            work = step.work
             started = time.perf_counter()
             try:
-                results = self.verifier.step([r.block for r in step.rounds], step.feeding, step.prefill_tokens,
-                                             step.busy)
-                if step.prefill_tokens:
-                    self.cost.observe(time.perf_counter() - started, step.round_tokens + step.prefill_tokens)
-                self._fed_last_step = step.prefill_tokens > 0
+                results = self.verifier.step(work)
+                if work.prefill_tokens:
+                    self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
+                self._fed_last_step = work.prefill_tokens > 0
             except Exception as exc:  # a bug the verifier did not contain: fail this step, keep serving
                 error = incident(log, exc, "a verification step")
                 results = [error] * len(step.rounds)
-                for session in step.feeding:
+                for session in work.openings:
                     session.fail(error, self.verifier.engine.release)
-            # 4. Answer.
+            # 4. Answer, timing each round here, where it arrived and is answered (the one place
+            #    `verify_ms` and `queue_ms` are set): the wait before this step is its queueing.
             done = time.perf_counter()
             for item, result in zip(step.rounds, results):
                 if isinstance(result, VerifyResult):
-                    # The verifier reported its forward time; the rest of the wait was queueing.
-                    total_ms = (done - item.arrived) * 1e3
-                    result = replace(result, verify_ms=total_ms, queue_ms=max(0.0, total_ms - result.verify_ms))
+                    result = replace(result, verify_ms=(done - item.arrived) * 1e3,
+                                     queue_ms=max(0.0, started - item.arrived) * 1e3)
                 if item.stream is not None:
                     self._continue(item.stream, item.stream.answered(item.block, result), done)
                 _resolve(item.future, result)
@@ -268,36 +266,39 @@ class Scheduler:
             self._recent.pop(session_id, None)
         return self.verifier.close_session(session_id)
 
-    def schedule(self) -> Pass:
-        """Turn the queues into one step (cv held): every bookkeeping call; up to max_batch queued
-        rounds, one per session (a second round of a session waits for the next step); the opens,
-        admitted (validated, room checked) on first sight; and the prompt tokens the step may carry
-        beside the rounds (`prefill_tokens`)."""
-        step = Pass(calls=list(self._calls), opens=list(self._opens))
+    def schedule(self) -> Step:
+        """Turn the queues into one step (cv held): every bookkeeping call; the opens, admitted
+        (validated, room checked) on first sight; and the pass (cloud/core/passes.py `plan_pass`): up to
+        max_batch queued rounds, one per session, as many as the engine's limits let one pass carry,
+        and the prompt tokens the pass may carry beside them (`prefill_tokens`). Rounds left out stay
+        queued; those the engine's limits held back go first in the next step."""
+        calls, opens = list(self._calls), list(self._opens)
         self._calls.clear()
         live = [r for r in self._rounds if not r.future.cancelled()]
-        first, _ = one_per_session(live, lambda r: r.block.session_id)
-        step.rounds = first[:self.max_batch]
-        taken = {id(r) for r in step.rounds}
-        rest = [r for r in live if id(r) not in taken]
+        feeding = self._admit_opens(opens)
+        others = self._others_active(feeding)
+        chunk = self.verifier.limits.prefill_chunk
+
+        def prompt(round_tokens: int) -> int:
+            return prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, round_tokens, chunk, others,
+                                  self._fed_last_step)
+
+        plan = plan_pass([r.block for r in live], feeding, prompt, self.verifier.engine.capabilities,
+                         self.max_batch)
         self._rounds.clear()
-        self._rounds.extend(rest)
-        step.busy = {r.block.session_id for r in rest}
-        for r in step.rounds:
+        self._rounds.extend(live[i] for i in plan.split + plan.waiting)
+        self._split = bool(plan.split)
+        rounds = [live[i] for i in plan.taken]
+        for r in rounds:
             self._recent[r.block.session_id] = r.arrived
-        step.feeding = self._admit_opens(step.opens)
-        step.prefill_tokens = min(sum(s.remaining for s in step.feeding),
-                                  prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, step.round_tokens,
-                                                 self.verifier.limits.prefill_chunk,
-                                                 self._others_active(step.feeding), self._fed_last_step))
-        return step
+        return Step(calls, rounds, opens, plan.work)
 
     def _wait_for_company(self, free_since: float) -> None:
         """Hold queued rounds while recently active sessions have none queued (cv held): at most
         max_wait after the model became free or the oldest round arrived, whichever is later. The
         sessions answered by the step that just ended need that moment to send their next round."""
-        if not self._rounds or self.max_wait_s == 0:
-            return
+        if not self._rounds or self.max_wait_s == 0 or self._split:
+            return  # (the rounds the last pass could not carry were ready for it: they go at once)
         deadline = max(free_since, self._rounds[0].arrived) + self.max_wait_s
         while not self._stopped:
             now = time.perf_counter()

@@ -201,14 +201,3 @@ class SessionStore:
         while len(self._evicted) > REMEMBERED_EVICTIONS:
             self._evicted.popitem(last=False)
 
-
-def one_per_session(items: Iterable, session_of: Callable[[object], str]) -> tuple[list, list]:
-    """Split work into what may share a pass (the first item of each session, in order) and what
-    must wait for a later one: a session's rounds are scored one after the other, never together.
-    The single place this rule lives; the scheduler and the verifier both apply it."""
-    now, later, seen = [], [], set()
-    for item in items:
-        sid = session_of(item)
-        (later if sid in seen else now).append(item)
-        seen.add(sid)
-    return now, later

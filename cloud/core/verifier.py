@@ -2,9 +2,10 @@
 
 No gRPC and no Ray here: requests and replies are the plain dataclasses of common/protocol/wire.py, errors
 are the domain errors of common/protocol/errors.py. Work happens in steps (`step`): one forward pass carries
-the rounds of many sessions and chunks of prompts being opened (cloud/engine/). The scheduler
-(cloud/core/scheduler.py) decides what goes into each step; `verify_batch` and `open_session` are the
-same steps driven directly.
+the rounds of many sessions and chunks of prompts being opened (cloud/engine/). The scheduler decides
+what a pass carries (cloud/core/passes.py `plan_pass`); `step` runs exactly that pass, failing items
+alone but never choosing, deferring or splitting work. `run` plans passes the same way for direct
+callers. Timing a round (`VerifyResult.verify_ms`) is the scheduler's; the verifier leaves it 0.
 
 Integrity rules, enforced here for every caller:
 - Everything a request carries is validated before any state changes.
@@ -39,10 +40,10 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
-from .passes import opening_sessions, split_rounds, tree_nodes
+from .passes import Pass, check_pass, plan_pass, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
-from .session import Phase, Session, SessionStore, one_per_session
+from .session import Phase, Session, SessionStore
 from .limits import VerifierLimits
 from .telemetry import ReplicaTelemetry, Telemetry
 
@@ -142,7 +143,7 @@ class Verifier:
         the features it asked for."""
         session = self.begin_open(spec)
         while session.phase is Phase.PREFILLING:
-            self.step([], [session])
+            self.run([], [session])
         if session.error is not None:
             raise session.error
         return session.opened()
@@ -156,37 +157,45 @@ class Verifier:
 
     def verify_batch(self, blocks: Sequence[DraftBlock]) -> list[VerifyResult | HybridSpecError]:
         """Verify many sessions' rounds, scoring all valid ones in one forward pass."""
-        return self.step(blocks, [])
+        return self.run(blocks, [])
+
+    def run(self, blocks: Sequence[DraftBlock], openings: Sequence[Session], prefill_tokens: int | None = None,
+            busy: Collection[str] = ()) -> list[VerifyResult | HybridSpecError]:
+        """Rounds and up to `prefill_tokens` (default and at most `prefill_chunk`) prompt tokens of
+        `openings` (oldest first), in the passes `plan_pass` makes of them (only the first feeds
+        prompts). `busy`: sessions with work queued elsewhere, never evicted to make room, like these.
+        Returns, per block and in order, its result or its error; one bad block never fails the others.
+        """
+        chunk = self.limits.prefill_chunk
+        budget = chunk if prefill_tokens is None else max(0, min(prefill_tokens, chunk))
+        keep = {b.session_id for b in blocks} | {s.spec.session_id for s in openings} | set(busy)
+        results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
+        pending, feeding = list(range(len(blocks))), list(openings)
+        while True:
+            plan = plan_pass([blocks[i] for i in pending], feeding, lambda _: budget, self.engine.capabilities,
+                             busy=keep)
+            for i, result in zip(plan.taken, self.step(plan.work)):
+                results[pending[i]] = result
+            pending, feeding = [pending[i] for i in plan.split + plan.waiting], []
+            if not pending:
+                return results  # type: ignore[return-value]
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self, blocks: Sequence[DraftBlock], openings: Sequence[Session], prefill_tokens: int | None = None,
-             busy: Collection[str] = ()) -> list[VerifyResult | HybridSpecError]:
-        """Run rounds and up to `prefill_tokens` (default and at most `prefill_chunk`) prompt tokens of
-        `openings` (oldest first). `busy`: sessions with work queued for later steps, which, like the
-        step's own, are never evicted to make room.
+    def step(self, work: Pass) -> list[VerifyResult | HybridSpecError]:
+        """Run exactly `work` in one forward pass: its rounds and prompt chunks of up to `work.streams`
+        of its openings, `work.prefill_tokens` tokens in all. Nothing is re-selected or deferred: a pass
+        beyond what the engine may carry is a planning bug (ValueError, before any state changes).
 
-        Returns, per block and in order, its result or the error it earned; one bad block never
-        fails the others. A second round of a session waits for a second pass, and so do rounds
-        beyond what one pass of the engine may carry. An opening's progress is in its phase.
+        Returns, per round and in order, its result or the error it earned; one bad round never fails
+        the others. An opening's progress is in its phase.
         """
-        results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
-        chunk = self.limits.prefill_chunk
-        budget = chunk if prefill_tokens is None else max(0, min(prefill_tokens, chunk))
-        pending = list(enumerate(blocks))
-        keep = {b.session_id for b in blocks} | {s.spec.session_id for s in openings} | set(busy)
-        limit = self.engine.capabilities.max_sequences_per_pass or len(blocks) + len(openings)
+        check_pass(work, self.engine.capabilities)
+        results: list[VerifyResult | HybridSpecError | None] = [None] * len(work.rounds)
+        openings = [s for s in work.openings if s.phase is Phase.PREFILLING]
         with self._lock:
-            feeding = [s for s in openings if s.phase is Phase.PREFILLING]
-            while True:
-                now, pending = one_per_session(pending, lambda item: item[1].session_id)
-                streams = opening_sessions(feeding, budget, len(now), limit)
-                now, later = split_rounds(now, self.engine.capabilities, limit - streams)
-                pending = later + pending
-                self._run_pass(now, feeding, results, budget, streams, keep)
-                feeding = []
-                if not pending:
-                    break
+            self._run_pass(list(enumerate(work.rounds)), openings, results, work.prefill_tokens, work.streams,
+                           set(work.keep))
         return results  # type: ignore[return-value]
 
     def _run_pass(self, items: list[tuple[int, DraftBlock]], openings: list[Session], results: list,
@@ -199,7 +208,7 @@ class Verifier:
         #    first starts from the longest prefix of its prompt already cached.
         feeds, rounds, chunks = self._plan(rounds, openings, results, prefill_tokens, streams, keep)
         # 3. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-        scores, forward_ms = self._forward(feeds, rounds, openings, results)
+        scores = self._forward(feeds, rounds, openings, results)
         if scores is not None:
             # 4. Each round's rule; its session commits the accepted drafts and the new token.
             answered = time.monotonic()
@@ -210,7 +219,7 @@ class Verifier:
                 log.warning("batched argmax failed (%s); rules take their own", exc)
                 bests = [None] * len(rounds)
             for (i, block, session), round_scores, best in zip(rounds, scores, bests):
-                results[i] = self._conclude(block, session, round_scores, forward_ms, len(rounds), answered, best)
+                results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
             # 5. Prompt chunks keep the features their session asked for.
             for (session, position), chunk_scores in zip(chunks, scores[len(rounds):]):
                 self._keep_prefill_features(session, chunk_scores, position)
@@ -293,12 +302,11 @@ class Verifier:
         self.prefixes.hit(length)
 
     def _forward(self, feeds: list[Feed], rounds: list[Round], openings: list[Session],
-                 results: list) -> tuple[list[Scores] | None, float]:
-        """The engine's pass and its time (ms); on failure every fed session is left as it was and the
-        pass's rounds and opens get the incident."""
+                 results: list) -> list[Scores] | None:
+        """The engine's pass; on failure every fed session is left as it was and the pass's rounds and
+        opens get the incident."""
         if not feeds:
-            return None, 0.0
-        start = time.perf_counter()
+            return None
         try:
             scores = self.engine.forward(feeds)
         except Exception as exc:  # a bug or a failed device: no session changes
@@ -309,12 +317,12 @@ class Verifier:
             for session in openings:
                 if session.phase is Phase.PREFILLING:
                     session.fail(error, self.engine.release)
-            return None, 0.0
+            return None
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
-        return scores, (time.perf_counter() - start) * 1e3
+        return scores
 
-    def _conclude(self, block: DraftBlock, session: Session, scores: Scores, forward_ms: float, batch_size: int,
-                  answered: float, best: list[int] | None = None) -> VerifyResult | HybridSpecError:
+    def _conclude(self, block: DraftBlock, session: Session, scores: Scores, batch_size: int, answered: float,
+                  best: list[int] | None = None) -> VerifyResult | HybridSpecError:
         """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
         token is fed at the head of the next block) and commit. A failure is this session's alone."""
         try:
@@ -333,7 +341,7 @@ class Verifier:
         self._observe_latency(session, len(nodes) + 1, answered)
         result = VerifyResult(round=block.round, num_accepted=len(nodes), next_token=token,
                               committed_len=len(session.committed) + len(nodes) + 1,
-                              verify_ms=forward_ms, batch_size=batch_size, features=features,
+                              batch_size=batch_size, features=features,
                               accepted_path=tuple(nodes) if block.is_tree else ())
         session.commit(block, [block.draft_ids[node] for node in nodes], result)
         return result

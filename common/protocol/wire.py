@@ -319,9 +319,11 @@ class VerifyResult:
     num_accepted: int
     next_token: int
     committed_len: int
-    verify_ms: float = 0.0  # time the verifier spent on the round: queueing + forward pass
+    # Set by the replica's scheduler alone (cloud/core/scheduler.py): from the round's arrival in its
+    # queue to its answer, queueing + the step; 0 from a verifier driven directly.
+    verify_ms: float = 0.0
     batch_size: int = 1  # rounds scored in the same forward pass
-    queue_ms: float = 0.0  # of verify_ms, the time the round waited before its forward pass began
+    queue_ms: float = 0.0  # of verify_ms, the wait before the step that carried the round began
     features: FeatureBlock | None = None  # asked-for features of the last committed token + accepted drafts
     accepted_path: tuple[int, ...] = ()  # a tree's accepted nodes from depth 1 down; () for a chain
 
