@@ -28,8 +28,6 @@ import json
 import os
 import statistics
 import time
-from datetime import date
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,9 +47,8 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
-from machine import commit, cpu_model
+from harness import CLOUD_CORE, EDGE_CORE, header, median, pin, write_json
 
-EDGE_CORE, CLOUD_CORE = 0, 1
 
 
 def llamacpp_alone(llm, prompt: list[int], n: int) -> list[int]:
@@ -112,7 +109,7 @@ def main() -> None:
     drafter = load_model(paths["drafter"], device="cpu")  # the edge's tokenizer; never run (cloud-only)
     prompts = [encode_prompt(drafter.tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
     n = args.new_tokens
-    os.sched_setaffinity(0, {CLOUD_CORE})
+    pin(CLOUD_CORE)
     llm = Llama(str(gguf), n_ctx=2048, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
     engine = LlamaCppEngine(gguf, 8192, 4, threads=1)
     target = GgufTarget(str(gguf), gguf, engine.vocab_size)
@@ -132,11 +129,11 @@ def main() -> None:
                                               EdgeConfig(cloud=ray_address, max_new_tokens=n))}
 
     def grpc(name: str, prompt: list[int]) -> list[int]:
-        os.sched_setaffinity(0, {EDGE_CORE})
+        pin(EDGE_CORE)
         return list(clients[name].generate(GenerateSpec(prompt_ids=tuple(prompt), max_new_tokens=n)))
 
     def decode(prompt: list[int]) -> list[int]:
-        os.sched_setaffinity(0, {EDGE_CORE})
+        pin(EDGE_CORE)
         client = clients["decode_ray"]
         session = client.open_session(SessionSpec("", tuple(prompt))).session_id
         try:
@@ -145,12 +142,12 @@ def main() -> None:
             client.close_session_later(session)
 
     def edge(name: str, prompt: list[int]) -> list[int]:
-        os.sched_setaffinity(0, {EDGE_CORE})
+        pin(EDGE_CORE)
         return workers[name].generate(prompt).token_ids
 
     def local(fn):
         def run(prompt):
-            os.sched_setaffinity(0, {CLOUD_CORE})
+            pin(CLOUD_CORE)
             return fn(prompt)
         return run
 
@@ -184,21 +181,19 @@ def main() -> None:
             worker.close()
         stop_cloud_process(inproc)
         stop_cloud_process(ray)
-    base = statistics.median(ms["llamacpp_alone"])
-    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
+    base = median(ms["llamacpp_alone"])
+    result = {**header(weights=served_weights(paths["target"])),
               "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
-        name: {"ms_per_token": round(statistics.median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
-               "vs_llamacpp_alone": round(base / statistics.median(v), 3),
+        name: {"ms_per_token": round(median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
+               "vs_llamacpp_alone": round(base / median(v), 3),
                # each generation against llama.cpp alone on the same prompt a few seconds before
                "vs_llamacpp_alone_paired": round(statistics.geometric_mean(
                    [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
                "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
         for name, v in ms.items()}}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(text + "\n")
-
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

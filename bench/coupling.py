@@ -17,7 +17,6 @@ the target's vocabulary, one thread) is timed too, since coupled sampling hashes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.policy import expected_tokens
 from hybridspec.edge.prompt import encode_prompt
+from harness import write_json
 
 TEMPERATURES = (0.7, 1.0)
 BOOTSTRAP = 2000
@@ -224,7 +224,7 @@ def main() -> None:
     result["wall_s"] = time.perf_counter() - start
     result["command"] = (f"python bench/coupling.py --heldout {args.heldout} --tokens {args.tokens} "
                          f"--seeds {args.seeds} --out {args.out}")
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / "results.json", result, indent=2)
     write_markdown(result, out / "results.md")
     print(f"wrote {out}/results.md and results.json in {result['wall_s']:.0f} s")
 

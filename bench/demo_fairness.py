@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -42,9 +41,8 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.controller import Controller
 from hybridspec.edge.state import EventKind
 from hybridspec.lab.stats import mean_ci
-from machine import cpu_model
+from harness import CLOUD_CORE, EDGE_CORE, commit, cpu_model, pin, usable_cores, write_json
 
-EDGE_CORE, CLOUD_CORE = 0, 1
 NEW_TOKENS = 96
 STRATEGIES = ("default", "cloud-only", "no-shadow", "shadow")
 
@@ -98,10 +96,10 @@ def session(index: int, pairs: int, strategies: tuple[str, ...]) -> dict:
     """One fresh demo's worth of generations."""
     from hybridspec.cli.edge_options import build_worker
 
-    os.sched_setaffinity(0, {EDGE_CORE, CLOUD_CORE})
+    pin((EDGE_CORE, CLOUD_CORE))
     server, address, _ = start_cloud_process({"torch_threads": 1}, {CLOUD_CORE})
     try:
-        os.sched_setaffinity(0, {EDGE_CORE})
+        pin(EDGE_CORE)
         import torch
 
         torch.set_num_threads(1)
@@ -129,7 +127,7 @@ def session(index: int, pairs: int, strategies: tuple[str, ...]) -> dict:
         worker.close()
     finally:
         stop_cloud_process(server)
-        os.sched_setaffinity(0, {EDGE_CORE, CLOUD_CORE})
+        pin((EDGE_CORE, CLOUD_CORE))
     first, second = (old_cloud, old_default) if swapped else (old_default, old_cloud)
     return {"session": index, "old_demo": {"default": old_default, "cloud-only": old_cloud, "first": "cloud-only"
                                            if swapped else "default",
@@ -206,22 +204,20 @@ def main() -> None:
     if args.pool:
         print(json.dumps(pool(args.pool), indent=1))
         return
-    if len(os.sched_getaffinity(0)) < 2:
+    if len(usable_cores()) < 2:
         raise SystemExit("needs two cores: the edge on one, the cloud on the other")
     strategies = tuple(dict.fromkeys(["cloud-only", *args.strategies]))
     sessions = [session(i, args.pairs, strategies) for i in range(args.sessions)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"bench": "demo_fairness", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
+    result = {"bench": "demo_fairness", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit(),
               "machine": {"cpu": cpu_model(), "platform": platform.platform()}, "engine": "llamacpp (auto)",
               "prompt": DEFAULT_PROMPT, "new_tokens": NEW_TOKENS, "strategies": strategies, "summary": summarise(sessions, strategies),
               "sessions": [{**s, "turns": [{k: v for k, v in r.items() if k != "token_ids"} for r in s["turns"]],
                             "old_demo": {k: ({kk: vv for kk, vv in v.items() if kk != "token_ids"}
                                              if isinstance(v, dict) else v) for k, v in s["old_demo"].items()}}
                            for s in sessions]}
-    text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_json(args.out, result)
     print(json.dumps(result["summary"], indent=1))
 
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_model
+from harness import commit, cpu_model, write_json
 
 
 def main() -> None:
@@ -26,7 +26,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("demo_flags", nargs="*", help="passed on to `hybridspec demo` (after --)")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
@@ -42,12 +41,12 @@ def main() -> None:
         print(f"run {i + 1}: default edge {s['mean']:.2f}x cloud-only, 95 % interval [{s['lo']:.2f}, {s['hi']:.2f}] "
               f"over {record['turns']} turns, {record['rounds']} rounds drafted, same tokens: {record['same_tokens']}",
               flush=True)
-    result = {"bench": "demo_runs", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
+    result = {"bench": "demo_runs", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit(),
               "machine": {"cpu": cpu_model(), "platform": platform.platform()},
               "engine": "llamacpp (auto), the embedded pair", "demo_flags": args.demo_flags, "runs": runs}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

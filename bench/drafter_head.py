@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -48,8 +46,7 @@ from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
 from llamacpp_drafter import time_drafters
-from llamacpp_engine import pass_ms
-from machine import cpu_model
+from harness import cpu_model, median, pass_times, usable_cores, write_json
 from tree_tau import greedy_continuations
 
 SIZES = (8192, 12288, 16384, 24576, 32768, 49152)
@@ -227,7 +224,7 @@ def timing_round(drafters: dict[int, LoadedModel], engine: LlamaCppEngine, conte
     runs = {rows: ModelDrafter(d, settings, LlamaCppLM.open(d.llama, d.head_ids, engine.vocab_size))
             for rows, d in drafters.items()}
     drafting = time_drafters(runs, context, block, repeats)
-    target = statistics.median(pass_ms(engine, context, 1, 4 * repeats))
+    target = median(pass_times(engine, context, context[:1], 4 * repeats))
     return {"target_ms": round(target, 3), "drafters": drafting}
 
 
@@ -345,7 +342,7 @@ def main() -> None:
                                "c_feed": round(feed / target_ms, 3)})
     load_after = busy()
     result = {
-        "cpu": cpu_model(), "cores": sorted(os.sched_getaffinity(0)), "threads": 1,
+        "cpu": cpu_model(), "cores": usable_cores(), "threads": 1,
         "under_load": bool(load_before or load_after), "load": sorted(set(load_before + load_after)),
         "drafter": str(paths["plain"]), "weights": args.weights, "tiebreak": args.tiebreak,
         "choose": {"prompts": len(questions), **sources, "tokens_per_prompt": args.choose_tokens,
@@ -363,7 +360,7 @@ def main() -> None:
     print_table(result)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
 
 
 def print_table(result: dict) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +34,7 @@ from hybridspec.common.protocol.wire import FeatureFormat
 from hybridspec.distill.data import generate_samples, generate_with_features
 from hybridspec.distill.evaluate import eagle_report, evaluate
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
+from harness import REFERENCE, figure, median, save_figure, series, write_json
 
 
 @torch.inference_mode()
@@ -47,7 +47,7 @@ def decode_latency(model, context: int = 96, tokens: int = 48) -> float:
         t0 = time.perf_counter()
         model(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median(times)
 
 
 def main() -> None:
@@ -92,7 +92,7 @@ def main() -> None:
                      "final_agreement": report["final"]["agreement"], "train_s": report["train_s"],
                      "c": decode_latency(shape.eval()) / t_target})
     result["runs"] = runs
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / "results.json", result, indent=2)
     (out / "results.md").write_text(markdown(result))
     plot(result, out / "acceptance.png")
     print(markdown(result))
@@ -122,7 +122,7 @@ def eagle_main(args, target, drafter, out: Path) -> None:
                           for fmt, (h, f) in reps.items()},
               "plain": {"drafter": args.plain, "heldout": asdict(plain_reps[0]), "freeform": asdict(plain_reps[1])},
               "target_ms_per_token": t_target * 1e3, "drafter_ms_per_token": t_head * 1e3, "c": t_head / t_target}
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / "results.json", result, indent=2)
     (out / "results.md").write_text(eagle_markdown(result))
     print(eagle_markdown(result))
 
@@ -139,7 +139,7 @@ def eagle_latency(head, context: int = 96, tokens: int = 48) -> float:
         last = head(last, torch.tensor([[5]]), torch.tensor([[context + 1 + i]]), cache=cache)
         head.logits(last).argmax()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median(times)
 
 
 def eagle_markdown(r: dict) -> str:
@@ -186,28 +186,22 @@ def markdown(r: dict) -> str:
 
 def plot(r: dict, path: Path) -> None:
     """Acceptance vs training steps per drafter depth, and acceptance/cost vs depth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in sorted(r["runs"], key=lambda x: x["layers"]):
-        left.plot([p["step"] for p in run["curve"]], [p["agreement"] for p in run["curve"]], marker="o",
-                  label=f"{run['layers']} layers")
-    left.axhline(0.6, color="grey", ls="--", lw=1, label="goal α = 0.60")
+    fig, (left, right) = figure(2, figsize=(11, 4))
+    for i, run in enumerate(sorted(r["runs"], key=lambda x: x["layers"])):
+        series(left, i, [p["step"] for p in run["curve"]], [p["agreement"] for p in run["curve"]],
+               label=f"{run['layers']} layers")
+    left.axhline(0.6, ls="--", label="goal α = 0.60", **REFERENCE)
     left.set(xlabel="training step", ylabel="held-out greedy acceptance α", title="acceptance vs training")
     left.legend()
     if r["runs"]:
         runs = sorted(r["runs"], key=lambda x: x["layers"])
         layers = [x["layers"] for x in runs]
-        right.plot(layers, [x["final_agreement"] for x in runs], marker="o", label="held-out α")
-        right.plot(layers, [x["c"] for x in runs], marker="s", label="cost c (drafter/target time)")
-        right.axhline(1 / 6, color="grey", ls=":", lw=1, label="c goal 1/6")
+        series(right, 0, layers, [x["final_agreement"] for x in runs], label="held-out α")
+        series(right, 1, layers, [x["c"] for x in runs], label="cost c (drafter/target time)")
+        right.axhline(1 / 6, ls=":", label="c goal 1/6", **REFERENCE)
         right.set(xlabel="drafter decoder layers", xticks=layers, title="acceptance and cost vs depth")
         right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

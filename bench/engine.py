@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +38,7 @@ from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpe
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.prompt import encode_prompt
+from harness import median
 
 GAMMA = 4
 TOPICS = ["the history of the bicycle", "how bridges are built", "the life of bees", "ocean currents",
@@ -116,8 +116,8 @@ def generate_per_s(target, verifier: Verifier, prompt: list[int], n: int, repeat
                 same &= got == want
     finally:
         server.stop()
-    return {"generate_tok_s": round(statistics.median(ours), 2), "hf_generate_tok_s": round(statistics.median(theirs), 2),
-            "generate_vs_hf": round(statistics.median(ours) / statistics.median(theirs), 2),
+    return {"generate_tok_s": round(median(ours), 2), "hf_generate_tok_s": round(median(theirs), 2),
+            "generate_vs_hf": round(median(ours) / median(theirs), 2),
             "generate_same_tokens": same}
 
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import cpu_model
+from harness import ROOT, header, write_json
 
 STEPS = ("install", "models")
 
@@ -42,13 +42,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    repo = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                            text=True, check=True).stdout.strip()
     pip_cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         clone = Path(tmp) / "hybridspec"
-        subprocess.run(["git", "clone", "--quiet", str(repo), str(clone)], check=True)
+        subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
         env = {**os.environ, "HYBRIDSPEC_HOME": str(Path(tmp) / "home")}
         for key in ("VIRTUAL_ENV", "PYTHONPATH"):
             env.pop(key, None)
@@ -58,17 +55,15 @@ def main() -> None:
                                    clone, env)
         demo = json.loads(saved.read_text())
     record = {
-        "bench": "first_demo", "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform()},
+        "bench": "first_demo", **header(cores=os.cpu_count(), platform=platform.platform()),
         "pip_cache": pip_cache or "none",
         "seconds": seconds, "total_s": round(sum(seconds.values()), 1),
         "total_min": round(sum(seconds.values()) / 60, 1),
         "demo": demo,
     }
-    text = json.dumps(record, indent=1)
-    print(text)
+    print(json.dumps(record, indent=1))
     if args.out:
-        args.out.write_text(text + "\n")
+        write_json(args.out, record)
 
 
 if __name__ == "__main__":

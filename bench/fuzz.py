@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the shared fuzz strategies
 
 import grpc
 import psutil
@@ -28,7 +27,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from tqdm import tqdm
 
-from fuzzing import Fuzzer, calls  # noqa: E402  (tests/ is on the path above)
 from soak import references  # noqa: E402  (bench/, this script's folder, is on the path)
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import default_paths
@@ -37,6 +35,10 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
+from harness import pin, tests_module, usable_cores, write_json
+
+fuzzing = tests_module("fuzzing")  # the fuzz strategies tests/test_fuzz.py runs too
+Fuzzer, calls = fuzzing.Fuzzer, fuzzing.calls
 
 PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well."]
 NEW_TOKENS = 32
@@ -61,7 +63,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/integrity"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     paths = default_paths()
     proc = None
     if args.cloud:
@@ -69,7 +71,7 @@ def main() -> int:
     else:
         proc, address, log = start_cloud_process({"torch_threads": 1}, cores={cores[0]} if len(cores) > 1 else None)
         if len(cores) > 1:
-            os.sched_setaffinity(0, set(cores[1:]))
+            pin(cores[1:])
         print(f"cloud serve at {address} (log {log})", flush=True)
     rss_before = tree_rss_mb(proc.pid) if proc else None
     target = load_model(paths["target"], device="cpu")
@@ -125,7 +127,7 @@ def main() -> int:
     }
     print(json.dumps(report, indent=2))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fuzz.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out / "fuzz.json", report, indent=2)
     ok = not fuzzer.violations and not errors and honest and all(honest)
     return 0 if ok else 1
 

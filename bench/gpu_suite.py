@@ -30,6 +30,7 @@ import torch
 
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.lab.gpu_suite import capacity, exactness, models, passes, report
+from harness import commit
 
 FULL = dict(shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
             tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shape="smollm2-135m",
@@ -163,7 +164,7 @@ def _meta(args, dtype) -> dict:
     except ImportError:
         triton_version = None
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": os.environ.get("HYBRIDSPEC_COMMIT") or run("git", "rev-parse", "--short", "HEAD") or "unknown",
+            "commit": commit(),
             "device": args.device, "device_name": torch.cuda.get_device_name() if cuda else run("uname", "-m") + " CPU",
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "dtype": str(dtype).removeprefix("torch."), "python": sys.version.split()[0],

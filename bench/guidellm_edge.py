@@ -34,7 +34,7 @@ from pathlib import Path
 from hybridspec.cli.serve_cmd import parse_ready_line
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import resolve
-from machine import cpu_model
+from harness import cpu_model, pin_child, usable_cores, write_json
 
 HYBRIDSPEC = [sys.executable, "-m", "hybridspec.cli.main"]
 # `edge serve` flags per mode: the default policy (drafts only while that is predicted to pay, else
@@ -93,11 +93,6 @@ class Profile:
         return f"kind=synchronous,warmup={warmup_s:g}"
 
 
-def pinned(cores: set[int] | None) -> Callable[[], None] | None:
-    """A preexec_fn that pins the child (and all it spawns) to `cores`, or None to leave it be."""
-    return (lambda: os.sched_setaffinity(0, cores)) if cores else None
-
-
 def read_ready(proc: subprocess.Popen, parse: Callable[[str], str | None], what: str, log: Path) -> str:
     """The address a child prints on its ready line (stdout); exit with its log's tail if it dies first."""
     assert proc.stdout is not None
@@ -128,7 +123,7 @@ def start_edge(cloud: str, mode: str, cores: set[int] | None, logs: Path) -> tup
     t0 = time.perf_counter()
     proc = subprocess.Popen([*HYBRIDSPEC, "edge", "serve", "--cloud", cloud, "--port", "0",
                              "--torch-threads", "1" if cores else "0", *MODES[mode]],
-                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True, preexec_fn=pinned(cores))
+                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True, preexec_fn=pin_child(cores))
     base = read_ready(proc, parse_ready_line, f"edge serve ({mode})", log)
     return proc, base, time.perf_counter() - t0
 
@@ -311,7 +306,7 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     edge_cores, cloud_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (None, None)
     meta = {"guidellm_version": version, "cpu": cpu_model(), "cores": len(cores),
             "pinning": (f"cloud on core {cores[1]}, edge on core {cores[0]}, one thread each; guidellm unpinned"
@@ -348,7 +343,7 @@ def main() -> None:
         if cloud is not None:
             stop_cloud_process(cloud)
     meta["loadavg"].append(os.getloadavg()[0])
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(args.out / "results.json", {"meta": meta, "rows": rows})
     (args.out / "results.md").write_text(markdown(meta, rows))
     print(markdown(meta, rows))
 

@@ -17,10 +17,7 @@ The paths take turns round by round, so load from other work on the machine hits
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +36,7 @@ from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
+from harness import median, percentile, pin, tiny_target, usable_cores, write_json
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 LIMITS = VerifierLimits(max_context=512, max_draft=32, max_sessions=8)
@@ -86,19 +84,6 @@ class Lane:
             self.overhead_ms.append(rtt - forward)
 
 
-def p90(values: list[float]) -> float:
-    """The 90th percentile."""
-    return statistics.quantiles(values, n=10)[-1]
-
-
-def tiny_target(out: Path) -> str:
-    """A random 2-layer Llama with a real tokenizer, saved as a model directory."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tinymodels import make_model, save_model
-
-    return str(save_model(make_model(seed=0), out / "target"))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
@@ -109,14 +94,14 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="replicas on the second core, the rest on the first")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
-    pin = args.pin and len(cores) >= 2
+    cores = usable_cores()
+    pinned = args.pin and len(cores) >= 2
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
 
-    if pin:
-        os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
+    if pinned:
+        pin(cores[1])  # Ray's processes, replicas included, inherit this core
     start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
                 logging_level="ERROR")
     servers = {}
@@ -124,8 +109,8 @@ def main() -> None:
         spec = ReplicaSpec(target=target, device="cpu", torch_threads=1, limits=LIMITS, max_wait_ms=args.max_wait_ms)
         pool = RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=f"hop-{name}"), endpoint)
         servers[name] = BackgroundServer(pool)
-    if pin:
-        os.sched_setaffinity(0, {cores[0]})  # the front doors' loops, the in-process verifier and the edges
+    if pinned:
+        pin(cores[0])  # the front doors' loops, the in-process verifier and the edges
     verifier = Verifier(load_model(target, device="cpu"), LIMITS)
     servers["in-process"] = BackgroundServer(InProcessBackend(verifier, max_wait_ms=args.max_wait_ms))
     paths = [Lane(name, VerifierClient(server.address)) for name, server in servers.items()]
@@ -147,19 +132,19 @@ def main() -> None:
         ray.shutdown()
         tmp.cleanup()
 
-    rows = [{"path": p.name, "overhead_median_ms": statistics.median(p.overhead_ms), "overhead_p90_ms": p90(p.overhead_ms),
-             "rtt_median_ms": statistics.median(p.rtt_ms), "forward_median_ms": statistics.median(p.forward_ms),
-             "queue_median_ms": statistics.median(p.queue_ms)} for p in paths]
+    rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms), "overhead_p90_ms": percentile(p.overhead_ms, 90),
+             "rtt_median_ms": median(p.rtt_ms), "forward_median_ms": median(p.forward_ms),
+             "queue_median_ms": median(p.queue_ms)} for p in paths]
     result = {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "max_wait_ms": args.max_wait_ms,
-              "pinned": pin, "cores": len(cores), "rows": rows}
+              "pinned": pinned, "cores": len(cores), "rows": rows}
     print(f"per-round overhead beyond the forward pass; target {args.target}, γ = {args.gamma}, {args.rounds} rounds "
-          f"per path, max_wait_ms {args.max_wait_ms:g}, {'pinned' if pin else 'not pinned'}, {len(cores)} cores")
+          f"per path, max_wait_ms {args.max_wait_ms:g}, {'pinned' if pinned else 'not pinned'}, {len(cores)} cores")
     print(f"{'path':<12} {'overhead med':>12} {'p90':>7} {'rtt med':>8} {'forward':>8} {'queue':>6}  (ms)")
     for row in rows:
         print(f"{row['path']:<12} {row['overhead_median_ms']:>12.2f} {row['overhead_p90_ms']:>7.2f} "
               f"{row['rtt_median_ms']:>8.2f} {row['forward_median_ms']:>8.2f} {row['queue_median_ms']:>6.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

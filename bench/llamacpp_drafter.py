@@ -47,8 +47,7 @@ from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
-from llamacpp_engine import pass_ms
-from machine import cpu_model
+from harness import cpu_model, median, pass_times, usable_cores
 
 QUESTIONS = ("Why is the sky blue?", "Write a haiku about autumn leaves.", "What is 17 times 3? Explain.",
              "Give me three tips for learning Python.", "Summarise the plot of Romeo and Juliet.",
@@ -131,8 +130,8 @@ def time_drafters(runs: dict, context: list[int], block: int, repeats: int) -> d
         for key, run in runs.items():
             times[key]["block"].append(block_ms(run, context, block))
             times[key]["feed"].append(feed_ms(run.lm, context, block))
-    return {key: {"draft_ms_per_token": round(statistics.median(t["block"]), 3),
-                  "feed_ms": round(statistics.median(t["feed"]), 3)} for key, t in times.items()}
+    return {key: {"draft_ms_per_token": round(median(t["block"]), 3),
+                  "feed_ms": round(median(t["feed"]), 3)} for key, t in times.items()}
 
 
 @torch.inference_mode()
@@ -143,7 +142,7 @@ def target_ms(context_len: int, repeats: int) -> dict:
                "torch": engine_for(load_model(target, device="cpu", engine="torch").model, 4096)}
     context = list(range(1000, 1000 + context_len))
     return {name: {"weights": engine.capabilities.dtype,
-                   "t1_ms": round(statistics.median(pass_ms(engine, context, 1, 4 * repeats)), 3)}
+                   "t1_ms": round(median(pass_times(engine, context, context[:1], 4 * repeats)), 3)}
             for name, engine in engines.items()}
 
 
@@ -157,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     plain = default_paths()["plain"]
-    result: dict = {"cpu": cpu_model(), "cores": sorted(os.sched_getaffinity(0)), "threads": 1, "context": args.context,
+    result: dict = {"cpu": cpu_model(), "cores": usable_cores(), "threads": 1, "context": args.context,
                     "block": args.block, "drafter": str(plain)}
     with tempfile.TemporaryDirectory() as workdir:
         drafters = {"torch": load_model(plain, device="cpu", engine="torch")}

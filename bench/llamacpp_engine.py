@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.engine.base import Engine, Feed
+from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
 from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
@@ -40,31 +39,13 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
-from machine import cpu_model
-
-EDGE_CORE, CLOUD_CORE = 0, 1
-
-
-def pass_ms(engine: Engine, context: list[int], m: int, repeats: int) -> list[float]:
-    """Times of `repeats` passes of m scored tokens after `context` (each cut back afterwards)."""
-    kv = engine.new_sequence()
-    engine.reserve(kv, len(context))
-    engine.forward([Feed(kv, context, scored=False)])
-    times = []
-    for _ in range(repeats):
-        engine.reserve(kv, m)
-        t0 = time.perf_counter()
-        engine.forward([Feed(kv, context[:m], scored=True)])
-        times.append((time.perf_counter() - t0) * 1000)
-        engine.truncate(kv, len(context))
-    engine.release(kv)
-    return times
+from harness import CLOUD_CORE, EDGE_CORE, cpu_model, median, pass_times, pin
 
 
 @torch.inference_mode()
 def cost_curve(context_len: int, repeats: int) -> dict:
     """t(M) for M = 1..32 on both engines, alternating M by M."""
-    os.sched_setaffinity(0, {CLOUD_CORE})
+    pin(CLOUD_CORE)
     torch.set_num_threads(1)
     target = default_paths()["target"]
     engines = {"llamacpp": LlamaCppEngine(find_gguf(target), 4096, 4, threads=1),
@@ -73,7 +54,7 @@ def cost_curve(context_len: int, repeats: int) -> dict:
     curve: dict[str, dict[int, float]] = {name: {} for name in engines}
     for m in range(1, 33):
         for name, engine in engines.items():
-            curve[name][m] = round(statistics.median(pass_ms(engine, context, m, repeats)), 2)
+            curve[name][m] = round(median(pass_times(engine, context, context[:m], repeats)), 2)
     out = {"dtypes": {name: e.capabilities.dtype for name, e in engines.items()}, "t_ms": curve}
     out["v_gamma4"] = {name: round(c[5] / c[1], 2) for name, c in curve.items()}
     out["t1_torch_over_llamacpp"] = round(curve["torch"][1] / curve["llamacpp"][1], 2)
@@ -110,7 +91,7 @@ def exactness(engine: LlamaCppEngine) -> dict:
 
 def weight_types(context_len: int, repeats: int, workdir: Path) -> list[dict]:
     """t(1), t(5), v and exactness per weight type and flash-attention setting."""
-    os.sched_setaffinity(0, {CLOUD_CORE})
+    pin(CLOUD_CORE)
     shipped = find_gguf(default_paths()["target"])
     context = list(range(1000, 1000 + context_len))
     rows = []
@@ -120,7 +101,7 @@ def weight_types(context_len: int, repeats: int, workdir: Path) -> list[dict]:
             requantize(shipped, path, weights)
         for flash in (True, False):
             engine = LlamaCppEngine(path, 4096, 4, threads=1, flash_attention=flash)
-            t1, t5 = (statistics.median(pass_ms(engine, context, m, repeats)) for m in (1, 5))
+            t1, t5 = (median(pass_times(engine, context, context[:m], repeats)) for m in (1, 5))
             rows.append({"weights": engine.capabilities.dtype, "flash_attention": flash, "t1_ms": round(t1, 2),
                          "t5_ms": round(t5, 2), "v": round(t5 / t1, 2), **exactness(engine)})
             del engine
@@ -131,7 +112,7 @@ def cloud_only_grpc(prompts: list[list[int]], new_tokens: int) -> tuple[float, l
     """Tokens/s of --cloud-only edges through our gRPC front door, one prompt after another."""
     proc, address, _ = start_cloud_process({"backend": "inprocess", "engine": "llamacpp", "torch_threads": 1},
                                            cores={CLOUD_CORE})
-    os.sched_setaffinity(0, {EDGE_CORE})
+    pin(EDGE_CORE)
     try:
         config = EdgeConfig(cloud=address, max_new_tokens=new_tokens, cloud_only=True)
         drafter = load_model(default_paths()["drafter"], device="cpu")  # loaded, never run: --cloud-only
@@ -151,7 +132,7 @@ def llamacpp_alone(prompts: list[list[int]], new_tokens: int) -> tuple[float, li
     attention on and no repetition penalty, as our engine decodes, so the texts can be compared)."""
     from llama_cpp import Llama
 
-    os.sched_setaffinity(0, {CLOUD_CORE})
+    pin(CLOUD_CORE)
     llm = Llama(str(find_gguf(default_paths()["target"])), n_ctx=2048, n_threads=1, n_threads_batch=1,
                 flash_attn=True, verbose=False)
     stop = {llm.token_eos()}
@@ -188,7 +169,6 @@ def main() -> None:
                             "ratio": round(ours / alone, 2), "tokens": [len(t) for t in ours_texts],
                             "same_text": sum(a == b for a, b in zip(ours_texts, alone_texts))}
     print(json.dumps(result, indent=1))
-
 
 
 if __name__ == "__main__":

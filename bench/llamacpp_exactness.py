@@ -33,6 +33,7 @@ from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.lab.baselines import engine_greedy
+from harness import pin, usable_cores
 
 GAMMA = 4
 BATCH = 8
@@ -80,7 +81,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--weights", nargs="+", default=["Q4_1", "Q4_0", "Q8_0", "F16"])
     args = parser.parse_args()
-    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    pin(max(usable_cores()))
     shipped = find_gguf(default_paths()["target"])
     limits = VerifierLimits(max_context=2048, max_draft=GAMMA, max_sessions=BATCH, kv_cache_tokens=16384)
     with tempfile.TemporaryDirectory() as workdir:

@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
-from datetime import date
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,7 +29,7 @@ from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
 from conversations import long_conversation
-from machine import commit, cpu_model
+from harness import header, median, write_json
 
 DECODED = 16
 
@@ -89,18 +86,17 @@ def main() -> None:
             engine.release(other)
         row = {"tokens": session.length, "state_mb": round(state_bytes / 2**20, 1),
                "bytes_per_token": round(state_bytes / session.length),
-               "park_ms": round(statistics.median(park_ms), 2), "restore_ms": round(statistics.median(restore_ms), 2),
+               "park_ms": round(median(park_ms), 2), "restore_ms": round(median(restore_ms), 2),
                "park_ms_all": [round(x, 2) for x in park_ms], "restore_ms_all": [round(x, 2) for x in restore_ms],
                "identical_after_restore": f"{sum(same)} of {len(same)}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
         engine.release(session)
-    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(target),
+    result = {**header(weights=served_weights(target)),
               "engine": "llamacpp, 1 thread, a stream of 4,096 cells", "decoded_tokens": DECODED, "sessions": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
-import statistics
 import tempfile
 import threading
 import time
@@ -29,6 +27,7 @@ from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.security.credentials import add_identity
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from harness import median, percentile, pin, usable_cores, write_json
 
 PROMPT = [1, 9690, 198, 3303, 314, 260, 6917, 2840, 47, 2]
 DRAFT = [30, 31, 32, 33]
@@ -95,9 +94,8 @@ def victim(address: str, token: str, rounds: int) -> dict:
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid), metadata=metadata, timeout=30)
         except grpc.RpcError as exc:
             return {"served": False, "error": f"{exc.code().name}: {exc.details()}"}
-    q = statistics.quantiles(latencies, n=10)
     return {"served": True, "open_ms": round(open_ms, 1), "rounds": len(latencies),
-            "round_ms_p50": round(statistics.median(latencies), 1), "round_ms_p90": round(q[-1], 1),
+            "round_ms_p50": round(median(latencies), 1), "round_ms_p90": round(percentile(latencies, 90), 1),
             "round_ms_max": round(max(latencies), 1)}
 
 
@@ -125,7 +123,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="victim rounds per flood")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     credentials = Path(tempfile.mkdtemp()) / "credentials.yaml"
     tokens = {name: add_identity(credentials, name) for name in ("victim", "flooder")}
     results = []
@@ -134,7 +132,7 @@ def main() -> None:
             {"backend": "inprocess", "torch_threads": 1, "credentials": str(credentials)},
             cores={cores[0]} if len(cores) > 1 else None)
         if len(cores) > 1:
-            os.sched_setaffinity(0, set(cores[1:]))
+            pin(cores[1:])
         flood = None
         try:
             victim(address, tokens["victim"], 3)  # warm the model
@@ -152,7 +150,7 @@ def main() -> None:
         results.append(row)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"flood": args.flood, "rounds": args.rounds, "results": results}, indent=1))
+        write_json(args.out, {"flood": args.flood, "rounds": args.rounds, "results": results})
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import time
-from datetime import date
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,9 +28,8 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.state import EventKind
 from hybridspec.edge.worker import EdgeWorker
 from conversations import long_conversation
-from machine import commit, cpu_model
+from harness import CLOUD_CORE, EDGE_CORE, header, pin, write_json
 
-EDGE_CORE, CLOUD_CORE = 0, 1
 STRATEGIES = {"cloud-only": {"cloud_only": True}, "default-edge": {},
               "hybrid-g4": {"cloud_only_switch": False, "gamma_policy": "fixed", "max_draft": 4, "tree_nodes": 0}}
 
@@ -58,7 +55,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {EDGE_CORE})
+    pin(EDGE_CORE)
     paths = default_paths()
     drafter = load_model(paths["drafter"], device="cpu")
     proc, address, _ = start_cloud_process({}, cores={CLOUD_CORE})
@@ -75,13 +72,12 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stop_cloud_process(proc)
-    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(paths["target"]),
+    result = {**header(weights=served_weights(paths["target"])),
               "pool": "cloud serve defaults (Ray, one replica, llama.cpp, 1 thread, max_context 4096) on core 1",
               "new_tokens": args.new_tokens, "lengths": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

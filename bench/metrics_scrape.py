@@ -11,10 +11,8 @@ session. Reported: scrape latency p50 / p95 / max and the body size. The goal is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -27,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
+from harness import median, percentile, pin, tiny_target, usable_cores, write_json
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 GAMMA = 4
@@ -72,7 +71,7 @@ def scrape(url: str, n: int) -> tuple[list[float], int]:
 
 
 def summary(times: list[float]) -> dict:
-    return {"p50_ms": statistics.median(times), "p95_ms": statistics.quantiles(times, n=20)[-1], "max_ms": max(times)}
+    return {"p50_ms": median(times), "p95_ms": percentile(times, 95), "max_ms": max(times)}
 
 
 def free_port() -> int:
@@ -89,13 +88,10 @@ def main() -> None:
     parser.add_argument("--edges", type=int, default=8, help="clients the sessions are spread over")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[0]})
+    cores = usable_cores()
+    pin(cores[0])
     tmp = tempfile.TemporaryDirectory()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tinymodels import make_model, save_model
-
-    target = str(save_model(make_model(seed=0), Path(tmp.name) / "target"))
+    target = tiny_target(Path(tmp.name))
     metrics_port = free_port()
     per_replica = -(-args.sessions // args.replicas) + 8
     keys = {"target": target, "backend": "ray", "replicas": args.replicas, "replica_num_cpus": 0.5,
@@ -148,7 +144,7 @@ def main() -> None:
         s = summary(times)
         print(f"{name:<22} {s['p50_ms']:>7.2f} {s['p95_ms']:>7.2f} {s['max_ms']:>7.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.data import generate_samples
 from hybridspec.distill.prompts import heldout_prompts
+from harness import figure, median, pin, save_figure, series, usable_cores
 
 MAX_BATCH = 16
 LIMITS = VerifierLimits(max_context=2048, max_draft=32, max_sessions=64)
@@ -112,7 +112,7 @@ def run_edges(address: str, refs, gamma: int, rounds: int) -> tuple[float, float
         t.join()
     if errors:
         raise errors[0]
-    return sum(committed) / (time.perf_counter() - start), statistics.median(latencies) * 1e3
+    return sum(committed) / (time.perf_counter() - start), median(latencies) * 1e3
 
 
 def main() -> None:
@@ -127,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     pin = len(cores) >= 2 and not args.core
     torch.set_num_threads(1 if pin else torch.get_num_threads())
     target = load_model(args.target, device=args.device)
@@ -165,7 +165,7 @@ def _pool_runs(args, target, refs, cores):
     from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 
     if cores:
-        os.sched_setaffinity(0, {cores[1]})  # Ray's processes, replicas included, inherit this core
+        pin(cores[1])  # Ray's processes, replicas included, inherit this core
     start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
                 logging_level="ERROR")
     servers = {}
@@ -176,7 +176,7 @@ def _pool_runs(args, target, refs, cores):
                        ReplicaEndpoint("127.0.0.1"))  # direct verify, the default
         servers[name] = BackgroundServer(pool)
     if cores:
-        os.sched_setaffinity(0, {cores[0]})  # the front doors' loops and the edges
+        pin(cores[0])  # the front doors' loops and the edges
     try:
         for server in servers.values():
             run_edges(server.address, refs[:2], args.gamma, 2)
@@ -189,14 +189,14 @@ def _pool_runs(args, target, refs, cores):
             rows.append(row)
             print(row, flush=True)
         # One session, one round at a time: the cost of front door + Ray over a direct call.
-        via_pool = statistics.median(run_edges(servers["unbatched"].address, refs[i:i + 1], args.gamma,
+        via_pool = median(run_edges(servers["unbatched"].address, refs[i:i + 1], args.gamma,
                                                args.rounds)[1] for i in range(3))
     finally:
         for server in servers.values():
             server.stop()
         ray.shutdown()
     if cores:
-        os.sched_setaffinity(0, {cores[1]})  # measure the direct call on the replicas' core
+        pin(cores[1])  # measure the direct call on the replicas' core
     verifier = Verifier(target, LIMITS)
     direct = []
     for i in range(3):
@@ -205,7 +205,7 @@ def _pool_runs(args, target, refs, cores):
             t0 = time.perf_counter()
             length = verifier.verify(block(f"direct-{i}", refs[i], r, length, args.gamma)).committed_len
             direct.append(time.perf_counter() - t0)
-    hop = {"direct_ms": statistics.median(direct) * 1e3, "front_door_and_ray_ms": via_pool}
+    hop = {"direct_ms": median(direct) * 1e3, "front_door_and_ray_ms": via_pool}
     hop["added_ms"] = hop["front_door_and_ray_ms"] - hop["direct_ms"]
     return rows, hop
 
@@ -227,20 +227,14 @@ def markdown(r: dict) -> str:
 
 def plot(r: dict, path: Path) -> None:
     """Throughput vs sessions, batched and unbatched."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure()
     n = [row["sessions"] for row in r["rows"]]
-    ax.plot(n, [row["unbatched_tok_s"] for row in r["rows"]], marker="o", label="unbatched (max_batch_size 1)")
-    ax.plot(n, [row["batched_tok_s"] for row in r["rows"]], marker="s", label=f"batched (max_batch_size {MAX_BATCH})")
+    series(ax, 0, n, [row["unbatched_tok_s"] for row in r["rows"]], label="unbatched (max_batch_size 1)")
+    series(ax, 1, n, [row["batched_tok_s"] for row in r["rows"]], label=f"batched (max_batch_size {MAX_BATCH})")
     ax.set(xlabel="concurrent edge sessions", ylabel="verified tokens / s", xticks=n,
            title=f"verifier throughput, {r['mode']} mode, {r['device']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

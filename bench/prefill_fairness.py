@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
+from harness import median, percentile
 
 VICTIM_PROMPT = tuple(range(1000, 1200))  # 200 tokens of context
 DRAFT = (30, 31, 32, 33)
@@ -62,8 +61,7 @@ def measure(target, prompt_tokens: int, budget_ms: float) -> dict:
         scheduler.stop()
 
     def stats(xs: list[float]) -> dict:
-        q = statistics.quantiles(xs, n=10) if len(xs) > 1 else xs * 9
-        return {"p50": round(statistics.median(xs), 1), "p90": round(q[-1], 1), "max": round(max(xs), 1)}
+        return {"p50": round(median(xs), 1), "p90": round(percentile(xs, 90), 1), "max": round(max(xs), 1)}
 
     return {"prefill_budget_ms": budget_ms, "prompt_tokens": prompt_tokens, "prefill_s": round(prefill_s, 2), "victim_rounds_during": len(during),
             "victim_alone_ms": stats(alone), "victim_during_ms": stats(during)}

@@ -17,11 +17,8 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import time
 import urllib.request
-from datetime import date
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,9 +29,8 @@ from hybridspec.common.protocol.wire import GenerateSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from conversations import chat
-from machine import commit, cpu_model
+from harness import CLOUD_CORE, EDGE_CORE, header, median, pin, write_json
 
-EDGE_CORE, CLOUD_CORE = 0, 1
 
 
 def free_port() -> int:
@@ -69,7 +65,7 @@ def run(prompts: list[list[int]], new_tokens: int, scope: str) -> dict:
         seen = counters(metrics)
     finally:
         stop_cloud_process(proc)
-    rest = statistics.median(ttft[1:])
+    rest = median(ttft[1:])
     return {"prefix_scope": scope, "ttft_s": ttft, "first_s": ttft[0], "median_rest_s": rest,
             "first_over_median_rest": round(ttft[0] / rest, 2), "counters": seen, "tokens": tokens}
 
@@ -80,7 +76,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {EDGE_CORE})
+    pin(EDGE_CORE)
     target = default_paths()["target"]
     from transformers import AutoTokenizer
 
@@ -88,16 +84,15 @@ def main() -> None:
     prompts = [chat(tokenizer, q) for q in FREEFORM_PROMPTS[:args.sessions]]
     on, off = run(prompts, args.new_tokens, "identity"), run(prompts, args.new_tokens, "off")
     same = sum(a == b for a, b in zip(on.pop("tokens"), off.pop("tokens")))
-    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(target),
+    result = {**header(weights=served_weights(target)),
               "pool": "cloud serve defaults (Ray, one replica, llama.cpp, 1 thread) on core 1",
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": args.new_tokens,
               "shared_prefix_tokens": min(next((i for i, (x, y) in enumerate(zip(p, prompts[0])) if x != y), len(p))
                                           for p in prompts[1:]),
               "cache_on": on, "cache_off": off, "same_tokens_on_and_off": f"{same} of {len(prompts)}"}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import queue
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -28,11 +26,11 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tinymodels import VOCAB, make_model, save_model  # noqa: E402
+from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from harness import pin, tests_module, tiny_target, usable_cores, write_json
 
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process  # noqa: E402
-from hybridspec.common.protocol.proto import verifier_pb2 as pb  # noqa: E402
+VOCAB = tests_module("tinymodels").VOCAB  # the tiny target's vocabulary: ids past it are refused
 
 METHOD = "/hybridspec.v1.Verifier/VerifyStream"
 PROMPT = [5, 6, 7, 8]
@@ -153,8 +151,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
-    target = save_model(make_model(seed=0), Path(tempfile.mkdtemp()) / "target")
+    cores = usable_cores()
+    target = tiny_target(Path(tempfile.mkdtemp()))
     keys = {"target": str(target), "backend": args.backend, "torch_threads": 1, "max_context": 4096,
             "max_sessions": 8 * args.streams, "max_sessions_per_address": 8 * args.streams,
             "max_calls_per_address": 8 * args.streams, "direct_verify": False}
@@ -162,7 +160,7 @@ def main() -> None:
         keys.update({"replica_num_cpus": 0.5, "ray_num_cpus": 2})
     proc, address, log = start_cloud_process(keys, {cores[0]} if len(cores) > 1 else None)
     if len(cores) > 1:
-        os.sched_setaffinity(0, set(cores[1:]))
+        pin(cores[1:])
     print(f"cloud serve at {address} (log {log})", flush=True)
     codes: collections.Counter = collections.Counter()
     stalls, anomalies, seconds, lock = [], [], [], threading.Lock()
@@ -207,7 +205,7 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1))
+        write_json(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import tempfile
-from datetime import date
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,9 +26,8 @@ from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import served_weights
 from hybridspec.common.protocol.wire import SessionSpec
 from hybridspec.edge.client import VerifierClient
-from machine import commit, cpu_model
+from harness import CLOUD_CORE, commit, header, write_json
 
-CLOUD_CORE = 1
 PACKAGES = ("cli", "cloud", "common", "distill", "edge", "fetch", "lab", "netem")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,19 +81,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+    head = commit()
     with tempfile.TemporaryDirectory() as workdir:
         baseline = measure(args.sessions, args.tokens, str(baseline_path(args.baseline_commit, Path(workdir))))
     current = measure(args.sessions, args.tokens)
-    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "weights": served_weights(default_paths()["target"]),
+    result = {**header(weights=served_weights(default_paths()["target"])),
               "server": "cloud serve --backend inprocess, defaults, core 1", "sessions": args.sessions,
               "prompt_tokens": args.tokens, args.baseline_commit: baseline, f"{head} (this code)": current,
               "ratio": round(current["rss_with_sessions_mib"] / baseline["rss_with_sessions_mib"], 3)}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,7 @@ built from a config (tests/tinymodels.py), so the forward pass is short and the 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +26,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import trustme
-from scipy import stats
 
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.security.credentials import add_identity
@@ -37,6 +33,7 @@ from hybridspec.common.security.tls import ClientTLS
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess
+from harness import median, percentile, pin, t_interval, tiny_target, usable_cores, write_json
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 MAX_CONTEXT = 512
@@ -110,19 +107,10 @@ def make_setups(root: Path) -> list[Setup]:
     ]
 
 
-def tiny_target(out: Path) -> str:
-    """A random 2-layer Llama with a real tokenizer, saved as a model directory."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tinymodels import make_model, save_model
-
-    return str(save_model(make_model(seed=0), out / "target"))
-
-
 def paired(setup: list[float], base: list[float]) -> dict:
     """Mean and 95 % t interval of the paired differences setup − base (ms)."""
     diffs = [a - b for a, b in zip(setup, base)]
-    mean = statistics.fmean(diffs)
-    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    mean, half = t_interval(diffs)
     return {"mean_ms": mean, "ci95_ms": half}
 
 
@@ -134,9 +122,9 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     cloud_cores = {cores[-1]}
-    os.sched_setaffinity(0, {cores[0]})  # the edge host; the clouds go on the last core
+    pin(cores[0])  # the edge host; the clouds go on the last core
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
     target = tiny_target(root) if args.target == "tiny" else args.target
@@ -173,10 +161,10 @@ def main() -> None:
     base = setups[0]
     rows = []
     for setup in setups:
-        rows.append({"setup": setup.name, "round_median_ms": statistics.median(setup.round_ms),
-                     "round_p90_ms": statistics.quantiles(setup.round_ms, n=10)[-1],
+        rows.append({"setup": setup.name, "round_median_ms": median(setup.round_ms),
+                     "round_p90_ms": percentile(setup.round_ms, 90),
                      "round_added": paired(setup.round_ms, base.round_ms),
-                     "connect_median_ms": statistics.median(setup.connect_ms),
+                     "connect_median_ms": median(setup.connect_ms),
                      "connect_added": paired(setup.connect_ms, base.connect_ms)})
     result = {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "connects": args.connects,
               "edge_core": cores[0], "cloud_core": cores[-1], "rows": rows}
@@ -190,7 +178,7 @@ def main() -> None:
               f"{r['mean_ms']:>+19.3f} ± {r['ci95_ms']:.3f} {row['connect_median_ms']:>12.2f} "
               f"{c['mean_ms']:>+9.2f} ± {c['ci95_ms']:.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ summary line. Means with 95 % t intervals go to OUT/results.md, results.json and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -32,7 +31,7 @@ from hybridspec.cli.serve_cmd import parse_ready_line
 from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import resolve
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
-from scipy import stats
+from harness import REFERENCE, figure, pin, save_figure, series, t_interval, usable_cores, write_json
 
 HYBRIDSPEC = [sys.executable, "-m", "hybridspec.cli.main"]
 SUMMARY = re.compile(r"^\[?(\d+) tokens.*?([\d.]+) tokens/s", re.MULTILINE)
@@ -40,10 +39,8 @@ SUMMARY = re.compile(r"^\[?(\d+) tokens.*?([\d.]+) tokens/s", re.MULTILINE)
 
 def ci95(xs: list[float]) -> dict:
     """Mean, its 95 % t interval half-width, and n."""
-    n = len(xs)
-    mean = statistics.fmean(xs)
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(xs) / n ** 0.5 if n > 1 else float("nan")
-    return {"mean": mean, "ci95": half, "n": n}
+    mean, half = t_interval(xs)
+    return {"mean": mean, "ci95": half, "n": len(xs)}
 
 
 def start_edge_serve(cloud: str, concurrency: int) -> tuple[subprocess.Popen, str, float]:
@@ -124,11 +121,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("docs/serve"))
     args = parser.parse_args()
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     if len(cores) < 2:
         raise SystemExit("needs two cores: one for the edge, one for the cloud")
     edge_cores, cloud_cores = {cores[0]}, {cores[1]}
-    os.sched_setaffinity(0, edge_cores)  # inherited by `edge serve`, the CLI runs, and the clients (the device's apps)
+    pin(edge_cores)  # inherited by `edge serve`, the CLI runs, and the clients (the device's apps)
     cloud, address, _ = start_cloud_process({"target": str(resolve("", "target")), "torch_threads": 1}, cloud_cores)
     serve = None
     try:
@@ -154,7 +151,7 @@ def main() -> None:
         stop_cloud_process(cloud)
     summary = summarise(rows, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"summary": summary, "raw": rows}, indent=1))
+    write_json(args.out / "results.json", {"summary": summary, "raw": rows})
     (args.out / "results.md").write_text(report(summary, args))
     plot(summary, args.out / "results.png")
     print(report(summary, args))
@@ -215,30 +212,23 @@ def report(s: dict, args) -> str:
 
 def plot(s: dict, out: Path) -> None:
     """Time to first token and tokens/s against concurrency, the CLI as reference lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cs = list(s["serve"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = figure(2, figsize=(10, 4))
     for ax, key, title in ((left, "ttft_s", "time to first token (s)"), (right, "tokens_per_s", "tokens/s")):
         means = [s["serve"][c][key]["mean"] for c in cs]
         errs = [s["serve"][c][key]["ci95"] for c in cs]
-        ax.errorbar(cs, means, yerr=errs, marker="o", capsize=4, label="edge serve (all requests)")
+        series(ax, 0, cs, means, errs, label="edge serve (all requests)")
         if key == "tokens_per_s":
             per = [s["serve"][c]["request_tokens_per_s"]["mean"] for c in cs]
-            ax.plot(cs, per, marker="s", linestyle="--", label="edge serve (per request)")
+            series(ax, 1, cs, per, label="edge serve (per request)")
         cli = s["cli"][key]
-        ax.axhline(cli["mean"], color="grey", linestyle=":", label="edge generate CLI (start-up included)")
+        ax.axhline(cli["mean"], linestyle=":", label="edge generate CLI (start-up included)", **REFERENCE)
         ax.set_xlabel("concurrent requests")
         ax.set_xticks(cs)
         ax.set_title(title)
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
+from harness import figure, pin, save_figure, series, usable_cores, write_json
 
 NEW_TOKENS = 48
 SAMPLE_S = 5.0
@@ -92,7 +93,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     paths = default_paths()
 
     # 1. The cloud on its own core; edges, link and chaos on the other.
@@ -102,7 +103,7 @@ def main() -> int:
          "max_calls_per_address": 4 * args.edges},
         cores={cores[0]} if len(cores) > 1 else None)
     if len(cores) > 1:
-        os.sched_setaffinity(0, set(cores[1:]))
+        pin(cores[1:])
     front_door = psutil.Process(proc.pid)
     print(f"cloud serve at {address} (log {log})", flush=True)
     link = BackgroundLink(LinkSpec.symmetric(delay_ms=5.0, stall_ms=2000.0, stall_every_s=45.0), address)
@@ -199,7 +200,7 @@ def main() -> int:
                                  "last": samples[-1]["front_door_mb"]},
                "replica_mb": {"max": max(s["replica_mb"] for s in samples), "last": samples[-1]["replica_mb"]},
                "failures": failures[:20]}
-    (args.out / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(args.out / "soak.json", summary, indent=2)
     plot(samples, events, args.out / "soak.png", args.edges)
     print(json.dumps({k: v for k, v in summary.items() if k != "events"}, indent=2))
     return 0 if results["different"] == results["failed"] == results["unverified_left"] == 0 else 1
@@ -207,15 +208,10 @@ def main() -> int:
 
 def plot(samples: list[dict], events: list[tuple[float, str]], out: Path, edges: int) -> None:
     """Memory of front door and replica over time, chaos events as vertical lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     t = [s["t_s"] / 60 for s in samples]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.plot(t, [s["front_door_mb"] for s in samples], "-", color="#0072B2", label="front door (gRPC + Ray driver)")
-    ax.plot(t, [s["replica_mb"] for s in samples], "--", color="#D55E00", label="replica (target + KV caches)")
+    fig, ax = figure(figsize=(9, 4.5))
+    series(ax, 0, t, [s["front_door_mb"] for s in samples], label="front door (gRPC + Ray driver)", markers=False)
+    series(ax, 1, t, [s["replica_mb"] for s in samples], label="replica (target + KV caches)", markers=False)
     for when, what in events:
         ax.axvline(when / 60, color="#CC79A7" if "killed" in what else "#999999",
                    linestyle=":" if "cut" in what else "-.", linewidth=1)
@@ -226,10 +222,7 @@ def plot(samples: list[dict], events: list[tuple[float, str]], out: Path, edges:
     ax.set_ylim(bottom=0)
     ax.set_title(f"Soak: {edges} concurrent edges, replica kills and link cuts")
     ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":

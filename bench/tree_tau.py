@@ -23,7 +23,6 @@ the greedy replay. Prints a table; --out writes the numbers as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -46,6 +45,7 @@ from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings, DrafterKind, Proposal
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
+from harness import write_json
 
 GAMMA = 4
 TREE_NODES = (4, 8, 16, 32)
@@ -189,7 +189,7 @@ def main() -> None:
     print_table(result)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
 
 
 def print_table(result: dict) -> None:

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from hybridspec.cloud.core.costs import time_pass
 from hybridspec.cloud.engine.base import Engine, Feed
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.protocol.tree import chain_parents, feed_parents
-from machine import cpu_model
+from harness import cpu_model, pin
 
 SIZES = (1, 2, 4, 8, 16, 32)
 BRANCHING = 4
@@ -68,21 +68,6 @@ def load(kind: str, context: int) -> Engine:
     return engine_for(load_model(target, device="cpu").model, kv_tokens)
 
 
-def time_pass(engine: Engine, kv, start: int, tokens: list[int], parents: tuple[int, ...] | None,
-              keep: list[int] | None) -> tuple[float, float]:
-    """(pass ms, keep_rows ms or 0) of one scored pass of `tokens` after `start` cached tokens; the
-    cache is cut back to `start` afterwards."""
-    engine.reserve(kv, len(tokens))
-    t0 = time.perf_counter()
-    engine.forward([Feed(kv, tokens, scored=True, parents=parents)])
-    t1 = time.perf_counter()
-    if keep is not None:
-        engine.keep_rows(kv, start, keep)
-    t2 = time.perf_counter()
-    engine.truncate(kv, start)
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3 if keep is not None else 0.0
-
-
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -91,7 +76,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--core", type=int, default=1 if (os.cpu_count() or 1) > 1 else 0)
     args = parser.parse_args()
-    os.sched_setaffinity(0, {args.core})
+    pin(args.core)
     torch.set_num_threads(1)
     engine = load(args.engine, args.context)
     trees = engine.capabilities.tree_masks

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
+from hybridspec.cloud.core.costs import time_pass
 from hybridspec.cloud.engine.base import Engine, Feed
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
@@ -31,6 +31,7 @@ from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.prompt import encode_prompt
+from harness import median
 
 GAMMA = 4
 NEW_TOKENS = 64
@@ -45,18 +46,14 @@ def forward_ms(engine: Engine, model, context: list[int], n: int, repeats: int) 
     engine.forward([Feed(kv, context, scored=False)])
     ours, theirs = [], []
     for _ in range(repeats):
-        engine.reserve(kv, n)
-        t0 = time.perf_counter()
-        engine.forward([Feed(kv, context[-n:], scored=True)])
-        ours.append(time.perf_counter() - t0)
-        engine.truncate(kv, len(context))
+        ours.append(time_pass(engine, kv, len(context), context[-n:])[0])
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         t0 = time.perf_counter()
         model(input_ids=torch.tensor([context[-n:]]), past_key_values=cache, use_cache=True)
-        theirs.append(time.perf_counter() - t0)
+        theirs.append((time.perf_counter() - t0) * 1e3)
     engine.release(kv)
-    return 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
+    return median(ours), median(theirs)
 
 
 def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:

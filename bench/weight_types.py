@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,7 +41,7 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from conversations import chat
 from llamacpp_exactness import BATCH, GAMMA, prompt_set, verify_blocks
 from hybridspec.lab.baselines import engine_greedy
-from machine import commit, cpu_model
+from harness import header, median, write_json
 
 TYPES = ("Q4_1", "Q4_0", "Q8_0", "F16")
 SHIPPED = "Q4_1"
@@ -151,13 +149,12 @@ def main() -> None:
             del verifier
     for weights, row in rows.items():
         for key in ("ttft_s", "decode_tok_s", "prefill_tok_s", "prefill_tok_s_ubatch_2048"):
-            row[f"{key}_median"] = statistics.median(row[key])
-    result = {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), "engine": "llamacpp, 1 thread",
+            row[f"{key}_median"] = median(row[key])
+    result = {**header(engine="llamacpp, 1 thread"),
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": NEW_TOKENS, "types": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

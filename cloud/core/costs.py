@@ -43,17 +43,28 @@ def measure_pass_costs(engine: Engine, vocab_size: int, max_tokens: int,
         times: dict[int, list[float]] = {m: [] for m in sizes}
         for r in range(repeats + 1):  # the first sweep warms the kernels up and is not kept
             for m in sizes:
-                feed = Feed(kv, _tokens(m, vocab_size, CONTEXT_TOKENS + r), scored=True)
-                engine.reserve(kv, m)
-                start = time.perf_counter()
-                engine.forward([feed])
-                elapsed = (time.perf_counter() - start) * 1e3
-                engine.truncate(kv, CONTEXT_TOKENS)
+                elapsed, _ = time_pass(engine, kv, CONTEXT_TOKENS, _tokens(m, vocab_size, CONTEXT_TOKENS + r))
                 if r:
                     times[m].append(elapsed)
     finally:
         engine.release(kv)
     return tuple((m, round(min(times[m]), 3)) for m in sizes)
+
+
+def time_pass(engine: Engine, kv, start: int, tokens: Sequence[int], parents: tuple[int, ...] | None = None,
+              keep: Sequence[int] | None = None) -> tuple[float, float]:
+    """(ms of one scored pass of `tokens` after `start` cached tokens, ms of then keeping rows `keep` or
+    0.0); the cache is cut back to `start` afterwards. `parents` makes the pass a tree (engine/base.py).
+    The one pass timer: the replica's curve above and the benchmarks (bench/harness.py) use it."""
+    engine.reserve(kv, len(tokens))
+    t0 = time.perf_counter()
+    engine.forward([Feed(kv, list(tokens), scored=True, parents=parents)])
+    t1 = time.perf_counter()
+    if keep is not None:
+        engine.keep_rows(kv, start, list(keep))
+    t2 = time.perf_counter()
+    engine.truncate(kv, start)
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3 if keep is not None else 0.0
 
 
 def _tokens(count: int, vocab_size: int, salt: int) -> Sequence[int]:

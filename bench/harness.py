@@ -1,0 +1,192 @@
+"""What every benchmark here shares: core pinning, pass timing, summary statistics, the result file's
+header and JSON, the tiny target, and plot defaults. One implementation of each, so two scripts'
+numbers are computed the same way.
+
+The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
+they import this module as `from harness import ...`, as they import `conversations`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
+
+__all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "commit", "cpu_model", "figure", "header", "median", "pass_times",
+           "percentile", "pin", "pin_child", "save_figure", "series", "style", "t_interval", "tests_module",
+           "tiny_target", "usable_cores", "write_json"]
+
+
+# --- pinning -------------------------------------------------------------------------------------
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0))
+
+
+def pin(to: int | Iterable[int]) -> None:
+    """Pin this process (and every thread and child it starts from now on) to core(s) `to`."""
+    os.sched_setaffinity(0, {to} if isinstance(to, int) else set(to))
+
+
+def pin_child(to: Iterable[int] | None) -> Callable[[], None] | None:
+    """A subprocess preexec_fn pinning the child (and all it spawns) to `to`; None (no pinning) for None."""
+    if not to:
+        return None
+    chosen = set(to)
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
+# --- summary statistics --------------------------------------------------------------------------
+
+def median(xs: Iterable[float]) -> float:
+    """The median."""
+    return statistics.median(xs)
+
+
+def percentile(xs: Sequence[float], p: int) -> float:
+    """The p-th percentile (1 <= p <= 99; statistics' exclusive method: p90 is quantiles(n=10)[-1]);
+    one value is its own every percentile."""
+    if not 1 <= p <= 99:
+        raise ValueError(f"percentile {p} is outside 1..99")
+    if len(xs) == 1:
+        return float(xs[0])
+    return statistics.quantiles(xs, n=100)[p - 1]
+
+
+def t_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of its Student-t interval at `level`); the half-width is nan for one value."""
+    from scipy import stats
+
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, float("nan")
+    return mean, float(stats.t.ppf((1 + level) / 2, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)))
+
+
+# --- pass timing ---------------------------------------------------------------------------------
+
+def pass_times(engine, context: Sequence[int], tokens: Sequence[int], repeats: int) -> list[float]:
+    """Milliseconds of `repeats` scored passes of `tokens` after `context` cached tokens, each cut back
+    afterwards (cloud/core/costs.py's `time_pass`, what a replica measures its own curve with)."""
+    from hybridspec.cloud.core.costs import time_pass
+    from hybridspec.cloud.engine.base import Feed
+
+    kv = engine.new_sequence()
+    try:
+        engine.reserve(kv, len(context))
+        engine.forward([Feed(kv, list(context), scored=False)])
+        return [time_pass(engine, kv, len(context), tokens)[0] for _ in range(repeats)]
+    finally:
+        engine.release(kv)
+
+
+# --- the result file -----------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where it has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def commit() -> str:
+    """The checkout's short commit, with "+dirty" when tracked files differ from it (HYBRIDSPEC_COMMIT
+    where set, for copies without .git), or "unknown"."""
+    if os.environ.get("HYBRIDSPEC_COMMIT"):
+        return os.environ["HYBRIDSPEC_COMMIT"]
+    run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if not run.stdout.strip():
+        return "unknown"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "."]).returncode != 0
+    return run.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def header(**fields: Any) -> dict[str, Any]:
+    """The fields every result file starts with: date, commit and cpu, then `fields` (engine, weights, ...)."""
+    return {"date": date.today().isoformat(), "commit": commit(), "cpu": cpu_model(), **fields}
+
+
+def write_json(path: str | Path, result: Any, indent: int = 1) -> str:
+    """Write `result` as JSON (with a final newline) to `path`; returns the text."""
+    text = json.dumps(result, indent=indent)
+    Path(path).write_text(text + "\n")
+    return text
+
+
+# --- inputs --------------------------------------------------------------------------------------
+
+def tests_module(name: str):
+    """A helper module of tests/ shared with the benchmarks (the fuzz strategies, the tiny models)."""
+    import importlib
+
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    return importlib.import_module(name)
+
+
+def tiny_target(out: Path) -> str:
+    """A random 2-layer Llama with a real tokenizer, saved as a model directory under `out`."""
+    tiny = tests_module("tinymodels")
+    return str(tiny.save_model(tiny.make_model(seed=0), out / "target"))
+
+
+# --- plots ---------------------------------------------------------------------------------------
+
+# Okabe–Ito colours with a marker and a line style each: series stay apart in grey print too.
+STYLES = ({"color": "#0072B2", "marker": "o", "linestyle": "-"},
+          {"color": "#D55E00", "marker": "s", "linestyle": "--"},
+          {"color": "#009E73", "marker": "^", "linestyle": "-."},
+          {"color": "#CC79A7", "marker": "D", "linestyle": ":"},
+          {"color": "#E69F00", "marker": "v", "linestyle": (0, (5, 1))},
+          {"color": "#56B4E9", "marker": "P", "linestyle": (0, (3, 1, 1, 1))})
+REFERENCE = {"color": "grey", "linewidth": 1}  # goal and reference lines
+
+
+def style(i: int, markers: bool = True) -> dict[str, Any]:
+    """Plot keywords of series `i` (without its marker for `markers=False`: long time series)."""
+    s = dict(STYLES[i % len(STYLES)])
+    if not markers:
+        s.pop("marker")
+    return s
+
+
+def series(ax, i: int, x, y, err=None, label: str | None = None, markers: bool = True) -> None:
+    """Series `i` in its own style; with `err` (half-widths, same units as y) as capped error bars."""
+    if err is None:
+        ax.plot(x, y, label=label, **style(i, markers))
+    else:
+        ax.errorbar(x, y, yerr=err, capsize=4, label=label, **style(i, markers))
+
+
+def figure(ncols: int = 1, figsize: tuple[float, float] = (6, 4)):
+    """(figure, axes) with the headless backend; axes is one Axes for ncols=1, else a tuple."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    return fig, axes if ncols == 1 else tuple(axes)
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Light grid on every axis, tight layout, 120 dpi, and the figure closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in fig.axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

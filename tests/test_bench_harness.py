@@ -1,0 +1,154 @@
+"""bench/harness.py holds what the benchmarks share (pinning, pass timing, statistics, the result file's
+header and JSON, plots), and the scripts use it instead of writing their own; every script still
+starts and answers --help (the commands the docs quote)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from hybridspec.cloud.engine.torch_engine import engine_for
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if '\nif __name__ == "__main__":' in p.read_text())
+
+# What only the harness may write: a second copy is a second way to compute the same number.
+REIMPLEMENTED = {
+    "pinning": re.compile(r"sched_setaffinity|sched_getaffinity|\btaskset\b[^\n]*subprocess|\[\"taskset\""),
+    "percentiles": re.compile(r"statistics\.quantiles|np\.percentile|numpy\.percentile|np\.quantile|statistics\.median"),
+    "intervals": re.compile(r"stats\.t\.(ppf|interval)"),
+    "plot setup": re.compile(r"import matplotlib|plt\.subplots"),
+    "commit": re.compile(r"rev-parse"),
+    "cpu model": re.compile(r"/proc/cpuinfo"),
+    "pass timing": re.compile(r"perf_counter\(\)\n\s*[\w.]*forward\(\[Feed"),
+    "reaching into tests/": re.compile(r"sys\.path|def tiny_target|from (tinymodels|fuzzing) import"),
+}
+
+
+def load_harness():
+    spec = importlib.util.spec_from_file_location("bench_harness", BENCH / "harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = load_harness()
+
+
+def test_no_bench_script_reimplements_what_the_harness_holds():
+    found = {f"{p.name}: {what}" for p in BENCH.glob("*.py") if p.name != "harness.py"
+             for what, pattern in REIMPLEMENTED.items() if pattern.search(p.read_text())}
+    assert not found, sorted(found)
+
+
+def test_the_scan_finds_a_reimplementation():
+    """The patterns above catch the code they were written against (so the scan can fail)."""
+    old = ('os.sched_setaffinity(0, {1})\nq = statistics.quantiles(xs, n=10)\n'
+           't0 = time.perf_counter()\n        engine.forward([Feed(kv, context[:m], scored=True)])\n')
+    assert {w for w, p in REIMPLEMENTED.items() if p.search(old)} == {"pinning", "percentiles", "pass timing"}
+
+
+HELP_DRIVER = """
+import contextlib, io, json, runpy, sys
+failed = {}
+for script in sys.argv[1:]:
+    sys.argv, out = [script, "--help"], io.StringIO()
+    sys.path.insert(0, str(__import__("pathlib").Path(script).parent))
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+        failed[script] = "no exit after --help"
+    except SystemExit as exc:
+        if exc.code not in (0, None) or "usage:" not in out.getvalue():
+            failed[script] = f"exit {exc.code}: {out.getvalue()[-200:]}"
+    except Exception as exc:
+        failed[script] = repr(exc)[-400:]
+    finally:
+        sys.path.pop(0)
+print(json.dumps(failed))
+"""
+
+
+def test_every_bench_script_answers_help():
+    """Each script's imports resolve and its --help prints usage: all in one interpreter, so torch and
+    the package are imported once, not once per script."""
+    assert len(SCRIPTS) > 20 and BENCH / "gpu_suite.py" in SCRIPTS
+    run = subprocess.run([sys.executable, "-c", HELP_DRIVER, *map(str, SCRIPTS)], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    failed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("p, n", [(90, 10), (95, 20), (50, 2)])
+def test_percentiles_are_statistics_cut_points(p, n):
+    xs = [3.0, 1.0, 4.0, 1.5, 9.0, 2.6, 5.0, 3.5, 8.9, 7.9, 3.2]
+    assert harness.percentile(xs, p) == pytest.approx(statistics.quantiles(xs, n=n)[n * p // 100 - 1])
+    assert harness.percentile([2.5], p) == 2.5
+    assert harness.median(xs) == statistics.median(xs)
+
+
+@pytest.mark.parametrize("p", [0, 100])
+def test_a_percentile_outside_1_to_99_is_refused(p):
+    with pytest.raises(ValueError, match="outside"):
+        harness.percentile([1.0, 2.0], p)
+
+
+def test_the_interval_is_students_t():
+    xs = [10.2, 9.8, 10.5, 10.1, 9.7, 10.4]
+    mean, half = harness.t_interval(xs)
+    lo, hi = stats.t.interval(0.95, len(xs) - 1, loc=statistics.fmean(xs), scale=stats.sem(xs))
+    assert mean == pytest.approx((lo + hi) / 2) and half == pytest.approx((hi - lo) / 2)
+    assert math.isnan(harness.t_interval([1.0])[1])
+
+
+def test_pinning_reaches_children():
+    core = harness.usable_cores()[-1]
+    show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    child = subprocess.run(show, capture_output=True, text=True, preexec_fn=harness.pin_child({core}), check=True)
+    assert child.stdout.strip() == f"[{core}]"
+    assert harness.pin_child(None) is None
+    pinned = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import harness; "
+                             f"harness.pin({core}); import os; print(sorted(os.sched_getaffinity(0)))"],
+                            capture_output=True, text=True, check=True)
+    assert pinned.stdout.strip() == f"[{core}]"
+
+
+def test_the_header_names_date_commit_and_cpu_and_the_json_reads_back(tmp_path, monkeypatch):
+    monkeypatch.delenv("HYBRIDSPEC_COMMIT", raising=False)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    result = {**harness.header(engine="llamacpp, 1 thread", weights="Q8_0"), "rows": [1.5]}
+    assert list(result)[:5] == ["date", "commit", "cpu", "engine", "weights"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", result["date"]) and result["cpu"]
+    assert result["commit"].removesuffix("+dirty") == (head.stdout.strip() or "unknown")
+    monkeypatch.setenv("HYBRIDSPEC_COMMIT", "abc1234")
+    assert harness.commit() == "abc1234"
+    text = harness.write_json(tmp_path / "r.json", result)
+    assert (tmp_path / "r.json").read_text() == text + "\n" and json.loads(text) == result
+
+
+def test_pass_times_time_scored_passes_and_give_the_cache_back(target):
+    engine = engine_for(target.model, 1024)
+    times = harness.pass_times(engine, list(range(10, 60)), [7, 8, 9], repeats=3)
+    assert len(times) == 3 and all(t > 0 and math.isfinite(t) for t in times)
+    assert engine.fill() == 0.0
+
+
+def test_plots_keep_series_apart_and_save(tmp_path):
+    assert len({(s["color"], s["marker"], str(s["linestyle"])) for s in harness.STYLES}) == len(harness.STYLES)
+    assert "marker" not in harness.style(0, markers=False)
+    fig, (left, right) = harness.figure(2, figsize=(8, 3))
+    harness.series(left, 0, [1, 2, 3], [1.0, 2.0, 1.5], err=[0.1, 0.2, 0.1], label="with 95 % interval")
+    harness.series(right, 1, [1, 2, 3], [3.0, 2.0, 1.0], label="plain")
+    harness.save_figure(fig, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 5_000
+    assert [line.get_marker() for line in left.lines + right.lines][-1] == "s"  # series 1's own marker
