@@ -187,9 +187,10 @@ def test_experiment_references_come_from_the_served_engine(tmp_path):
     assert theirs == expected[0, len(prompt):].tolist()
 
 
-def test_models_pull_weights_switch_what_the_engine_serves(tmp_path):
+def test_models_pull_weights_switch_what_the_engine_serves(tmp_path, capfd):
     """`models pull --weights`: model.gguf links to the chosen type, written from the shipped file once;
-    other written types are removed, the shipped file never."""
+    other written types are removed, the shipped file never. Writing one prints our progress line, not
+    llama.cpp's log of the file's metadata and of every tensor (some 300 lines, on a first pull)."""
     require_embedded()
     from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
     from hybridspec.common.models.gguf import GGUF_FILE, select_weights, served_weights, typed_gguf
@@ -200,7 +201,10 @@ def test_models_pull_weights_switch_what_the_engine_serves(tmp_path):
     select_weights(tmp_path, "Q4_1", "Q4_1", lines.append)
     assert served_weights(tmp_path) == "Q4_1" and lines == []  # nothing to write
     for weights in ("Q8_0", "F16"):
+        capfd.readouterr()
         select_weights(tmp_path, "Q4_1", weights, lines.append)
+        printed = capfd.readouterr()
+        assert "llama_model_loader" not in printed.err + printed.out and "blk." not in printed.err + printed.out
         assert served_weights(tmp_path) == weights and weights in lines[-1]
         assert LlamaCppEngine(find_gguf(tmp_path), 256, 1).capabilities.dtype == weights
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([GGUF_FILE, "model.F16.gguf", "model.Q4_1.gguf"])

@@ -126,5 +126,26 @@ def requantize(src: Path, dst: Path, weights: str, threads: int = 2) -> None:
     params.ftype = WEIGHT_TYPES[weights]
     params.allow_requantize = True
     params.nthread = threads
+    # llama.cpp logs the file's metadata and every tensor (some 300 lines): a user pulling the models
+    # should see our one progress line, and the log's tail only if the quantiser fails.
+    log: list[str] = []
+    _collect_llama_log(log)
     if llama.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not write {src} as {weights} to {dst}")
+        tail = "".join(log[-5:]).strip()
+        raise RuntimeError(f"llama.cpp could not write {src} as {weights} to {dst}: {tail}")
+
+
+_LOG_SINK: list[list[str]] = [[]]
+_LOG_CALLBACK = None  # the ctypes callback, kept alive for as long as llama.cpp may call it
+
+
+def _collect_llama_log(into: list[str]) -> None:
+    """Send llama.cpp's log lines to `into` (the latest list given) instead of stderr."""
+    global _LOG_CALLBACK
+    import llama_cpp as llama
+
+    _LOG_SINK[0] = into
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama.llama_log_callback(lambda level, text, data: _LOG_SINK[0].append(
+            text.decode(errors="replace")))
+    llama.llama_log_set(_LOG_CALLBACK, None)
