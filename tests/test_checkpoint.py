@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridspec.common.models.checkpoint import CHECKPOINT_FILES, SHARED_TENSORS, deferred, write_deferred
-from hybridspec.common.models.gguf import GGUF_FILE
+from hybridspec.common.models.gguf import GGUF_FILE, typed_gguf
 from hybridspec.common.models.loading import load_model
 
 from conftest import require_embedded
@@ -27,7 +27,10 @@ def deferred_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     target = home / "models" / real["target"].name
     target.mkdir(parents=True)
-    shipped = (real["target"] / GGUF_FILE).resolve()
+    # The shipped Q4_1 file, whatever type the real home serves (a pull writes Q8_0 beside it).
+    from hybridspec.fetch.embedded import SHIPPED_WEIGHTS
+
+    shipped = typed_gguf(real["target"], SHIPPED_WEIGHTS).resolve()
     write_deferred(shipped, target, shipped.name)
     shutil.copyfile(shipped, target / shipped.name)
     (target / GGUF_FILE).symlink_to(shipped.name)
