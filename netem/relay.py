@@ -7,6 +7,7 @@ outage: open connections are cut and new ones refused until `set_down(False)`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import random
 import threading
@@ -143,9 +144,17 @@ class BackgroundLink:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def set_down(self, down: bool) -> None:
-        """Cut or restore the link (a no-op once the link is stopped)."""
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.link.set_down, down)
+        """Cut or restore the link, in effect when this returns (a no-op once the link is stopped).
+        Waiting matters: a caller that cuts the link and then sends expects the send to meet the cut,
+        which a loaded machine could otherwise run first."""
+        if self._loop.is_closed():
+            return
+
+        async def apply() -> None:
+            self.link.set_down(down)
+
+        with contextlib.suppress(RuntimeError, concurrent.futures.TimeoutError):  # the loop is stopping
+            asyncio.run_coroutine_threadsafe(apply(), self._loop).result(timeout=10)
 
     def stop(self) -> None:
         """Close the relay and its thread."""
