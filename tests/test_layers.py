@@ -7,6 +7,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from test_layout import cycles  # Tarjan's strongly connected components, written once
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("common", "edge", "cloud")  # folders mapped to hybridspec.<name> (pyproject.toml package-dir)
 PROGRAMS = ("cli", "distill", "netem", "lab", "fetch")  # built on the layers; never imported by them
@@ -102,38 +104,10 @@ def package_cycles(found: list[Import], root: Path = ROOT) -> list[str]:
         graph.setdefault(a, set()).add(b)
         graph.setdefault(b, set())
     lines = []
-    for group in strongly_connected(graph):
+    for group in cycles(graph):
         inside = sorted(f"{a} -> {b} ({where})" for (a, b), where in edges.items() if a in group and b in group)
         lines.append(f"package cycle {' <-> '.join(group)}: " + "; ".join(inside))
     return lines
-
-
-def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Groups of more than one node that reach each other (Tarjan)."""
-    index, low, stack, on_stack, out = {}, {}, [], set(), []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while not group or group[-1] != v:
-                group.append(stack.pop())
-                on_stack.discard(group[-1])
-            if len(group) > 1:
-                out.append(sorted(group))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def test_the_checker_finds_deferred_relative_and_cyclic_imports(tmp_path):
