@@ -222,7 +222,9 @@ class TritonOps:
         self.wide = wide
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, parts: tuple[int, ...] = (),
+               tiles: Tiles | None = None) -> torch.Tensor:
+        # `parts` is ignored: one launch over a fused weight is faster on a GPU than one per part.
         m, k = x.shape
         n = weight.shape[0]
         y = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
