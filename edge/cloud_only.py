@@ -76,9 +76,9 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             ping = _ping_in_background(run)
             if ctl.hybrid_looks_better(can_shadow, state.max_new_tokens - state.generated, len(state.committed)):
                 break
-            shadow = can_shadow and ctl.hybrid_could_win()
             if ctl.end_warmup():
                 yield run.notice("staying with cloud-only decoding: predicted faster than hybrid here")
+            shadow = ctl.shadow_worthwhile(can_shadow)
     except Unavailable as exc:
         return run.lost(exc, None)
     finally:

@@ -28,6 +28,13 @@ WARMUP_CLOUD_TOKENS_UNSHADOWED = 4  # without (prompt lookup, eagle heads, BiLD 
 # lose even with this good a drafter: acceptance needs a few rounds to be known.
 MIN_HYBRID_ROUNDS = 4
 OPTIMISTIC_ALPHA = 0.9
+# Shadow drafting is not free where edge and cloud share a machine's memory (about 2 % of the cloud's
+# speed while it runs on every token, docs/measurements.md), and it costs a real edge energy. Once
+# enough guesses were checked, it runs only while hybrid could win with α_1 at most SHADOW_MARGIN
+# above what they showed; otherwise one window in SHADOW_RECHECK still guesses, since texts change.
+SHADOW_MIN_CHECKS = 16
+SHADOW_MARGIN = 0.15
+SHADOW_RECHECK = 4
 FIRST_GAMMA = 4  # the adaptive policy's first block, before the drafter's speed is known
 
 
@@ -152,9 +159,16 @@ class Controller:
         return WARMUP_CLOUD_TOKENS if can_shadow else WARMUP_CLOUD_TOKENS_UNSHADOWED
 
     def shadow_worthwhile(self, can_shadow: bool) -> bool:
-        """Measure α by shadow drafting? Only if it can be checked and hybrid could win at all (while
-        warming up T is not known yet, so always)."""
-        return can_shadow and self.reconsiders and (self.warming_up or self.hybrid_could_win())
+        """Shadow-draft the next window of cloud tokens? Only if the guesses can be checked and hybrid
+        could win (while warming up T is not known yet, so always); a window that is not shadowed is
+        counted, and every SHADOW_RECHECK-th is shadowed anyway so that α follows a changing text."""
+        if not (can_shadow and self.reconsiders):
+            return False
+        if self.warming_up or self.hybrid_could_win() or self.estimates.unshadowed_windows + 1 >= SHADOW_RECHECK:
+            self.estimates.unshadowed_windows = 0
+            return True
+        self.estimates.unshadowed_windows += 1
+        return False
 
     def hybrid_looks_better(self, can_shadow: bool, remaining_tokens: int, context_tokens: int) -> bool:
         """Leave cloud-only decoding? While warming up without shadow acceptance (sampling), judged
@@ -164,8 +178,13 @@ class Controller:
         return not self._prefer_cloud(judged, True, remaining_tokens, context_tokens)
 
     def hybrid_could_win(self) -> bool:
-        """Could hybrid beat cloud-only here even with a drafter accepted OPTIMISTIC_ALPHA of the time?"""
-        rates = self.rates().optimistic(OPTIMISTIC_ALPHA)
+        """Could hybrid beat cloud-only here with a drafter accepted OPTIMISTIC_ALPHA of the time, or,
+        once SHADOW_MIN_CHECKS guesses were checked, SHADOW_MARGIN more often than they showed?"""
+        rates = self.rates()
+        alpha = OPTIMISTIC_ALPHA
+        if self.estimates.checked[0] >= SHADOW_MIN_CHECKS:
+            alpha = min(alpha, rates.alphas[0] + SHADOW_MARGIN)
+        rates = rates.optimistic(alpha)
         return not policy.prefer_cloud_only(rates, self.policy.cap, self.policy.pipeline, now_cloud_only=True,
                                             hysteresis=0.0, hybrid=self._best_hybrid(rates))
 

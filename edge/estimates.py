@@ -127,6 +127,7 @@ class Estimates:
         self.cloud_token_s = Ewma()
         self.prefill_per_token_s = Ewma()  # opening a session: the verifier's cost per context token
         self.verify = VerifyCost()
+        self.unshadowed_windows = 0  # cloud-only windows since the last one shadow-drafted (how stale α is)
         self._lock = threading.Lock()  # guards the per-position counts
 
     def observe_open(self, seconds: float, context_tokens: int) -> None:

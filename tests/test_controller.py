@@ -3,8 +3,9 @@ hysteresis, probing and shadow drafting."""
 import pytest
 
 from hybridspec.edge import policy
-from hybridspec.edge.controller import (FIRST_GAMMA, MIN_HYBRID_ROUNDS, WARMUP_CLOUD_TOKENS,
-                                        WARMUP_CLOUD_TOKENS_UNSHADOWED, Controller, Phase, Policy)
+from hybridspec.edge.controller import (FIRST_GAMMA, MIN_HYBRID_ROUNDS, SHADOW_MIN_CHECKS, SHADOW_RECHECK,
+                                        WARMUP_CLOUD_TOKENS, WARMUP_CLOUD_TOKENS_UNSHADOWED, Controller, Phase,
+                                        Policy)
 from hybridspec.edge.estimates import Estimates
 
 CAP = 8
@@ -113,3 +114,26 @@ def test_shadow_drafting_only_when_it_can_be_checked_and_could_matter():
     assert not hopeless.shadow_worthwhile(can_shadow=True)
     promising = controller(measured(alpha=0.5, cloud_token_s=0.2, rtt_s=0.001))
     assert promising.shadow_worthwhile(can_shadow=True)
+
+
+def test_shadow_drafting_stops_once_its_guesses_show_hybrid_cannot_win_but_rechecks_now_and_then():
+    """Regression: shadow drafting ran on every cloud token whenever hybrid could win with α = 0.9, whatever
+    the guesses showed. Serving Q8_0 made a block cheap enough for that (t_v(4) about 1.9 single tokens),
+    so the default edge guessed through every generation of experiments/never_slower.yaml and streamed
+    about 2 % slower than --cloud-only beside it (the drafter shares the machine's memory with the cloud)."""
+    est = measured(alpha=0.3, cloud_token_s=0.03, rtt_s=0.001, draft_s=0.006)
+    for gamma in range(CAP + 1):  # a CPU replica's t_v(γ): 35 ms and 10 ms per drafted token
+        for _ in range(20):
+            est.observe_verify(gamma, 0.035 + 0.010 * gamma)
+    ctl = controller(est)
+    ctl.end_warmup()
+    assert ctl.hybrid_could_win()  # α 0.9 would win here: the old rule shadowed every token
+    for _ in range(SHADOW_MIN_CHECKS):
+        est.observe_shadow(False)
+    assert not ctl.hybrid_could_win()
+    windows = [ctl.shadow_worthwhile(can_shadow=True) for _ in range(3 * SHADOW_RECHECK)]
+    assert windows == ([False] * (SHADOW_RECHECK - 1) + [True]) * 3
+    assert not ctl.shadow_worthwhile(can_shadow=False)
+    for _ in range(200):  # the text got easy: guesses agree again, and shadowing every window resumes
+        est.observe_shadow(True)
+    assert all(ctl.shadow_worthwhile(can_shadow=True) for _ in range(SHADOW_RECHECK))
