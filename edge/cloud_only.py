@@ -56,6 +56,7 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
                 started = time.perf_counter()
                 proposal = run.drafter.propose(state.committed[:-1], 1, fallback=False)
                 run.estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
+                stats.shadow_guesses += 1
                 agreed = proposal.shadow_guess(cfg.seed, len(state.committed) - 1) == token
                 run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
                 # Where the cloud's token stood among the drafter's choices: what sizes trees.

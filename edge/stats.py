@@ -19,6 +19,7 @@ class Stats:
     reopens: int = 0  # sessions re-opened after the verifier lost them
     new_tokens: int = 0
     cloud_only_tokens: int = 0  # tokens the cloud decoded alone
+    shadow_guesses: int = 0  # of those, the tokens the drafter guessed alongside (shadow drafting)
     switches_to_cloud: int = 0
     switches_to_hybrid: int = 0
     predrafted: int = 0  # tokens drafted ahead during verification (pipelining)

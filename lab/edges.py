@@ -24,7 +24,7 @@ from .spec import ExperimentSpec, GridPoint, Strategy
 
 STATS_KEYS = ["acceptance_rate", "mean_tokens_per_round", "rounds", "drafted", "accepted", "mean_gamma",
               "cloud_calls_per_token", "bytes_per_token", "uplink_bytes", "downlink_bytes", "cloud_only_tokens",
-              "switches_to_cloud", "switches_to_hybrid", "pipeline_hits", "fallbacks", "drafted_at", "accepted_at"]
+              "switches_to_cloud", "switches_to_hybrid", "shadow_guesses", "pipeline_hits", "fallbacks", "drafted_at", "accepted_at"]
 
 
 class EdgeHost(Protocol):

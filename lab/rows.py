@@ -13,7 +13,7 @@ CSV_FIELDS = ["strategy", "kind", "rtt_ms", "jitter_ms", "bandwidth_mbps", "loss
               "drafter", "drafter_used", "edge", "prompt_set", "prompt", "repeat", "new_tokens", "wall_s", "tokens_per_s",
               "ttft_s", "measured_rtt_ms", "step_ms_p50", "step_ms_p95", "same_as_target", "acceptance_rate",
               "mean_tokens_per_round", "rounds", "mean_gamma", "cloud_calls_per_token", "bytes_per_token",
-              "uplink_bytes", "downlink_bytes", "cloud_only_tokens", "switches_to_cloud", "pipeline_hits",
+              "uplink_bytes", "downlink_bytes", "cloud_only_tokens", "shadow_guesses", "switches_to_cloud", "pipeline_hits",
               "fallbacks"]
 
 
