@@ -359,11 +359,12 @@ def _panel_markdown(panel: agg.Facet, kinds: dict[str, str]) -> list[str]:
             cross = agg.crossover(panel, strategy)
             cells = [f"{curve[r].value:.2f} [{curve[r].lo:.2f}, {curve[r].hi:.2f}]" if r in curve else "" for r in rtts]
             lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {cross.text() if cross else ''} |")
-        lines += ["", "The worst prompt's own speed-up (mean over its repeats), and which prompt:", "",
+        lines += ["", "The worst prompt's own speed-up (mean over its repeats, with a 95 % bootstrap interval over "
+                  "them), and which prompt:", "",
                   "| strategy | " + " | ".join(f"{r:g} ms" for r in rtts) + " |", "|---|" + "---|" * len(rtts)]
         for strategy in sorted(speedups):
             worst = agg.worst_prompts(panel, strategy)
-            lines.append(f"| {strategy} | " + " | ".join(f"{worst[r][1]:.2f} (prompt {worst[r][0]})" if r in worst
+            lines.append(f"| {strategy} | " + " | ".join(f"{worst[r][1].value:.2f} [{worst[r][1].lo:.2f}, {worst[r][1].hi:.2f}] (prompt {worst[r][0]})" if r in worst
                                                         else "" for r in rtts) + " |")
     fit = bound_inputs([r for r in panel.rows if r.get("rtt_ms") is not None])
     if fit is not None:

@@ -246,7 +246,25 @@ def test_the_worst_prompt_is_found_by_its_own_speed_up():
     prompt, ratio = aggregate.worst_prompts(panel, "hybrid")[20]
     cloud, hybrid = ([statistics.fmean(r["tokens_per_s"] for r in rows if r["strategy"] == s and r["prompt"] == 2)
                       for s in ("cloud-only", "hybrid")])
-    assert prompt == 2 and ratio == pytest.approx(hybrid / cloud) and ratio < 0.6
+    assert prompt == 2 and ratio.value == pytest.approx(hybrid / cloud) and ratio.value < 0.6
+    assert ratio.lo <= ratio.value <= ratio.hi
+
+
+def test_the_worst_prompts_interval_resamples_its_repeats_in_pairs():
+    """A prompt whose strategies ran side by side keeps their pairing: with the same machine drift in both
+    runs of every repeat the ratio is exact and the interval has no width; noise in one widens it."""
+    rows = []
+    for repeat, drift in enumerate((1.0, 0.7, 1.2, 0.9)):
+        for strategy, kind, speed in (("cloud-only", "cloud_only", 30.0), ("hybrid", "hybrid", 27.0)):
+            rows.append({"strategy": strategy, "kind": kind, "rtt_ms": 0, "prompt": 0, "repeat": repeat,
+                         "tokens_per_s": speed * drift, "temperature": 0, "edges": 1})
+    (panel,) = aggregate.facets(rows)
+    _, paired = aggregate.worst_prompts(panel, "hybrid")[0]
+    assert paired.value == pytest.approx(0.9) and paired.hi - paired.lo == pytest.approx(0, abs=1e-12)
+    rows[1]["tokens_per_s"] *= 0.8  # one hybrid run slower than its pair
+    (panel,) = aggregate.facets(rows)
+    _, noisy = aggregate.worst_prompts(panel, "hybrid")[0]
+    assert noisy.lo < noisy.value < 0.9 and noisy.hi > noisy.value
 
 
 def test_report_keeps_bandwidths_apart(tmp_path):
