@@ -229,3 +229,27 @@ def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(ser
     assert per_token is not None, "no session was opened, and the stream's first token priced nothing"
     assert 0 <= per_token * len(PROMPT) <= first_wait
     assert worker.estimates.switch_cost_s(100) >= 100 * per_token
+
+
+def test_a_cloud_only_stream_asks_for_its_tokens_before_the_drafter_is_set_up(server, target):
+    """Regression: the default edge set its drafter up (a llama.cpp context, about 15 ms) between opening
+    a cloud-only stream and reading it, and the Decode request leaves only when the stream is first
+    read: every generation's first token waited for it (experiments/never_slower.yaml: 7 ms median,
+    17 ms mean more time to first token than --cloud-only, a tenth of a 10-token generation)."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+        run = EdgeWorker(target, client, config).stream(PROMPT)
+        committed, built_after = [], []
+        build = run._build_drafter
+
+        def recording() -> None:
+            built_after.append(len(committed))
+            build()
+
+        run._build_drafter = recording
+        for event in run:
+            if event.kind is EventKind.COMMIT:
+                committed.extend(event.tokens)
+    assert run.generation.token_ids == greedy_reference(target, PROMPT, 12)
+    assert built_after == [1], f"the drafter was set up after {built_after} tokens, not once after the first"
+    assert run.generation.stats.shadow_guesses > 0  # and it still guessed along
