@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # Replicas load models offline, like every other hybridspec process.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 CHECK_S = 5.0  # how long a status call (stats, tally) may take before the replica counts as not answering
+ACTOR = ray.remote(VerifierReplica)  # the actor class; each replica gives it its resources and name
 
 
 def replica_env(niceness: int) -> dict[str, str]:
@@ -106,7 +107,7 @@ class RayReplica:
 
     async def start(self) -> ModelInfo:
         """Create the actor (on the running cluster) and wait until its model is loaded."""
-        options = ray.remote(VerifierReplica).options(
+        options = ACTOR.options(
             name=self.name, num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, max_restarts=-1,
             max_task_retries=0, max_concurrency=1024, lifetime=None,
             runtime_env={"env_vars": replica_env(self.spec.niceness)})
