@@ -12,7 +12,7 @@ ALICE, BOB = Identity("alice", authenticated=True), Identity("bob", authenticate
 
 
 def routed(table: SessionTable, client: str, replica: str, opening: bool = False) -> str:
-    """A new session of `client`, placed on `replica` (as Backend.open_session does)."""
+    """A new session of `client`, placed on `replica` (as Pool.open_session does)."""
     sid, route = table.claim("", anonymous(client))
     route.replica, route.opening = replica, opening
     return sid
@@ -87,3 +87,17 @@ def test_reconcile_drops_only_settled_routes_the_replica_no_longer_holds():
     assert table.lookup(gone) is None and all(table.lookup(s) for s in (kept, opening, late))
     assert table.unrouted("r0", {kept, "stray"}) == ["stray"]
     assert table.unrouted("r1", {kept}) == [kept]  # held by r1 but routed to r0
+
+
+def test_a_lost_replica_takes_its_settled_routes_and_their_counts_with_it():
+    table = SessionTable(max_per_client=8, max_per_address=3)
+    gone = [routed(table, "a", "r0"), routed(table, "a", "r0")]
+    reopening = routed(table, "a", "r0", opening=True)  # its open fails too and places it again
+    elsewhere = routed(table, "b", "r1")
+    assert table.lost("r0") == 2
+    assert all(table.lookup(s) is None for s in gone)
+    assert table.lookup(reopening).replica == "r0" and table.lookup(elsewhere).replica == "r1"
+    table.claim("", anonymous("a"))  # the lost sessions' slots are free again
+    table.claim("", anonymous("a"))
+    with pytest.raises(ResourceExhausted):
+        table.claim("", anonymous("a"))

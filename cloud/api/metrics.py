@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from ...common.protocol.wire import SessionOpened, VerifyResult
 from ..core.telemetry import HistogramSnapshot, ReplicaTelemetry, RoundSample, Tally
-from ..pool.backend import ReplicaStatus
+from ..pool.pool import ReplicaStatus
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -26,7 +26,8 @@ from ...common.protocol.channel import SHARED_OPTIONS
 from ...common.security.tls import ServerTLS
 from .access import Access, AccessSpec
 from .admission import Admission
-from ..pool.backend import Backend, InProcessBackend, ReplicaEndpointBackend
+from ..pool.backend import InProcessBackend, ReplicaEndpointBackend
+from ..pool.pool import Pool
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .ports import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
@@ -77,7 +78,7 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
-    backend: Backend
+    backend: Pool
     metrics: Metrics
     metrics_http: MetricsHTTPServer | None
     refresher: asyncio.Task
@@ -102,7 +103,7 @@ class RunningServer:
         self.metrics.observe_replicas(await self.backend.status())
 
 
-async def start_server(backend: Backend, host: str, port: int, metrics_port: int | None = None,
+async def start_server(backend: Pool, host: str, port: int, metrics_port: int | None = None,
                        metrics_host: str = "127.0.0.1", access: AccessSpec = AccessSpec()) -> RunningServer:
     """Bind both ports, start the backend, then report SERVING. metrics_port None: no /metrics endpoint.
     PortUnavailable, before the backend starts, if either port cannot be bound; ConfigError if a TLS
@@ -184,7 +185,7 @@ async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, adve
     return VerifyEndpoint(server, f"{advertised_host}:{port}", tally)
 
 
-async def serve_forever(backend: Backend, host: str, port: int, grace_s: float, metrics_port: int | None = None,
+async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, metrics_port: int | None = None,
                         metrics_host: str = "127.0.0.1", on_ready: Callable[[RunningServer], None] | None = None,
                         access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
@@ -206,7 +207,7 @@ async def _set_health(servicer: health.aio.HealthServicer, status) -> None:
     await servicer.set(SERVICE_NAME, status)
 
 
-async def _refresh_forever(backend: Backend, metrics: Metrics) -> None:
+async def _refresh_forever(backend: Pool, metrics: Metrics) -> None:
     while True:
         with contextlib.suppress(Exception):  # metrics must never take the server down
             metrics.observe_replicas(await backend.status())
@@ -216,7 +217,7 @@ async def _refresh_forever(backend: Backend, metrics: Metrics) -> None:
 class BackgroundServer:
     """A real gRPC front door on its own event-loop thread, for tests and in-process experiments."""
 
-    def __init__(self, backend: Backend | Verifier, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, backend: Pool | Verifier, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int | None = None, access: AccessSpec = AccessSpec()) -> None:
         """A bare Verifier is served in-process with default batching."""
         if isinstance(backend, Verifier):

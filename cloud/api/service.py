@@ -26,7 +26,9 @@ from ...common.protocol.errors import HybridSpecError, InvalidArgument, incident
 from ...common.protocol.proto import verifier_pb2 as pb
 from ...common.protocol.wire import check_session_id
 from .access import Access, AccessSpec
-from ..pool.backend import Backend, decode_tokens, generate_tokens
+from ..core.decoding import decode_tokens, generate_tokens
+from ..pool.backend import ReplicaEndpointBackend
+from ..pool.pool import Pool
 from .metrics import EndpointTally, Metrics
 
 log = logging.getLogger(__name__)
@@ -66,10 +68,11 @@ def authorization_of(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class VerifierService:
-    """Serves one backend: the front door's (an in-process verifier or the Ray pool), or a replica's
-    own scheduler behind its direct endpoint (which registers VerifyStream and Decode only)."""
+    """Serves one backend: the front door's pool (of an in-process verifier or Ray replicas), or a
+    replica's own scheduler behind its direct endpoint (which registers VerifyStream and Decode only)."""
 
-    def __init__(self, backend: Backend, metrics: Metrics | EndpointTally, access: Access | None = None) -> None:
+    def __init__(self, backend: Pool | ReplicaEndpointBackend, metrics: Metrics | EndpointTally,
+                 access: Access | None = None) -> None:
         """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds, tokens and errors.
         access: who may call (default: anyone, named by address, unpaced)."""
         self.backend = backend

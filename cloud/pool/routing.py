@@ -102,13 +102,17 @@ class SessionTable:
                 del self._per_client[route.client]
         return route
 
-    def on_replica(self, replica: str) -> list[str]:
-        """Ids of the sessions routed to `replica`."""
-        return [sid for sid, r in self._routes.items() if r.replica == replica]
-
     def count(self, replica: str) -> int:
         """Sessions routed to `replica`."""
         return sum(r.replica == replica for r in self._routes.values())
+
+    def lost(self, replica: str) -> int:
+        """`replica` died and took its sessions with it: drop their routes, except those being opened
+        right now (their open fails too and places them again under the same id). Returns how many."""
+        gone = [sid for sid, r in self._routes.items() if r.replica == replica and not r.opening]
+        for sid in gone:
+            self.remove(sid)
+        return len(gone)
 
     def unrouted(self, replica: str, held: set[str]) -> list[str]:
         """Sessions `replica` holds that no route points to there (closed while opening, say)."""

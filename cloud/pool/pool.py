@@ -1,0 +1,293 @@
+"""The verifier pool the gRPC front door calls: replicas behind one `Replica` protocol, and routing.
+
+A `Pool` speaks the wire dataclasses (never protobuf) and raises the domain errors. It does once what
+every kind of replica needs: issuing session ids, placing each new session and routing its calls to
+the replica holding its cache, per-client limits (the `SessionTable`, cloud/pool/routing.py),
+forgetting the sessions of a replica that died, and reporting each replica's state. A replica is
+anything with the few calls of `Replica`: one Verifier in this process (cloud/pool/backend.py
+`InProcessReplica`: tests, single-box use, the baseline for the Ray hop's cost) or a Ray actor
+(cloud/pool/ray_pool.py `RayReplica`: the production pool). A replica may name a direct Verify
+endpoint that its sessions' rounds can go to instead of the front door (`SessionOpened.verify_address`).
+Cloud-only generation over a pool is cloud/core/decoding.py (`generate_tokens`, `decode_tokens`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ...common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
+from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ...common.security.credentials import Identity
+from ..core.prefixes import PrefixStats
+from ..core.telemetry import ReplicaTelemetry, Tally
+from ..core.verifier import VerifierStats
+from .routing import Route, SessionTable
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaLost(FailedPrecondition):
+    """The replica holding the session died: the edge re-opens and lands on a live one."""
+
+
+class Replica(Protocol):
+    """One verifier replica, as the pool calls it. Every call speaks wire dataclasses and raises
+    domain errors; `ReplicaLost` means the replica died and its sessions with it."""
+
+    name: str
+
+    @property
+    def alive(self) -> bool:
+        """False while it is down (a Ray replica being restarted)."""
+
+    @property
+    def failures(self) -> int:
+        """Times it died (0 where a replica cannot die on its own)."""
+
+    @property
+    def verify_address(self) -> str:
+        """Where it takes its sessions' rounds directly; "" = through the front door."""
+
+    async def start(self) -> ModelInfo:
+        """Load (or wait for) its model; returns what it serves."""
+
+    async def stop(self) -> None:
+        """Release it for good."""
+
+    async def wait_alive(self) -> None:
+        """Return once it is alive (at once if it is)."""
+
+    async def open_session(self, spec: SessionSpec) -> SessionOpened:
+        """Open or re-open a session there."""
+
+    async def verify(self, block: DraftBlock) -> VerifyResult:
+        """Verify one round of a session it holds."""
+
+    def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+        """Cloud-only decoding of a session it holds, from the empty block `block` (an async generator)."""
+
+    async def close_session(self, session_id: str) -> bool:
+        """Free a session; True if it held it."""
+
+    async def stats(self) -> VerifierStats | None:
+        """Its sessions, cache and telemetry; None if it is not answering."""
+
+    async def take_tally(self) -> Tally:
+        """What its direct endpoint answered since the last call (nothing without one)."""
+
+
+class Cluster(Protocol):
+    """What a pool's replicas run on, started before them and stopped after (a Ray cluster)."""
+
+    def start(self) -> None:
+        """Start or join it (on the caller's thread: Ray installs signal handlers)."""
+
+    async def stop(self) -> None:
+        """Leave it, and end it if `start` started it."""
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as the metrics see it."""
+
+    name: str
+    alive: bool
+    sessions: int
+    cached_tokens: int
+    evictions: int  # sessions the replica dropped (idle or LRU) since it started
+    failures: int = 0  # times the pool saw this replica die
+    routed_total: int = 0  # sessions ever routed to this replica
+    direct: Tally = Tally()  # rounds, tokens and errors its own endpoint answered since the last status
+    telemetry: ReplicaTelemetry | None = None  # its own histograms and KV fill (None while it is down)
+    prefixes: PrefixStats = PrefixStats()  # its prefix reuse since it started
+    parked_tokens: int = 0  # tokens of its idle sessions parked in host memory
+
+
+class Pool:
+    """Session ids, placement, routing and limits over named replicas: what the front door serves."""
+
+    def __init__(self, replicas: Sequence[Replica], max_sessions_per_client: int, max_sessions_per_address: int,
+                 replica_wait_s: float, cluster: Cluster | None = None) -> None:
+        """The session limits hold over every replica: per token identity, and per address without a
+        token. replica_wait_s: with every replica down, how long a new session waits for one."""
+        if not replicas:
+            raise ValueError("a pool needs at least one replica")
+        self.replicas: dict[str, Replica] = {r.name: r for r in replicas}
+        self.table = SessionTable(max_sessions_per_client, max_sessions_per_address)
+        self.routed_total: dict[str, int] = {}  # replica -> sessions ever routed there
+        self.info: ModelInfo | None = None  # set once the models are loaded
+        self.replica_wait_s = replica_wait_s
+        self.cluster = cluster
+
+    async def start(self) -> None:
+        """Start the cluster, then every replica; the front door reports SERVING only after this
+        returns. Replicas that loaded different models are refused."""
+        if self.cluster is not None:
+            self.cluster.start()
+        try:
+            infos = await asyncio.gather(*(r.start() for r in self.replicas.values()))
+            if len({(i.tokenizer_fingerprint, i.model_fingerprint) for i in infos}) != 1:
+                raise Unavailable("replicas loaded different models; check the target setting")
+        except BaseException:
+            await self.stop()
+            raise
+        self.info = infos[0]
+        log.info("%d replica(s) ready: %s", len(self.replicas), ", ".join(self.replicas))
+
+    async def stop(self) -> None:
+        """Release the replicas, then the cluster."""
+        for replica in self.replicas.values():
+            await replica.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
+
+    def model_info(self) -> ModelInfo:
+        """What is served; Unavailable while the models are still loading."""
+        if self.info is None:
+            raise Unavailable("the verifier is still loading its model; retry shortly")
+        return self.info
+
+    async def open_session(self, spec: SessionSpec, caller: Identity) -> SessionOpened:
+        """Open a session for `caller`, or re-open the live session spec.session_id names (its owner only).
+
+        The session counts towards the caller's limit from the start and records the caller as its
+        owner. Everything is checked before a replica is asked; an open that fails, times out or is
+        abandoned leaves nothing behind.
+        """
+        info = self.model_info()
+        session_id, route = self.table.claim(spec.session_id, caller)
+        spec = replace(spec, session_id=session_id, owner=caller.owner)
+        try:
+            spec.check_against(info)
+            for _ in range(len(self.replicas) + 1):  # a replica may die under us: try another
+                # 1. Place a new session (or one whose replica died) on a live replica.
+                if not route.replica:
+                    route.replica = await self._place()
+                    self.routed_total[route.replica] = self.routed_total.get(route.replica, 0) + 1
+                replica = self.replicas[route.replica]
+                # 2. Open it there; if that replica dies meanwhile, place it again.
+                route.opening = True
+                try:
+                    with self._noticing_loss(replica):
+                        opened = await replica.open_session(spec)
+                except ReplicaLost:
+                    route.replica = ""
+                    self._check_still_routed(session_id, route)
+                    continue
+                route.opening, route.routed_at = False, time.monotonic()
+                self._check_still_routed(session_id, route)
+                # 3. The replica's answer (length, asked-for features) plus where the rounds go.
+                return replace(opened, session_id=session_id, verify_address=replica.verify_address)
+            raise Unavailable("no verifier replica could open the session; retry shortly")
+        except BaseException:  # an error, the call's deadline, or a client that went away
+            if self.table.lookup(session_id) is route:
+                self.table.remove(session_id)
+            if route.replica:
+                self._close_quietly(self.replicas[route.replica], session_id)  # it may have opened there meanwhile
+            raise
+
+    async def verify(self, block: DraftBlock, caller: Identity) -> VerifyResult:
+        """Verify one round, sent by `caller`, on the replica that holds the session."""
+        replica = self._route(block.session_id, caller)
+        with self._noticing_loss(replica):
+            return await replica.verify(replace(block, owner=caller.owner))
+
+    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int],
+                     caller: Identity) -> AsyncIterator[int]:
+        """Cloud-only decoding on the replica that holds the session: up to `max_tokens` tokens from
+        the empty block `block`, streamed as the replica decodes them (cloud/core/decoding.py)."""
+        replica = self._route(block.session_id, caller)
+        with self._noticing_loss(replica):
+            async for token in replica.decode(replace(block, owner=caller.owner), max_tokens, eos):
+                yield token
+
+    async def close_session(self, session_id: str, caller: Identity) -> bool:
+        """Free a session (its owner only); True if it existed."""
+        if self.table.lookup(session_id) is None:
+            return False
+        self.table.get(session_id, caller)  # PermissionDenied for another identity's session
+        route = self.table.remove(session_id)
+        if route is None:
+            return False
+        replica = self.replicas[route.replica]
+        try:
+            with self._noticing_loss(replica):
+                return await replica.close_session(session_id)
+        except HybridSpecError:
+            return False  # a soft cache: the replica expires it on its own
+
+    async def status(self) -> list[ReplicaStatus]:
+        """Per-replica state for the metrics; also drops routes of sessions replicas no longer hold."""
+        async def one(replica: Replica) -> ReplicaStatus:
+            name, asked_at = replica.name, time.monotonic()
+            try:
+                with self._noticing_loss(replica):
+                    stats = await replica.stats()
+            except ReplicaLost:
+                stats = None
+            routed = self.routed_total.get(name, 0)
+            if stats is None:
+                return ReplicaStatus(name, False, 0, 0, 0, replica.failures, routed)
+            held = set(stats.session_ids)
+            self.table.reconcile(name, held, asked_at)
+            for orphan in self.table.unrouted(name, held):  # held there, routed nowhere: free it
+                self._close_quietly(replica, orphan)
+            try:
+                with self._noticing_loss(replica):
+                    tally = await replica.take_tally()
+            except ReplicaLost:
+                tally = Tally()  # those rounds go uncounted
+            return ReplicaStatus(name, True, stats.sessions, stats.cached_tokens, stats.evictions, replica.failures,
+                                 routed, tally, stats.telemetry, stats.prefixes, stats.parked_tokens)
+
+        return list(await asyncio.gather(*(one(r) for r in self.replicas.values())))
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _route(self, session_id: str, caller: Identity) -> Replica:
+        """The replica holding a live session of `caller`'s (FailedPrecondition, PermissionDenied)."""
+        return self.replicas[self.table.get(session_id, caller).replica]
+
+    async def _place(self) -> str:
+        """The name of the live replica a new session goes to: the one with the fewest sessions (ties:
+        the one that got fewer so far); with none alive, wait up to replica_wait_s for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.replica_wait_s
+        while True:
+            live = [r.name for r in self.replicas.values() if r.alive]
+            if live:
+                return min(live, key=lambda name: (self.table.count(name), self.routed_total.get(name, 0)))
+            waits = [loop.create_task(r.wait_alive()) for r in self.replicas.values()]
+            try:
+                done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+            if not done:
+                raise Unavailable("no verifier replica is alive; Ray is restarting them, retry shortly")
+
+    def _check_still_routed(self, session_id: str, route: Route) -> None:
+        if self.table.lookup(session_id) is not route:
+            raise FailedPrecondition("the session was closed while it was being opened")
+
+    @contextlib.contextmanager
+    def _noticing_loss(self, replica: Replica) -> Iterator[None]:
+        """Forget the sessions of `replica` when a call finds it dead (the ReplicaLost goes on up)."""
+        try:
+            yield
+        except ReplicaLost:
+            self.table.lost(replica.name)
+            raise
+
+    def _close_quietly(self, replica: Replica, session_id: str) -> None:
+        async def close() -> None:
+            with contextlib.suppress(HybridSpecError), self._noticing_loss(replica):
+                await replica.close_session(session_id)
+
+        asyncio.get_running_loop().create_task(close())
