@@ -23,8 +23,6 @@ llama.cpp alone. Prints one JSON object.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -47,7 +45,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
-from harness import CLOUD_CORE, EDGE_CORE, header, median, pin, write_json
+from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report
 
 
 
@@ -96,7 +94,7 @@ def verifier_alone(verifier: Verifier, prompt: list[int], n: int, eos: set[int])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -191,9 +189,7 @@ def main() -> None:
                    [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
                "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
         for name, v in ms.items()}}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

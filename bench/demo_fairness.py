@@ -22,7 +22,6 @@ one JSON object (and writes it to --out).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -41,7 +40,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.controller import Controller
 from hybridspec.edge.state import EventKind
 from hybridspec.lab.stats import mean_ci
-from harness import CLOUD_CORE, EDGE_CORE, commit, cpu_model, pin, usable_cores, write_json
+from harness import CLOUD_CORE, EDGE_CORE, arguments, commit, cpu_model, pin, usable_cores, write_json
 
 NEW_TOKENS = 96
 STRATEGIES = ("default", "cloud-only", "no-shadow", "shadow")
@@ -192,7 +191,7 @@ def pool(files: list[Path]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--pool", nargs="+", type=Path, metavar="FILE",
                         help="run nothing: pool the turns of these result files and print the intervals")
     parser.add_argument("--sessions", type=int, default=5)

@@ -8,7 +8,6 @@ Prints one line per run and writes every run's record to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
@@ -17,11 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import commit, cpu_model, write_json
+from harness import arguments, commit, cpu_model, write_json
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", type=Path)
     parser.add_argument("demo_flags", nargs="*", help="passed on to `hybridspec demo` (after --)")

@@ -11,7 +11,6 @@ a cache (the Makefile passes --no-cache-dir).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -21,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import ROOT, header, write_json
+from harness import ROOT, arguments, header, report
 
 STEPS = ("install", "models")
 
@@ -39,7 +38,7 @@ def run_step(name: str, command: list[str], cwd: Path, env: dict[str, str]) -> f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     pip_cache = subprocess.run([sys.executable, "-m", "pip", "cache", "dir"], capture_output=True, text=True).stdout.strip()
@@ -61,9 +60,7 @@ def main() -> None:
         "total_min": round(sum(seconds.values()) / 60, 1),
         "demo": demo,
     }
-    print(json.dumps(record, indent=1))
-    if args.out:
-        write_json(args.out, record)
+    report(record, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ The paths take turns round by round, so load from other work on the machine hits
 """
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
-from harness import median, percentile, pin, tiny_target, usable_cores, write_json
+from harness import arguments, median, percentile, pin, tiny_target, usable_cores, write_json
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 LIMITS = VerifierLimits(max_context=512, max_draft=32, max_sessions=8)
@@ -85,7 +84,7 @@ class Lane:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
     parser.add_argument("--rounds", type=int, default=300, help="timed rounds per path")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")

@@ -16,7 +16,6 @@ Prints one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -39,7 +38,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
-from harness import CLOUD_CORE, EDGE_CORE, cpu_model, median, pass_times, pin
+from harness import CLOUD_CORE, EDGE_CORE, arguments, cpu_model, median, pass_times, pin
 
 
 @torch.inference_mode()
@@ -149,7 +148,7 @@ def llamacpp_alone(prompts: list[list[int]], new_tokens: int) -> tuple[float, li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=8)

@@ -10,8 +10,6 @@ sessions are open.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import tempfile
@@ -26,7 +24,7 @@ from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import served_weights
 from hybridspec.common.protocol.wire import SessionSpec
 from hybridspec.edge.client import VerifierClient
-from harness import CLOUD_CORE, commit, header, write_json
+from harness import CLOUD_CORE, arguments, commit, header, report
 
 PACKAGES = ("cli", "cloud", "common", "distill", "edge", "fetch", "lab", "netem")
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +73,7 @@ def measure(sessions: int, tokens: int, pythonpath: str = "") -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--baseline-commit", default="fcced8a")
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=200)
@@ -89,9 +87,7 @@ def main() -> None:
               "server": "cloud serve --backend inprocess, defaults, core 1", "sessions": args.sessions,
               "prompt_tokens": args.tokens, args.baseline_commit: baseline, f"{head} (this code)": current,
               "ratio": round(current["rss_with_sessions_mib"] / baseline["rss_with_sessions_mib"], 3)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ built from a config (tests/tinymodels.py), so the forward pass is short and the 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -27,13 +26,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import trustme
 
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.security.credentials import add_identity
 from hybridspec.common.security.tls import ClientTLS
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess
-from harness import median, percentile, pin, t_interval, tiny_target, usable_cores, write_json
+from harness import (CLOUD_CORE, EDGE_CORE, arguments, median, percentile, start_cloud, stop_cloud, t_interval,
+                     tiny_target, write_json)
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 MAX_CONTEXT = 512
@@ -115,16 +114,13 @@ def paired(setup: list[float], base: list[float]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
     parser.add_argument("--rounds", type=int, default=400, help="timed rounds per setup")
     parser.add_argument("--connects", type=int, default=40, help="timed fresh connections per setup")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    cores = usable_cores()
-    cloud_cores = {cores[-1]}
-    pin(cores[0])  # the edge host; the clouds go on the last core
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
     target = tiny_target(root) if args.target == "tiny" else args.target
@@ -134,7 +130,7 @@ def main() -> None:
         for setup in setups:
             keys = {"target": target, "backend": "inprocess", "device": "cpu", "torch_threads": 1,
                     "max_context": MAX_CONTEXT, **setup.server_keys}
-            proc, setup.address, _ = start_cloud_process(keys, cloud_cores)
+            proc, setup.address = start_cloud(keys)
             processes.append(proc)
             setup.client = VerifierClient(setup.address, 30, setup.access)
             setup.open()
@@ -155,7 +151,7 @@ def main() -> None:
             if setup.client is not None:
                 setup.client.close()
         for proc in processes:
-            stop_cloud_process(proc)
+            stop_cloud(proc)
         tmp.cleanup()
 
     base = setups[0]
@@ -167,9 +163,9 @@ def main() -> None:
                      "connect_median_ms": median(setup.connect_ms),
                      "connect_added": paired(setup.connect_ms, base.connect_ms)})
     result = {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "connects": args.connects,
-              "edge_core": cores[0], "cloud_core": cores[-1], "rows": rows}
+              "edge_core": EDGE_CORE, "cloud_core": CLOUD_CORE, "rows": rows}
     print(f"security cost per round and per connection; target {args.target}, γ = {args.gamma}, {args.rounds} rounds "
-          f"and {args.connects} connects per setup, edge on core {cores[0]}, clouds on core {cores[-1]}")
+          f"and {args.connects} connects per setup, edge on core {EDGE_CORE}, clouds on core {CLOUD_CORE}")
     print(f"{'setup':<11} {'round med':>9} {'p90':>6} {'added (paired mean ± 95%)':>26} {'connect med':>12} "
           f"{'added':>17}  (ms)")
     for row in rows:

@@ -22,7 +22,6 @@ the greedy replay. Prints a table; --out writes the numbers as JSON.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -45,7 +44,7 @@ from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings, DrafterKind, Proposal
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
-from harness import write_json
+from harness import arguments, write_json
 
 GAMMA = 4
 TREE_NODES = (4, 8, 16, 32)
@@ -161,7 +160,7 @@ def sampled_run(target: LoadedModel, loaded: LoadedModel, settings: DraftSetting
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, default=8, help="free-form prompts, from the first")
     parser.add_argument("--tokens", type=int, default=96, help="continuation tokens per prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled run's; 0 skips it")
