@@ -1,10 +1,12 @@
 """What every benchmark here shares: core pinning, the cloud on its own core, pass timing, summary
-statistics, the result file's header and JSON, the target's own greedy text, the tiny target, and plot
-defaults. One implementation of each, so two scripts'
-numbers are computed the same way.
+statistics, the argument parser, the result file's header and JSON, the target's own greedy text, the
+tiny target, and plot defaults. One implementation of each, so two scripts' numbers are computed the
+same way.
 
 The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
-they import this module as `from harness import ...`, as they import `conversations`.
+they import this module as `from harness import ...` (and weight_types.py imports `conversations`).
+Nothing here reaches into tests/: the tiny models and the fuzz strategies, which the tests use too,
+live in lab/.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the br
 
 __all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
            "free_port", "header", "median", "pass_times", "percentile", "pin", "pin_child", "references", "report",
-           "save_figure", "series", "start_cloud", "stop_cloud", "style", "t_interval", "tests_module",
-           "tiny_target", "two_hosts", "usable_cores", "write_json"]
+           "save_figure", "series", "start_cloud", "stop_cloud", "style", "t_interval", "tiny_target", "two_hosts",
+           "usable_cores", "write_json"]
 
 
 # --- pinning -------------------------------------------------------------------------------------
@@ -194,15 +196,6 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
 
 # --- inputs --------------------------------------------------------------------------------------
 
-def tests_module(name: str):
-    """A helper module of tests/ shared with the benchmarks (the fuzz strategies, the tiny models)."""
-    import importlib
-
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    return importlib.import_module(name)
-
-
 def references(target, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
     """The target's own greedy continuation of each prompt (Hugging Face generate, one token a step),
     cut after an end-of-sequence token: what every exact generation must equal."""
@@ -218,9 +211,11 @@ def references(target, prompts: Sequence[Sequence[int]], new_tokens: int) -> lis
 
 
 def tiny_target(out: Path) -> str:
-    """A random 2-layer Llama with a real tokenizer, saved as a model directory under `out`."""
-    tiny = tests_module("tinymodels")
-    return str(tiny.save_model(tiny.make_model(seed=0), out / "target"))
+    """A random 2-layer Llama with a real tokenizer (lab/tinymodels.py, the tests' too), saved as a model
+    directory under `out`."""
+    from hybridspec.lab.tinymodels import make_model, save_model
+
+    return str(save_model(make_model(seed=0), out / "target"))
 
 
 # --- plots ---------------------------------------------------------------------------------------

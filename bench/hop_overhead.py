@@ -11,7 +11,7 @@ both set by cloud/core/scheduler.py: the forward pass with its round's admission
 configured batching wait (a lone session's round never waits for company): what is left is gRPC, the
 front door, Ray and the event-loop and thread hand-offs.
 The paths take turns round by round, so load from other work on the machine hits all of them alike.
---target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py);
+--target tiny (default) is a random 2-layer Llama built from a config (lab/tinymodels.py);
 --pin puts Ray's processes (the replicas) on the second core and the front doors and edges on the first.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ round's time is the client's submit → reply. Connect: a fresh channel (TCP + T
 OpenSession, `--connects` times per setup, also in turns. Differences are paired (round r of a setup
 against round r of plaintext): mean and 95 % t interval, and the medians.
 Certificates are throw-away ones from trustme; --target tiny (default) is a random 2-layer Llama
-built from a config (tests/tinymodels.py), so the forward pass is short and the hop dominates.
+built from a config (lab/tinymodels.py), so the forward pass is short and the hop dominates.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ REIMPLEMENTED = {
     "commit": re.compile(r"rev-parse"),
     "cpu model": re.compile(r"/proc/cpuinfo"),
     "pass timing": re.compile(r"perf_counter\(\)\n\s*[\w.]*forward\(\[Feed"),
-    "reaching into tests/": re.compile(r"sys\.path|def tiny_target|from (tinymodels|fuzzing) import"),
+    "reaching into tests/": re.compile(r"sys\.path|def tiny_target|from (tinymodels|fuzzing) import|tests_module"),
 }
 
 
@@ -87,6 +87,38 @@ def test_every_bench_script_answers_help():
     assert run.returncode == 0, run.stderr[-2000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     assert not failed, failed
+
+
+MENTIONED = re.compile(r"bench/(\w+)\.py")
+COMMAND = re.compile(r"python bench/(\w+)\.py(?:[ \t]+([a-z][\w-]*))?")
+
+
+def pages() -> list[Path]:
+    """README, docs/ (with the figures' registry) and the tests: where bench commands are quoted."""
+    return [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), ROOT / "docs" / "figures.yaml",
+            *(ROOT / "tests").glob("*.py")]
+
+
+def test_every_bench_command_the_docs_quote_names_a_script_and_its_subcommand():
+    """A renamed or merged script takes its quotes with it: each bench script named exists and, where
+    it has subcommands, the word after the quoted command is one of them (tests/test_docs.py checks the
+    figures themselves)."""
+    texts = [page.read_text() for page in pages()]
+    wrong = sorted({f"bench/{name}.py: no such script" for text in texts for name in MENTIONED.findall(text)
+                    if not (BENCH / f"{name}.py").is_file()})
+    for name, word in sorted({m.groups() for text in texts for m in COMMAND.finditer(text)}, key=str):
+        script = BENCH / f"{name}.py"
+        subcommands = set(re.findall(r'add_parser\("([\w-]+)"', script.read_text())) if script.is_file() else set()
+        if subcommands and word not in subcommands:
+            wrong.append(f"python bench/{name}.py {word or ''}: not one of its subcommands {sorted(subcommands)}")
+    assert not wrong, wrong
+
+
+def test_no_bench_file_reaches_into_tests():
+    """The tiny models and the fuzz strategies are lab/'s, shared by tests/ and bench/; no bench file,
+    the harness included, puts tests/ on its path."""
+    found = [p.name for p in BENCH.glob("*.py") if re.search(r'sys\.path\.insert|"tests"|tests_module', p.read_text())]
+    assert not found, found
 
 
 @pytest.mark.parametrize("p, n", [(90, 10), (95, 20), (50, 2)])

@@ -1,4 +1,5 @@
-"""Tiny random Llama-style models with a real tokenizer, built from a config: no downloads."""
+"""Tiny random Llama-style models with a real tokenizer, built from a config: no downloads. The tests'
+target and the benchmarks' `--target tiny` (bench/harness.py's tiny_target)."""
 from __future__ import annotations
 
 from pathlib import Path
