@@ -34,7 +34,6 @@ import numpy as np
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
@@ -45,7 +44,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
-from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report
+from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report, start_cloud, stop_cloud
 
 
 
@@ -116,9 +115,9 @@ def main() -> None:
     # (the layers decode the same prompts one after another, so reuse would favour all but the first).
     verifier = Verifier(target, VerifierLimits(max_context=2048, max_sessions=4, kv_cache_tokens=8192,
                                                prefix_scope=PrefixScope.OFF), engine)
-    inproc, inproc_address, _ = start_cloud_process({"backend": "inprocess", "pass_cost_tokens": 0,
-                                                     "prefix_scope": "off"}, cores={CLOUD_CORE})
-    ray, ray_address, _ = start_cloud_process({"prefix_scope": "off"}, cores={CLOUD_CORE})  # else the defaults
+    inproc, inproc_address = start_cloud({"backend": "inprocess", "pass_cost_tokens": 0, "prefix_scope": "off"},
+                                         pin_edge=False)
+    ray, ray_address = start_cloud({"prefix_scope": "off"}, pin_edge=False)  # else the defaults
     clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address),
                "decode_ray": VerifierClient(ray_address)}
     workers = {"edge_ray": EdgeWorker(drafter, VerifierClient(ray_address),
@@ -177,8 +176,8 @@ def main() -> None:
             c.close()
         for worker in workers.values():
             worker.close()
-        stop_cloud_process(inproc)
-        stop_cloud_process(ray)
+        stop_cloud(inproc)
+        stop_cloud(ray)
     base = median(ms["llamacpp_alone"])
     result = {**header(weights=served_weights(paths["target"])),
               "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {

@@ -13,7 +13,7 @@ round accepts all γ = 4 drafts: the ceiling batching is measured against:
   (what `llama-batched-bench` measures for llama.cpp): what the serving core costs on top.
 - torch only: cloud-only Generate over a real localhost gRPC server vs the target's own Hugging Face
   `generate()`, same prompt and length, tokens/s, and whether they produce the same tokens (for
-  llama.cpp that comparison, against llama-cpp-python, is bench/llamacpp_engine.py).
+  llama.cpp that comparison, against llama-cpp-python, is bench/cloud_only_overhead.py).
 """
 from __future__ import annotations
 

@@ -205,7 +205,8 @@ def references(target, prompts: Sequence[Sequence[int]], new_tokens: int) -> lis
     out = []
     for p in prompts:
         ids = target.model.generate(torch.tensor([list(p)]), do_sample=False, max_new_tokens=new_tokens,
-                                    attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+                                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    pad_token_id=target.eos_token_ids[0])[0, len(p):].tolist()
         out.append(ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
     return out
 
