@@ -197,16 +197,15 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
 # --- inputs --------------------------------------------------------------------------------------
 
 def references(target, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
-    """The target's own greedy continuation of each prompt (Hugging Face generate, one token a step),
-    cut after an end-of-sequence token: what every exact generation must equal."""
-    import torch
+    """The target's own greedy continuation of each prompt (Hugging Face generate, one token a step:
+    lab/tinymodels.py's greedy_reference), cut after an end-of-sequence token: what every exact
+    generation must equal."""
+    from hybridspec.lab.tinymodels import greedy_reference
 
     eos = set(target.eos_token_ids)
     out = []
     for p in prompts:
-        ids = target.model.generate(torch.tensor([list(p)]), do_sample=False, max_new_tokens=new_tokens,
-                                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    pad_token_id=target.eos_token_ids[0])[0, len(p):].tolist()
+        ids = greedy_reference(target, list(p), new_tokens)
         out.append(ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
     return out
 

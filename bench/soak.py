@@ -1,5 +1,5 @@
-"""Honest edges against a cloud under attack: every generation must equal the target's own greedy
-decoding, and the cloud's memory must stay bounded.
+"""Honest edges against a cloud under attack: every generation must equal the cloud's own greedy
+decoding (`--cloud-only`, taken before the attack), and the cloud's memory must stay bounded.
 
     python bench/soak.py chaos [--edges 32] [--minutes 10] [--replicas 1] [--out docs/integrity]
     python bench/soak.py fuzz [--messages 10000] [--cloud HOST:PORT] [--out docs/integrity]
@@ -17,9 +17,9 @@ fuzz: `--messages` hostile messages (the suite of lab/fuzzing.py that tests/test
 undecodable bodies; fresh randomness) while one honest edge generates beside them; with --cloud, against
 that running server instead. Writes fuzz.json: the count of every status, any reply that broke the rules
 (UNKNOWN, INTERNAL, a long or traceback-bearing message), whether every honest generation equalled the
-target's, and the server's resident memory before and after.
+cloud-only one, and the server's resident memory before and after.
 
-Exit status 1 if any generation differed from the target's or failed (or, fuzzing, a reply broke a rule).
+Exit status 1 if any generation differed from the cloud-only one or failed (or, fuzzing, a reply broke a rule).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from hybridspec.edge.worker import EdgeWorker
 from hybridspec.lab.fuzzing import Fuzzer, calls
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from harness import arguments, cloud, figure, references, save_figure, series, write_json
+from harness import arguments, cloud, figure, save_figure, series, write_json
 
 CHAOS_TOKENS, FUZZ_TOKENS = 48, 32
 FUZZ_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well."]
@@ -91,12 +91,16 @@ def tree_rss_mb(pid: int) -> float:
     return rss_mb([root, *root.children(recursive=True)])
 
 
-def models(questions: list[str], new_tokens: int):
-    """(drafter, encoded prompts, the target's own answers); the target is not kept."""
-    paths = default_paths()
-    target = load_model(paths["target"], device="cpu")
-    prompts = [encode_prompt(target.tokenizer, q, chat=True) for q in questions]
-    return load_model(paths["drafter"], device="cpu"), prompts, references(target, prompts, new_tokens)
+def models(questions: list[str], new_tokens: int, address: str):
+    """(drafter, encoded prompts, the cloud's own answers): each prompt decoded `--cloud-only`, one token
+    per pass on whatever engine and weights the cloud serves, before any attack starts. Hybrid rounds
+    must reproduce exactly that (the target's Hugging Face decoding is another model once the cloud
+    serves a re-quantised GGUF, as the CPU default does)."""
+    drafter = load_model(default_paths()["drafter"], device="cpu")
+    prompts = [encode_prompt(drafter.tokenizer, q, chat=True) for q in questions]
+    with VerifierClient(address, timeout_s=120) as client:
+        worker = EdgeWorker(drafter, client, EdgeConfig(cloud=address, max_new_tokens=new_tokens, cloud_only=True))
+        return drafter, prompts, [worker.generate(p).token_ids for p in prompts]
 
 
 def chaos(args) -> int:
@@ -105,11 +109,11 @@ def chaos(args) -> int:
     keys = {"torch_threads": 1, "replicas": args.replicas, "replica_num_cpus": 1.0 / args.replicas,
             "max_sessions": 2 * args.edges, "max_sessions_per_address": 2 * args.edges,
             "max_calls_per_address": 4 * args.edges}
-    # 1. The cloud on its own core; edges, link and chaos on the other; the target's own answers.
+    # 1. The cloud on its own core; edges, link and chaos on the other; the cloud's own answers.
     with cloud(keys) as (proc, address):
         front_door = psutil.Process(proc.pid)
         link = BackgroundLink(LinkSpec.symmetric(delay_ms=5.0, stall_ms=2000.0, stall_every_s=45.0), address)
-        drafter, prompts, expected = models(heldout_prompts(4, seed=5) + FREEFORM_PROMPTS[:4], CHAOS_TOKENS)
+        drafter, prompts, expected = models(heldout_prompts(4, seed=5) + FREEFORM_PROMPTS[:4], CHAOS_TOKENS, address)
 
         # 2. Edges generate until the time is up; every result is checked.
         deadline = time.monotonic() + 60 * args.minutes
@@ -220,7 +224,7 @@ def fuzz(args) -> int:
     served = contextlib.nullcontext((None, args.cloud)) if args.cloud else cloud({"torch_threads": 1})
     with served as (proc, address):
         rss_before = tree_rss_mb(proc.pid) if proc else None
-        drafter, prompts, expected = models(FUZZ_PROMPTS, FUZZ_TOKENS)
+        drafter, prompts, expected = models(FUZZ_PROMPTS, FUZZ_TOKENS, address)
         stop, honest, errors = threading.Event(), [], []
 
         def honest_edge() -> None:

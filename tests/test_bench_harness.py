@@ -184,3 +184,58 @@ def test_plots_keep_series_apart_and_save(tmp_path):
     harness.save_figure(fig, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 5_000
     assert [line.get_marker() for line in left.lines + right.lines][-1] == "s"  # series 1's own marker
+
+
+CLOUD_DRIVER = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import harness
+from hybridspec.common.protocol.wire import SessionSpec
+from hybridspec.edge.client import VerifierClient
+
+with harness.cloud({"target": sys.argv[2], "backend": "inprocess", "torch_threads": 1}) as (proc, address):
+    with VerifierClient(address, timeout_s=60) as client:
+        opened = client.open_session(SessionSpec("", (5, 6, 7)))
+    seen = {"server": sorted(os.sched_getaffinity(proc.pid)), "edge": sorted(os.sched_getaffinity(0)),
+            "committed": opened.committed_len}
+seen["exit"] = proc.poll()
+print(json.dumps(seen))
+"""
+
+
+def test_the_cloud_runs_on_the_cloud_core_this_process_on_the_edge_core_and_stops(model_dirs):
+    """harness.cloud: a real `cloud serve` (tiny target, in-process) answers on its address, pinned to
+    the cloud core while the caller is pinned to the edge core (neither on one core), and is gone after."""
+    run = subprocess.run([sys.executable, "-c", CLOUD_DRIVER, str(BENCH), str(model_dirs["target"])],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    edge, cloud = harness.two_hosts()
+    everything = harness.usable_cores()
+    assert seen["server"] == sorted(cloud or everything) and seen["edge"] == sorted(edge or everything)
+    assert seen["committed"] == 3 and seen["exit"] is not None
+
+
+def test_report_prints_the_result_and_writes_it_where_asked(tmp_path, capsys):
+    harness.report({"a": [1, 2]}, None)
+    assert json.loads(capsys.readouterr().out) == {"a": [1, 2]}
+    harness.report({"b": 3}, tmp_path / "deeper" / "r.json", indent=2)
+    assert json.loads(capsys.readouterr().out) == {"b": 3} == json.loads((tmp_path / "deeper" / "r.json").read_text())
+
+
+def test_the_parser_is_described_by_the_docstrings_first_paragraph():
+    parser = harness.arguments("What it measures,\nover two lines.\n\n    python bench/SCRIPT [--n 3]\n")
+    assert parser.description == "What it measures,\nover two lines."
+    assert harness.arguments(None).description == ""
+
+
+def test_the_reference_is_the_targets_argmax_token_by_token_cut_after_an_end_of_sequence(target):
+    import torch
+
+    prompt = [5, 17, 33, 80]
+    (ref,) = harness.references(target, [prompt], 12)
+    ids, eos = list(prompt), set(target.eos_token_ids)
+    with torch.inference_mode():
+        while len(ids) - len(prompt) < 12 and (len(ids) == len(prompt) or ids[-1] not in eos):
+            ids.append(int(target.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ref == ids[len(prompt):] and ref
