@@ -186,36 +186,6 @@ def test_plots_keep_series_apart_and_save(tmp_path):
     assert [line.get_marker() for line in left.lines + right.lines][-1] == "s"  # series 1's own marker
 
 
-CLOUD_DRIVER = """
-import json, os, sys
-sys.path.insert(0, sys.argv[1])
-import harness
-from hybridspec.common.protocol.wire import SessionSpec
-from hybridspec.edge.client import VerifierClient
-
-with harness.cloud({"target": sys.argv[2], "backend": "inprocess", "torch_threads": 1}) as (proc, address):
-    with VerifierClient(address, timeout_s=60) as client:
-        opened = client.open_session(SessionSpec("", (5, 6, 7)))
-    seen = {"server": sorted(os.sched_getaffinity(proc.pid)), "edge": sorted(os.sched_getaffinity(0)),
-            "committed": opened.committed_len}
-seen["exit"] = proc.poll()
-print(json.dumps(seen))
-"""
-
-
-def test_the_cloud_runs_on_the_cloud_core_this_process_on_the_edge_core_and_stops(model_dirs):
-    """harness.cloud: a real `cloud serve` (tiny target, in-process) answers on its address, pinned to
-    the cloud core while the caller is pinned to the edge core (neither on one core), and is gone after."""
-    run = subprocess.run([sys.executable, "-c", CLOUD_DRIVER, str(BENCH), str(model_dirs["target"])],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-2000:]
-    seen = json.loads(run.stdout.strip().splitlines()[-1])
-    edge, cloud = harness.two_hosts()
-    everything = harness.usable_cores()
-    assert seen["server"] == sorted(cloud or everything) and seen["edge"] == sorted(edge or everything)
-    assert seen["committed"] == 3 and seen["exit"] is not None
-
-
 def test_report_prints_the_result_and_writes_it_where_asked(tmp_path, capsys):
     harness.report({"a": [1, 2]}, None)
     assert json.loads(capsys.readouterr().out) == {"a": [1, 2]}
@@ -239,3 +209,15 @@ def test_the_reference_is_the_targets_argmax_token_by_token_cut_after_an_end_of_
         while len(ids) - len(prompt) < 12 and (len(ids) == len(prompt) or ids[-1] not in eos):
             ids.append(int(target.model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert ref == ids[len(prompt):] and ref
+
+
+def test_two_hosts_split_the_edge_and_cloud_cores_and_pin_nothing_on_one_core():
+    """harness.cloud pins `cloud serve` to two_hosts()'s cloud cores and the caller to its edge cores."""
+    cores = harness.usable_cores()
+    expected = ({harness.EDGE_CORE}, {harness.CLOUD_CORE}) if {harness.EDGE_CORE, harness.CLOUD_CORE} <= set(cores) \
+        else (None, None)
+    assert harness.two_hosts() == expected
+    show = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import harness; "
+            "print(harness.two_hosts())"]
+    alone = subprocess.run(show, capture_output=True, text=True, check=True, preexec_fn=harness.pin_child({cores[0]}))
+    assert alone.stdout.strip() == "(None, None)"
