@@ -23,8 +23,6 @@ llama.cpp alone. Prints one JSON object.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -36,7 +34,6 @@ import numpy as np
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
@@ -47,7 +44,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
-from harness import CLOUD_CORE, EDGE_CORE, header, median, pin, write_json
+from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report, start_cloud, stop_cloud
 
 
 
@@ -96,7 +93,7 @@ def verifier_alone(verifier: Verifier, prompt: list[int], n: int, eos: set[int])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -118,9 +115,9 @@ def main() -> None:
     # (the layers decode the same prompts one after another, so reuse would favour all but the first).
     verifier = Verifier(target, VerifierLimits(max_context=2048, max_sessions=4, kv_cache_tokens=8192,
                                                prefix_scope=PrefixScope.OFF), engine)
-    inproc, inproc_address, _ = start_cloud_process({"backend": "inprocess", "pass_cost_tokens": 0,
-                                                     "prefix_scope": "off"}, cores={CLOUD_CORE})
-    ray, ray_address, _ = start_cloud_process({"prefix_scope": "off"}, cores={CLOUD_CORE})  # else the defaults
+    inproc, inproc_address = start_cloud({"backend": "inprocess", "pass_cost_tokens": 0, "prefix_scope": "off"},
+                                         pin_edge=False)
+    ray, ray_address = start_cloud({"prefix_scope": "off"}, pin_edge=False)  # else the defaults
     clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address),
                "decode_ray": VerifierClient(ray_address)}
     workers = {"edge_ray": EdgeWorker(drafter, VerifierClient(ray_address),
@@ -179,8 +176,8 @@ def main() -> None:
             c.close()
         for worker in workers.values():
             worker.close()
-        stop_cloud_process(inproc)
-        stop_cloud_process(ray)
+        stop_cloud(inproc)
+        stop_cloud(ray)
     base = median(ms["llamacpp_alone"])
     result = {**header(weights=served_weights(paths["target"])),
               "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats, "layers": {
@@ -191,9 +188,7 @@ def main() -> None:
                    [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
                "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
         for name, v in ms.items()}}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

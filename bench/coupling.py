@@ -16,7 +16,6 @@ the target's vocabulary, one thread) is timed too, since coupled sampling hashes
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.policy import expected_tokens
 from hybridspec.edge.prompt import encode_prompt
-from harness import write_json
+from harness import arguments, write_json
 
 TEMPERATURES = (0.7, 1.0)
 BOOTSTRAP = 2000
@@ -195,7 +194,7 @@ def write_markdown(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--heldout", type=int, default=24, help="held-out prompts (plus every free-form one)")
     parser.add_argument("--tokens", type=int, default=32, help="target-sampled tokens per prompt")
     parser.add_argument("--seeds", type=int, default=8, help="coupling seeds per position")

@@ -12,7 +12,6 @@ how many tokens agree before the first difference, and the speed of both.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -27,10 +26,11 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.lab.baselines import colocated
+from harness import arguments
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--target", default=str(default_paths()["target"]))
     parser.add_argument("--drafter", default=str(default_paths()["drafter"]))
     parser.add_argument("--device", default="cuda")

@@ -22,7 +22,6 @@ one JSON object (and writes it to --out).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -36,12 +35,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hybridspec.cli.demo_cmd import DEFAULT_PROMPT, DEMO_TEXT, WARMUP_TOKENS
 from hybridspec.cli.edge_cmd import prompt_ids
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.controller import Controller
 from hybridspec.edge.state import EventKind
 from hybridspec.lab.stats import mean_ci
-from harness import CLOUD_CORE, EDGE_CORE, commit, cpu_model, pin, usable_cores, write_json
+from harness import (CLOUD_CORE, EDGE_CORE, arguments, commit, cpu_model, pin, start_cloud, stop_cloud, usable_cores,
+                     write_json)
 
 NEW_TOKENS = 96
 STRATEGIES = ("default", "cloud-only", "no-shadow", "shadow")
@@ -97,9 +96,8 @@ def session(index: int, pairs: int, strategies: tuple[str, ...]) -> dict:
     from hybridspec.cli.edge_options import build_worker
 
     pin((EDGE_CORE, CLOUD_CORE))
-    server, address, _ = start_cloud_process({"torch_threads": 1}, {CLOUD_CORE})
+    server, address = start_cloud({"torch_threads": 1})  # and this process on the edge core
     try:
-        pin(EDGE_CORE)
         import torch
 
         torch.set_num_threads(1)
@@ -126,7 +124,7 @@ def session(index: int, pairs: int, strategies: tuple[str, ...]) -> dict:
                 rows.append({"session": index, "turn": turn, "position": position, "strategy": name, **row})
         worker.close()
     finally:
-        stop_cloud_process(server)
+        stop_cloud(server)
         pin((EDGE_CORE, CLOUD_CORE))
     first, second = (old_cloud, old_default) if swapped else (old_default, old_cloud)
     return {"session": index, "old_demo": {"default": old_default, "cloud-only": old_cloud, "first": "cloud-only"
@@ -192,7 +190,7 @@ def pool(files: list[Path]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--pool", nargs="+", type=Path, metavar="FILE",
                         help="run nothing: pool the turns of these result files and print the intervals")
     parser.add_argument("--sessions", type=int, default=5)

@@ -15,7 +15,6 @@ Prints a table; --out writes the numbers as JSON.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shutil
@@ -46,8 +45,7 @@ from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
 from llamacpp_drafter import time_drafters
-from harness import cpu_model, median, pass_times, usable_cores, write_json
-from tree_tau import greedy_continuations
+from harness import arguments, cpu_model, median, pass_times, references, usable_cores, write_json
 
 SIZES = (8192, 12288, 16384, 24576, 32768, 49152)
 TOP_K = 4
@@ -237,7 +235,7 @@ def fit(rows: list[int], ms: list[float]) -> dict:
 # ----------------------------------------------------------------------------------------------------- main
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--choose-prompts", type=int, default=96, help="prompts whose outputs choose the rows")
     parser.add_argument("--choose-tokens", type=int, default=64, help="target tokens per choosing prompt")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="head rows, comma-separated")
@@ -293,7 +291,7 @@ def main() -> None:
 
     # 2. Agreement on the evaluation set.
     prompts = [encode_prompt(target.tokenizer, q, chat=True) for q in evaluation]
-    texts = greedy_continuations(target, prompts, args.eval_tokens)
+    texts = references(target, prompts, args.eval_tokens)
     targets = torch.tensor([t for text in texts for t in text])
     logits = drafter_logits(drafter, prompts, texts)
     log(f"{targets.numel()} evaluation positions")

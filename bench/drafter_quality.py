@@ -15,7 +15,6 @@ curves as the distill run measured them, and the shape, which is timed here) for
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -34,7 +33,7 @@ from hybridspec.common.protocol.wire import FeatureFormat
 from hybridspec.distill.data import generate_samples, generate_with_features
 from hybridspec.distill.evaluate import eagle_report, evaluate
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
-from harness import REFERENCE, figure, median, save_figure, series, write_json
+from harness import REFERENCE, arguments, figure, median, save_figure, series, write_json
 
 
 @torch.inference_mode()
@@ -51,7 +50,7 @@ def decode_latency(model, context: int = 96, tokens: int = 48) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--drafter", default=str(default_paths()["drafter"]))
     parser.add_argument("--target", default=str(default_paths()["target"]))
     parser.add_argument("--plain", default=str(default_paths()["plain"]), help="plain drafter an eagle head is compared with")

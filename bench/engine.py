@@ -13,11 +13,10 @@ round accepts all γ = 4 drafts: the ceiling batching is measured against:
   (what `llama-batched-bench` measures for llama.cpp): what the serving core costs on top.
 - torch only: cloud-only Generate over a real localhost gRPC server vs the target's own Hugging Face
   `generate()`, same prompt and length, tokens/s, and whether they produce the same tokens (for
-  llama.cpp that comparison, against llama-cpp-python, is bench/llamacpp_engine.py).
+  llama.cpp that comparison, against llama-cpp-python, is bench/cloud_only_overhead.py).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -38,7 +37,7 @@ from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpe
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.prompt import encode_prompt
-from harness import median
+from harness import arguments, median
 
 GAMMA = 4
 TOPICS = ["the history of the bicycle", "how bridges are built", "the life of bees", "ocean currents",
@@ -122,7 +121,7 @@ def generate_per_s(target, verifier: Verifier, prompt: list[int], n: int, repeat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="rounds per session and mode")
     parser.add_argument("--dtype", default="float32", help="torch engine only")

@@ -14,7 +14,6 @@ short keeps what it measured. A part that fails is recorded in `errors` and the 
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import os
@@ -30,7 +29,7 @@ import torch
 
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.lab.gpu_suite import capacity, exactness, models, passes, report
-from harness import commit
+from harness import arguments, commit
 
 FULL = dict(shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
             tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shape="smollm2-135m",
@@ -44,7 +43,7 @@ QUICK = dict(shapes=["tiny"], batches=[1, 8], tokens=[1, 5], context=64, repeats
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few points (a dry run, CI)")

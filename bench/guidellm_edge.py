@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridspec.cli.serve_cmd import parse_ready_line
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
+from hybridspec.cloud.process import stop_cloud_process
 from hybridspec.common.models.embedded import resolve
-from harness import cpu_model, pin_child, usable_cores, write_json
+from harness import (CLOUD_CORE, EDGE_CORE, cpu_model, pin_child, start_cloud, stop_cloud, two_hosts, usable_cores,
+                     write_json)
 
 HYBRIDSPEC = [sys.executable, "-m", "hybridspec.cli.main"]
 # `edge serve` flags per mode: the default policy (drafts only while that is predicted to pay, else
@@ -306,10 +307,9 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
-    cores = usable_cores()
-    edge_cores, cloud_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (None, None)
-    meta = {"guidellm_version": version, "cpu": cpu_model(), "cores": len(cores),
-            "pinning": (f"cloud on core {cores[1]}, edge on core {cores[0]}, one thread each; guidellm unpinned"
+    edge_cores, cloud_cores = two_hosts()
+    meta = {"guidellm_version": version, "cpu": cpu_model(), "cores": len(usable_cores()),
+            "pinning": (f"cloud on core {CLOUD_CORE}, edge on core {EDGE_CORE}, one thread each; guidellm unpinned"
                         if edge_cores else "unpinned (one core)"),
             "rtt_ms": args.rtt_ms, "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "seconds": args.seconds, "warmup_s": args.warmup_s, "command": "python " + " ".join(sys.argv),
@@ -321,8 +321,7 @@ def main() -> None:
         if args.rtt_ms:
             # Rounds must cross the emulated link: direct verify would send them to the replica's own port.
             overrides["direct_verify"] = False
-        cloud, address, cloud_log = start_cloud_process(overrides, cloud_cores)
-        print(f"cloud serving on {address} (log {cloud_log})", file=sys.stderr)
+        cloud, address = start_cloud(overrides, pin_edge=False)  # guidellm runs unpinned
         if args.rtt_ms:
             netem, address = start_netem(address, args.rtt_ms, logs)
         for mode in args.modes:
@@ -341,7 +340,7 @@ def main() -> None:
         stop(edge)
         stop(netem)
         if cloud is not None:
-            stop_cloud_process(cloud)
+            stop_cloud(cloud)
     meta["loadavg"].append(os.getloadavg()[0])
     write_json(args.out / "results.json", {"meta": meta, "rows": rows})
     (args.out / "results.md").write_text(markdown(meta, rows))

@@ -1,19 +1,24 @@
-"""What every benchmark here shares: core pinning, pass timing, summary statistics, the result file's
-header and JSON, the tiny target, and plot defaults. One implementation of each, so two scripts'
-numbers are computed the same way.
+"""What every benchmark here shares: core pinning, the cloud on its own core, pass timing, summary
+statistics, the argument parser, the result file's header and JSON, the target's own greedy text, the
+tiny target, and plot defaults. One implementation of each, so two scripts' numbers are computed the
+same way.
 
 The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
-they import this module as `from harness import ...`, as they import `conversations`.
+they import this module as `from harness import ...` (and weight_types.py imports `conversations`).
+Nothing here reaches into tests/: the tiny models and the fuzz strategies, which the tests use too,
+live in lab/.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -21,9 +26,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
 
-__all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "commit", "cpu_model", "figure", "header", "median", "pass_times",
-           "percentile", "pin", "pin_child", "save_figure", "series", "style", "t_interval", "tests_module",
-           "tiny_target", "usable_cores", "write_json"]
+__all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
+           "free_port", "header", "median", "pass_times", "percentile", "pin", "pin_child", "references", "report",
+           "save_figure", "series", "start_cloud", "stop_cloud", "style", "t_interval", "tiny_target", "two_hosts",
+           "usable_cores", "write_json"]
 
 
 # --- pinning -------------------------------------------------------------------------------------
@@ -44,6 +50,55 @@ def pin_child(to: Iterable[int] | None) -> Callable[[], None] | None:
         return None
     chosen = set(to)
     return lambda: os.sched_setaffinity(0, chosen)
+
+
+def two_hosts() -> tuple[set[int] | None, set[int] | None]:
+    """(edge cores, cloud cores) of the two emulated hosts: EDGE_CORE and CLOUD_CORE where this process
+    may use both, else (None, None): one core cannot be split, and nothing is pinned."""
+    cores = usable_cores()
+    return ({EDGE_CORE}, {CLOUD_CORE}) if EDGE_CORE in cores and CLOUD_CORE in cores else (None, None)
+
+
+# --- the cloud -----------------------------------------------------------------------------------
+
+def start_cloud(keys: dict | None = None, pin_edge: bool = True) -> tuple[subprocess.Popen, str]:
+    """Start `cloud serve` with these ServeConfig keys on the cloud core (everything it spawns, Ray
+    included, inherits it) and, unless `pin_edge` is false, pin this process (the edges) to the edge
+    core. Returns (process, HOST:PORT) once it is serving; `stop_cloud` ends it."""
+    from hybridspec.cloud.process import start_cloud_process
+
+    edge_cores, cloud_cores = two_hosts()
+    proc, address, log = start_cloud_process(keys or {}, cloud_cores)
+    if pin_edge and edge_cores:
+        pin(edge_cores)
+    print(f"cloud serve at {address} (log {log})", file=sys.stderr, flush=True)
+    return proc, address
+
+
+def stop_cloud(proc: subprocess.Popen) -> None:
+    """Stop a server `start_cloud` started: drained (SIGTERM), killed if it does not stop."""
+    from hybridspec.cloud.process import stop_cloud_process
+
+    stop_cloud_process(proc)
+
+
+@contextmanager
+def cloud(keys: dict | None = None, pin_edge: bool = True) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`start_cloud` for a with block: yields (process, HOST:PORT), and leaving stops the server."""
+    proc, address = start_cloud(keys, pin_edge)
+    try:
+        yield proc, address
+    finally:
+        stop_cloud(proc)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a server's metrics endpoint)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # --- summary statistics --------------------------------------------------------------------------
@@ -119,27 +174,48 @@ def header(**fields: Any) -> dict[str, Any]:
 
 
 def write_json(path: str | Path, result: Any, indent: int = 1) -> str:
-    """Write `result` as JSON (with a final newline) to `path`; returns the text."""
+    """Write `result` as JSON (with a final newline) to `path`, its folder made where missing; returns the text."""
     text = json.dumps(result, indent=indent)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text + "\n")
     return text
 
 
+def report(result: Any, out: str | Path | None = None, indent: int = 1) -> None:
+    """Print `result` as JSON and, where `out` is given, write it there too (the scripts' last step)."""
+    print(json.dumps(result, indent=indent), flush=True)
+    if out:
+        write_json(out, result, indent)
+
+
+def arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The script's argument parser, described by its docstring's first paragraph (--help shows the rest
+    of the docstring's command line too)."""
+    return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+
+
 # --- inputs --------------------------------------------------------------------------------------
 
-def tests_module(name: str):
-    """A helper module of tests/ shared with the benchmarks (the fuzz strategies, the tiny models)."""
-    import importlib
+def references(target, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt (Hugging Face generate, one token a step:
+    lab/tinymodels.py's greedy_reference), cut after an end-of-sequence token: what every exact
+    generation must equal."""
+    from hybridspec.lab.tinymodels import greedy_reference
 
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    return importlib.import_module(name)
+    eos = set(target.eos_token_ids)
+    out = []
+    for p in prompts:
+        ids = greedy_reference(target, list(p), new_tokens)
+        out.append(ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
+    return out
 
 
 def tiny_target(out: Path) -> str:
-    """A random 2-layer Llama with a real tokenizer, saved as a model directory under `out`."""
-    tiny = tests_module("tinymodels")
-    return str(tiny.save_model(tiny.make_model(seed=0), out / "target"))
+    """A random 2-layer Llama with a real tokenizer (lab/tinymodels.py, the tests' too), saved as a model
+    directory under `out`."""
+    from hybridspec.lab.tinymodels import make_model, save_model
+
+    return str(save_model(make_model(seed=0), out / "target"))
 
 
 # --- plots ---------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ Writes one JSON object to --out (and prints it).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings
-from harness import cpu_model, median, pass_times, usable_cores
+from harness import arguments, cpu_model, median, pass_times, usable_cores
 
 QUESTIONS = ("Why is the sky blue?", "Write a haiku about autumn leaves.", "What is 17 times 3? Explain.",
              "Give me three tips for learning Python.", "Summarise the plot of Romeo and Juliet.",
@@ -147,7 +146,7 @@ def target_ms(context_len: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--block", type=int, default=8)

@@ -1,6 +1,6 @@
-"""The llama.cpp engine against the torch engine and against llama.cpp alone, in one run.
+"""The llama.cpp engine against the torch engine, and per weight type, in one run.
 
-    python bench/llamacpp_engine.py [--context 200] [--repeats 5] [--prompts 8] [--new-tokens 96]
+    python bench/llamacpp_engine.py [--context 200] [--repeats 5]
 
 1. Cost curve: t(M) = one engine pass of M scored tokens after `--context` cached tokens, M = 1..32,
    for both engines on the embedded target (llama.cpp: the shipped Q4_1 GGUF; torch: its fp32
@@ -9,18 +9,13 @@
 2. Weight types: the shipped file re-quantised (F16, Q8_0, Q4_0), each with flash attention on and
    off: t(1), t(5), v, and whether a block of 8 scores exactly as its tokens one by one (largest
    logit difference, top-1 flips), alone and batched with another session.
-3. Cloud-only decoding end to end: `cloud serve --engine llamacpp` on core 1 and `--cloud-only` edges
-   on core 0 (our gRPC path, prompt prefill included), against llama-cpp-python's own `Llama` greedy
-   on core 1 with the same GGUF and prompts: tokens/s over `--prompts` chat prompts.
-Prints one JSON object.
+Prints one JSON object. (Cloud-only decoding against llama.cpp alone, this script's third part until
+2026-11-27, is measured layer by layer by bench/cloud_only_overhead.py.)
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,16 +25,10 @@ import torch
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
 from hybridspec.cloud.engine.torch_engine import engine_for
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import find_gguf, requantize
 from hybridspec.common.models.loading import load_model
-from hybridspec.distill.prompts import FREEFORM_PROMPTS
-from hybridspec.edge.client import VerifierClient
-from hybridspec.edge.config import EdgeConfig
-from hybridspec.edge.prompt import encode_prompt
-from hybridspec.edge.worker import EdgeWorker
-from harness import CLOUD_CORE, EDGE_CORE, cpu_model, median, pass_times, pin
+from harness import CLOUD_CORE, arguments, cpu_model, median, pass_times, pin, report
 
 
 @torch.inference_mode()
@@ -108,67 +97,15 @@ def weight_types(context_len: int, repeats: int, workdir: Path) -> list[dict]:
     return rows
 
 
-def cloud_only_grpc(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Tokens/s of --cloud-only edges through our gRPC front door, one prompt after another."""
-    proc, address, _ = start_cloud_process({"backend": "inprocess", "engine": "llamacpp", "torch_threads": 1},
-                                           cores={CLOUD_CORE})
-    pin(EDGE_CORE)
-    try:
-        config = EdgeConfig(cloud=address, max_new_tokens=new_tokens, cloud_only=True)
-        drafter = load_model(default_paths()["drafter"], device="cpu")  # loaded, never run: --cloud-only
-        with VerifierClient(address) as client:
-            worker = EdgeWorker(drafter, client, config)
-            worker.generate(prompts[0][:8])  # warm the channel and the server
-            texts, t0 = [], time.perf_counter()
-            for prompt in prompts:
-                texts.append(worker.generate(prompt).token_ids)
-            return sum(map(len, texts)) / (time.perf_counter() - t0), texts
-    finally:
-        stop_cloud_process(proc)
-
-
-def llamacpp_alone(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Tokens/s of llama-cpp-python's own `Llama` decoding greedily, prompt prefill included (flash
-    attention on and no repetition penalty, as our engine decodes, so the texts can be compared)."""
-    from llama_cpp import Llama
-
-    pin(CLOUD_CORE)
-    llm = Llama(str(find_gguf(default_paths()["target"])), n_ctx=2048, n_threads=1, n_threads_batch=1,
-                flash_attn=True, verbose=False)
-    stop = {llm.token_eos()}
-    texts, t0 = [], time.perf_counter()
-    for prompt in prompts:
-        llm.reset()
-        text = []
-        for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-            text.append(token)  # an end-of-sequence token is decoded too, and our edge counts it
-            if token in stop or len(text) == new_tokens:
-                break
-        texts.append(text)
-    return sum(map(len, texts)) / (time.perf_counter() - t0), texts
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--skip-curve", action="store_true", help="only the end-to-end comparison")
     args = parser.parse_args()
-    result = {"cpu": cpu_model()}
-    if not args.skip_curve:
-        result["cost"] = cost_curve(args.context, args.repeats)
-        with tempfile.TemporaryDirectory() as workdir:
-            result["weight_types"] = weight_types(args.context, args.repeats, Path(workdir))
-    tokenizer = load_model(default_paths()["drafter"], device="cpu").tokenizer
-    prompts = [encode_prompt(tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
-    ours, ours_texts = cloud_only_grpc(prompts, args.new_tokens)
-    alone, alone_texts = llamacpp_alone(prompts, args.new_tokens)
-    result["cloud_only"] = {"ours_grpc_tokens_per_s": round(ours, 1), "llamacpp_alone_tokens_per_s": round(alone, 1),
-                            "ratio": round(ours / alone, 2), "tokens": [len(t) for t in ours_texts],
-                            "same_text": sum(a == b for a, b in zip(ours_texts, alone_texts))}
-    print(json.dumps(result, indent=1))
+    result = {"cpu": cpu_model(), "cost": cost_curve(args.context, args.repeats)}
+    with tempfile.TemporaryDirectory() as workdir:
+        result["weight_types"] = weight_types(args.context, args.repeats, Path(workdir))
+    report(result)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ session. Reported: scrape latency p50 / p95 / max and the body size. The goal is
 """
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -22,10 +20,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.edge.client import VerifierClient
-from harness import median, percentile, pin, tiny_target, usable_cores, write_json
+from harness import arguments, free_port, median, percentile, start_cloud, stop_cloud, tiny_target, write_json
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 GAMMA = 4
@@ -74,22 +71,14 @@ def summary(times: list[float]) -> dict:
     return {"p50_ms": median(times), "p95_ms": percentile(times, 95), "max_ms": max(times)}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--sessions", type=int, default=256)
     parser.add_argument("--scrapes", type=int, default=200, help="timed scrapes per condition")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--edges", type=int, default=8, help="clients the sessions are spread over")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    cores = usable_cores()
-    pin(cores[0])
     tmp = tempfile.TemporaryDirectory()
     target = tiny_target(Path(tmp.name))
     metrics_port = free_port()
@@ -99,7 +88,7 @@ def main() -> None:
             "max_context": MAX_CONTEXT, "max_sessions": per_replica, "max_sessions_per_address": args.sessions + 8,
             "max_calls_per_address": 2 * args.sessions + 8,
             "metrics_port": metrics_port}
-    proc, address, log = start_cloud_process(keys, {cores[-1]})
+    proc, address = start_cloud(keys)
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     stop = threading.Event()
     edges: list[Edge] = []
@@ -132,7 +121,7 @@ def main() -> None:
         stop.set()
         for edge in edges:
             edge.client.close()
-        stop_cloud_process(proc)
+        stop_cloud(proc)
         tmp.cleanup()
     result = {"sessions": args.sessions, "sessions_open_reported": open_sessions, "replicas": args.replicas,
               "scrapes": args.scrapes, "series": series, "body_bytes": max(size, loaded_size),

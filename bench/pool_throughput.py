@@ -15,7 +15,6 @@ the replica's own device, e.g. a GPU, without gRPC and Ray.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import threading
@@ -32,7 +31,7 @@ from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.data import generate_samples
 from hybridspec.distill.prompts import heldout_prompts
-from harness import figure, median, pin, save_figure, series, usable_cores
+from harness import arguments, figure, median, pin, save_figure, series, usable_cores
 
 MAX_BATCH = 16
 LIMITS = VerifierLimits(max_context=2048, max_draft=32, max_sessions=64)
@@ -116,7 +115,7 @@ def run_edges(address: str, refs, gamma: int, rounds: int) -> tuple[float, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--target", default=str(default_paths()["target"]))
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--gamma", type=int, default=4)

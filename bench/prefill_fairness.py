@@ -11,7 +11,6 @@ case for both sides: a real edge drafts between rounds, and the prompt advances 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -26,7 +25,7 @@ from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
-from harness import median, percentile
+from harness import arguments, median, percentile
 
 VICTIM_PROMPT = tuple(range(1000, 1200))  # 200 tokens of context
 DRAFT = (30, 31, 32, 33)
@@ -68,7 +67,7 @@ def measure(target, prompt_tokens: int, budget_ms: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--budgets-ms", type=float, nargs="+", default=[30.0, 60.0, 120.0])
     parser.add_argument("--out", type=Path, help="append the rows (JSON lines) to this file")

@@ -10,23 +10,21 @@ sessions are open.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import tempfile
+from unittest import mock
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import served_weights
 from hybridspec.common.protocol.wire import SessionSpec
 from hybridspec.edge.client import VerifierClient
-from harness import CLOUD_CORE, commit, header, write_json
+from harness import arguments, commit, header, report, start_cloud, stop_cloud
 
 PACKAGES = ("cli", "cloud", "common", "distill", "edge", "fetch", "lab", "netem")
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,15 +52,9 @@ def baseline_path(commit: str, workdir: Path) -> Path:
 
 def measure(sessions: int, tokens: int, pythonpath: str = "") -> dict:
     """RSS of a default in-process `cloud serve` idle, then with the sessions open."""
-    previous = os.environ.get("PYTHONPATH")
-    if pythonpath:
-        os.environ["PYTHONPATH"] = pythonpath
-    try:
-        proc, address, _ = start_cloud_process({"backend": "inprocess", "max_sessions_per_address": sessions},
-                                               cores={CLOUD_CORE})
-    finally:
-        if pythonpath:
-            os.environ.pop("PYTHONPATH") if previous is None else os.environ.__setitem__("PYTHONPATH", previous)
+    keys = {"backend": "inprocess", "max_sessions_per_address": sessions}
+    with mock.patch.dict(os.environ, {"PYTHONPATH": pythonpath} if pythonpath else {}):
+        proc, address = start_cloud(keys, pin_edge=False)  # with the baseline's code first on its path
     try:
         idle = rss_mib(proc.pid)
         rng = np.random.default_rng(0)
@@ -71,11 +63,11 @@ def measure(sessions: int, tokens: int, pythonpath: str = "") -> dict:
                 client.open_session(SessionSpec("", tuple(rng.integers(100, 40000, tokens).tolist())))
         return {"rss_serving_mib": idle, "rss_with_sessions_mib": rss_mib(proc.pid)}
     finally:
-        stop_cloud_process(proc)
+        stop_cloud(proc)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--baseline-commit", default="fcced8a")
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=200)
@@ -89,9 +81,7 @@ def main() -> None:
               "server": "cloud serve --backend inprocess, defaults, core 1", "sessions": args.sessions,
               "prompt_tokens": args.tokens, args.baseline_commit: baseline, f"{head} (this code)": current,
               "ratio": round(current["rss_with_sessions_mib"] / baseline["rss_with_sessions_mib"], 3)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

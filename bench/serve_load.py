@@ -28,10 +28,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import openai
 from hybridspec.cli.serve_cmd import parse_ready_line
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import resolve
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
-from harness import REFERENCE, figure, pin, save_figure, series, t_interval, usable_cores, write_json
+from harness import REFERENCE, figure, save_figure, series, start_cloud, stop_cloud, t_interval, two_hosts, write_json
 
 HYBRIDSPEC = [sys.executable, "-m", "hybridspec.cli.main"]
 SUMMARY = re.compile(r"^\[?(\d+) tokens.*?([\d.]+) tokens/s", re.MULTILINE)
@@ -121,12 +120,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("docs/serve"))
     args = parser.parse_args()
-    cores = usable_cores()
-    if len(cores) < 2:
+    if two_hosts()[0] is None:
         raise SystemExit("needs two cores: one for the edge, one for the cloud")
-    edge_cores, cloud_cores = {cores[0]}, {cores[1]}
-    pin(edge_cores)  # inherited by `edge serve`, the CLI runs, and the clients (the device's apps)
-    cloud, address, _ = start_cloud_process({"target": str(resolve("", "target")), "torch_threads": 1}, cloud_cores)
+    # This process goes on the edge core: `edge serve`, the CLI runs and the clients (the device's apps) inherit it.
+    cloud, address = start_cloud({"target": str(resolve("", "target")), "torch_threads": 1})
     serve = None
     try:
         serve, base, ready_s = start_edge_serve(address, max(args.concurrency))
@@ -148,7 +145,7 @@ def main() -> None:
         if serve is not None:
             serve.terminate()
             serve.wait(timeout=60)
-        stop_cloud_process(cloud)
+        stop_cloud(cloud)
     summary = summarise(rows, args)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "results.json", {"summary": summary, "raw": rows})

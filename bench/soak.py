@@ -1,20 +1,29 @@
-"""Chaos + soak: many concurrent edges for many minutes while the replica is killed and the link is
-cut and stalled at random. Every generation must equal the target's own greedy decoding, and the
-cloud's memory must stay bounded.
+"""Honest edges against a cloud under attack: every generation must equal the cloud's own greedy
+decoding (`--cloud-only`, taken before the attack), and the cloud's memory must stay bounded.
 
-    python bench/soak.py [--edges 32] [--minutes 10] [--replicas 1] [--out docs/integrity]
+    python bench/soak.py chaos [--edges 32] [--minutes 10] [--replicas 1] [--out docs/integrity]
+    python bench/soak.py fuzz [--messages 10000] [--cloud HOST:PORT] [--out docs/integrity]
 
-It starts `hybridspec cloud serve` (local Ray pool, embedded target) pinned to one core and runs the
-edges (embedded drafter, `allow_unverified`, half of them with the default adaptive edge and half
-with fixed blocks of 4) on the other, through the user-space link emulator (5 ms each way, a 2 s
-stall every 45 s). At random moments it SIGKILLs a replica actor process (Ray restarts it) and cuts
-the link for 1-4 s. Every 5 s it samples the resident memory of the front door and of the replica.
-Writes soak.csv (samples), soak.json (summary) and soak.png (memory over time, with the chaos
-events marked). Exit status 1 if any generation differed from the target's or failed.
+Both start `hybridspec cloud serve` (local Ray pool, embedded target) on one core and run the edges
+(embedded drafter) on the other.
+
+chaos: `--edges` concurrent edges for `--minutes` (`allow_unverified`; half the default adaptive edge,
+half fixed blocks of 4) through the user-space link emulator (5 ms each way, a 2 s stall every 45 s). At
+random moments it SIGKILLs a replica actor process (Ray restarts it) and cuts the link for 1-4 s. Every
+5 s it samples the resident memory of the front door and of the replica. Writes soak.csv (samples),
+soak.json (summary) and soak.png (memory over time, with the chaos events marked).
+
+fuzz: `--messages` hostile messages (the suite of lab/fuzzing.py that tests/test_fuzz.py runs too: every RPC; random, plausible and
+undecodable bodies; fresh randomness) while one honest edge generates beside them; with --cloud, against
+that running server instead. Writes fuzz.json: the count of every status, any reply that broke the rules
+(UNKNOWN, INTERNAL, a long or traceback-bearing message), whether every honest generation equalled the
+cloud-only one, and the server's resident memory before and after.
+
+Exit status 1 if any generation differed from the cloud-only one or failed (or, fuzzing, a reply broke a rule).
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import csv
 import json
 import os
@@ -27,11 +36,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import grpc
 import psutil
 import torch
+from hypothesis import HealthCheck, given, settings
 from tqdm import tqdm
 
-from hybridspec.cloud.process import start_cloud_process, stop_cloud_process
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
@@ -39,11 +49,13 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
+from hybridspec.lab.fuzzing import Fuzzer, calls
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from harness import figure, pin, save_figure, series, usable_cores, write_json
+from harness import arguments, cloud, figure, save_figure, series, write_json
 
-NEW_TOKENS = 48
+CHAOS_TOKENS, FUZZ_TOKENS = 48, 32
+FUZZ_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well."]
 SAMPLE_S = 5.0
 KILL_EVERY_S = (60.0, 150.0)  # a replica is killed after a random wait in this range
 CUT_EVERY_S = (30.0, 90.0)
@@ -63,6 +75,7 @@ def replica_processes(front_door: psutil.Process) -> list[psutil.Process]:
 
 
 def rss_mb(procs: list[psutil.Process]) -> float:
+    """Resident memory of these processes together (those gone meanwhile count nothing)."""
     total = 0
     for proc in procs:
         try:
@@ -72,122 +85,103 @@ def rss_mb(procs: list[psutil.Process]) -> float:
     return total / 2**20
 
 
-def references(target, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """The target's own greedy continuation of each prompt (cut after an end-of-sequence token)."""
-    eos = set(target.eos_token_ids)
-    out = []
-    for p in prompts:
-        ids = target.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=new_tokens,
-                                    attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
-        out.append(ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
-    return out
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants (the front door, Ray and the replica)."""
+    root = psutil.Process(pid)
+    return rss_mb([root, *root.children(recursive=True)])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--edges", type=int, default=32)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("docs/integrity"))
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def models(questions: list[str], new_tokens: int, address: str):
+    """(drafter, encoded prompts, the cloud's own answers): each prompt decoded `--cloud-only`, one token
+    per pass on whatever engine and weights the cloud serves, before any attack starts. Hybrid rounds
+    must reproduce exactly that (the target's Hugging Face decoding is another model once the cloud
+    serves a re-quantised GGUF, as the CPU default does)."""
+    drafter = load_model(default_paths()["drafter"], device="cpu")
+    prompts = [encode_prompt(drafter.tokenizer, q, chat=True) for q in questions]
+    with VerifierClient(address, timeout_s=120) as client:
+        worker = EdgeWorker(drafter, client, EdgeConfig(cloud=address, max_new_tokens=new_tokens, cloud_only=True))
+        return drafter, prompts, [worker.generate(p).token_ids for p in prompts]
+
+
+def chaos(args) -> int:
+    """Edges, replica kills and link cuts for `args.minutes`; 0 when every generation was exact."""
     rng = random.Random(args.seed)
-    cores = usable_cores()
-    paths = default_paths()
+    keys = {"torch_threads": 1, "replicas": args.replicas, "replica_num_cpus": 1.0 / args.replicas,
+            "max_sessions": 2 * args.edges, "max_sessions_per_address": 2 * args.edges,
+            "max_calls_per_address": 4 * args.edges}
+    # 1. The cloud on its own core; edges, link and chaos on the other; the cloud's own answers.
+    with cloud(keys) as (proc, address):
+        front_door = psutil.Process(proc.pid)
+        link = BackgroundLink(LinkSpec.symmetric(delay_ms=5.0, stall_ms=2000.0, stall_every_s=45.0), address)
+        drafter, prompts, expected = models(heldout_prompts(4, seed=5) + FREEFORM_PROMPTS[:4], CHAOS_TOKENS, address)
 
-    # 1. The cloud on its own core; edges, link and chaos on the other.
-    proc, address, log = start_cloud_process(
-        {"torch_threads": 1, "replicas": args.replicas, "replica_num_cpus": 1.0 / args.replicas,
-         "max_sessions": 2 * args.edges, "max_sessions_per_address": 2 * args.edges,
-         "max_calls_per_address": 4 * args.edges},
-        cores={cores[0]} if len(cores) > 1 else None)
-    if len(cores) > 1:
-        pin(cores[1:])
-    front_door = psutil.Process(proc.pid)
-    print(f"cloud serve at {address} (log {log})", flush=True)
-    link = BackgroundLink(LinkSpec.symmetric(delay_ms=5.0, stall_ms=2000.0, stall_every_s=45.0), address)
+        # 2. Edges generate until the time is up; every result is checked.
+        deadline = time.monotonic() + 60 * args.minutes
+        results = {"equal": 0, "different": 0, "failed": 0, "unverified_left": 0}
+        failures: list[str] = []
+        lock = threading.Lock()
 
-    # 2. Prompts and the target's own answers.
-    target = load_model(paths["target"], device="cpu")
-    drafter = load_model(paths["drafter"], device="cpu")
-    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in heldout_prompts(4, seed=5) + FREEFORM_PROMPTS[:4]]
-    expected = references(target, prompts)
-    del target
+        def edge(i: int) -> None:
+            extra = {} if i % 2 else {"gamma_policy": "fixed", "cloud_only_switch": False, "max_draft": 4}
+            config = EdgeConfig(cloud=link.address, max_new_tokens=CHAOS_TOKENS, allow_unverified=True,
+                                timeout_s=30, reconnect_s=0.5, **extra)
+            n = i
+            while time.monotonic() < deadline:
+                try:
+                    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+                        worker = EdgeWorker(drafter, client, config)
+                        while time.monotonic() < deadline:
+                            gen = worker.generate(prompts[n % len(prompts)])
+                            with lock:
+                                results["unverified_left"] += bool(gen.stats.unverified)
+                                key = "equal" if gen.token_ids == expected[n % len(prompts)] else "different"
+                                results[key] += 1
+                                if key == "different":
+                                    failures.append(f"edge {i} prompt {n % len(prompts)}: {gen.token_ids}")
+                            n += 1
+                except Exception as exc:  # counted; the edge starts again with a new worker
+                    with lock:
+                        results["failed"] += 1
+                        failures.append(f"edge {i}: {type(exc).__name__}: {exc}")
+                    time.sleep(1.0)
 
-    # 3. Edges generate until the time is up; every result is checked.
-    deadline = time.monotonic() + 60 * args.minutes
-    results = {"equal": 0, "different": 0, "failed": 0, "unverified_left": 0}
-    failures: list[str] = []
-    lock = threading.Lock()
-
-    def edge(i: int) -> None:
-        extra = {} if i % 2 else {"gamma_policy": "fixed", "cloud_only_switch": False, "max_draft": 4}
-        config = EdgeConfig(cloud=link.address, max_new_tokens=NEW_TOKENS, allow_unverified=True, timeout_s=30,
-                            reconnect_s=0.5, **extra)
-        n = i
-        while time.monotonic() < deadline:
-            try:
-                with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
-                    worker = EdgeWorker(drafter, client, config)
-                    while time.monotonic() < deadline:
-                        gen = worker.generate(prompts[n % len(prompts)])
-                        with lock:
-                            if gen.stats.unverified:
-                                results["unverified_left"] += 1
-                            key = "equal" if gen.token_ids == expected[n % len(prompts)] else "different"
-                            results[key] += 1
-                            if key == "different":
-                                failures.append(f"edge {i} prompt {n % len(prompts)}: {gen.token_ids}")
-                        n += 1
-            except Exception as exc:  # counted; the edge starts again with a new worker
-                with lock:
-                    results["failed"] += 1
-                    failures.append(f"edge {i}: {type(exc).__name__}: {exc}")
-                time.sleep(1.0)
-
-    threads = [threading.Thread(target=edge, args=(i,), daemon=True) for i in range(args.edges)]
-    for t in threads:
-        t.start()
-
-    # 4. Chaos and memory samples until the deadline.
-    events: list[tuple[float, str]] = []
-    samples: list[dict] = []
-    start = time.monotonic()
-    next_kill = start + rng.uniform(*KILL_EVERY_S)
-    next_cut = start + rng.uniform(*CUT_EVERY_S)
-    next_sample = start
-    bar = tqdm(total=int(60 * args.minutes), desc="soak", unit="s")
-    try:
-        while (now := time.monotonic()) < deadline:
-            if now >= next_kill:
-                victims = replica_processes(front_door)
-                if victims:
-                    rng.choice(victims).send_signal(signal.SIGKILL)
-                    events.append((now - start, "replica killed"))
-                next_kill = now + rng.uniform(*KILL_EVERY_S)
-            if now >= next_cut:
-                cut = rng.uniform(*CUT_FOR_S)
-                link.set_down(True)
-                threading.Timer(cut, link.set_down, args=(False,)).start()
-                events.append((now - start, f"link cut {cut:.1f} s"))
-                next_cut = now + cut + rng.uniform(*CUT_EVERY_S)
-            if now >= next_sample:
-                samples.append({"t_s": round(now - start, 1), "front_door_mb": round(rss_mb([front_door]), 1),
-                                "replica_mb": round(rss_mb(replica_processes(front_door)), 1),
-                                **{k: v for k, v in results.items()}})
-                next_sample += SAMPLE_S
-                bar.update(int(now - start) - bar.n)
-                bar.set_postfix(equal=results["equal"], bad=results["different"] + results["failed"])
-            time.sleep(0.2)
-    finally:
-        bar.close()
+        threads = [threading.Thread(target=edge, args=(i,), daemon=True) for i in range(args.edges)]
         for t in threads:
-            t.join(timeout=120)
-        link.stop()
-        stop_cloud_process(proc)
+            t.start()
 
-    # 5. Report.
+        # 3. Chaos and memory samples until the deadline.
+        events: list[tuple[float, str]] = []
+        samples: list[dict] = []
+        start = time.monotonic()
+        next_kill, next_cut, next_sample = start + rng.uniform(*KILL_EVERY_S), start + rng.uniform(*CUT_EVERY_S), start
+        bar = tqdm(total=int(60 * args.minutes), desc="soak", unit="s")
+        try:
+            while (now := time.monotonic()) < deadline:
+                if now >= next_kill:
+                    if victims := replica_processes(front_door):
+                        rng.choice(victims).send_signal(signal.SIGKILL)
+                        events.append((now - start, "replica killed"))
+                    next_kill = now + rng.uniform(*KILL_EVERY_S)
+                if now >= next_cut:
+                    cut = rng.uniform(*CUT_FOR_S)
+                    link.set_down(True)
+                    threading.Timer(cut, link.set_down, args=(False,)).start()
+                    events.append((now - start, f"link cut {cut:.1f} s"))
+                    next_cut = now + cut + rng.uniform(*CUT_EVERY_S)
+                if now >= next_sample:
+                    samples.append({"t_s": round(now - start, 1), "front_door_mb": round(rss_mb([front_door]), 1),
+                                    "replica_mb": round(rss_mb(replica_processes(front_door)), 1), **results})
+                    next_sample += SAMPLE_S
+                    bar.update(int(now - start) - bar.n)
+                    bar.set_postfix(equal=results["equal"], bad=results["different"] + results["failed"])
+                time.sleep(0.2)
+        finally:
+            bar.close()
+            for t in threads:
+                t.join(timeout=120)
+            link.stop()
+
+    # 4. Report.
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "soak.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(samples[0]))
@@ -223,6 +217,79 @@ def plot(samples: list[dict], events: list[tuple[float, str]], out: Path, edges:
     ax.set_title(f"Soak: {edges} concurrent edges, replica kills and link cuts")
     ax.legend(loc="lower right", fontsize=8)
     save_figure(fig, out)
+
+
+def fuzz(args) -> int:
+    """`args.messages` hostile messages beside one honest edge; 0 when nothing broke a rule."""
+    served = contextlib.nullcontext((None, args.cloud)) if args.cloud else cloud({"torch_threads": 1})
+    with served as (proc, address):
+        rss_before = tree_rss_mb(proc.pid) if proc else None
+        drafter, prompts, expected = models(FUZZ_PROMPTS, FUZZ_TOKENS, address)
+        stop, honest, errors = threading.Event(), [], []
+
+        def honest_edge() -> None:
+            config = EdgeConfig(cloud=address, max_new_tokens=FUZZ_TOKENS)
+            try:
+                with VerifierClient(address) as client:
+                    worker = EdgeWorker(drafter, client, config)
+                    i = 0
+                    while not stop.is_set():
+                        gen = worker.generate(prompts[i % len(prompts)])
+                        honest.append(gen.token_ids == expected[i % len(prompts)])
+                        i += 1
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        channel = grpc.insecure_channel(address)
+        fuzzer = Fuzzer(channel)
+        bar = tqdm(total=args.messages, desc="fuzz", unit="msg")
+
+        @settings(max_examples=args.messages, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(call=calls(fuzzer.live, fuzzer.sessions))
+        def send(call):
+            fuzzer.send(*call)
+            bar.update(1)
+            bar.set_postfix(ok=fuzzer.counts["OK"], bad=len(fuzzer.violations), honest=f"{sum(honest)}/{len(honest)}")
+
+        edge = threading.Thread(target=honest_edge)
+        edge.start()
+        start = time.perf_counter()
+        try:
+            send()
+        finally:
+            stop.set()
+            edge.join(timeout=300)
+            bar.close()
+            channel.close()
+            elapsed = time.perf_counter() - start
+            rss_after = tree_rss_mb(proc.pid) if proc else None
+    result = {
+        "messages": sum(fuzzer.counts.values()), "seconds": round(elapsed, 1), "status_counts": dict(fuzzer.counts),
+        "violations": len(fuzzer.violations), "violation_examples": fuzzer.violations[:10],
+        "honest_generations": len(honest), "honest_equal_to_target": sum(honest), "honest_errors": errors,
+        "server_rss_mb_before": rss_before and round(rss_before), "server_rss_mb_after": rss_after and round(rss_after),
+    }
+    print(json.dumps(result, indent=2))
+    write_json(args.out / "fuzz.json", result, indent=2)
+    return 0 if not fuzzer.violations and not errors and honest and all(honest) else 1
+
+
+def main() -> int:
+    parser = arguments(__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    soak = commands.add_parser("chaos", help="concurrent edges, replica kills and link cuts for minutes")
+    soak.add_argument("--edges", type=int, default=32)
+    soak.add_argument("--minutes", type=float, default=10.0)
+    soak.add_argument("--replicas", type=int, default=1)
+    soak.add_argument("--seed", type=int, default=0)
+    hostile = commands.add_parser("fuzz", help="10^4+ hostile messages beside an honest edge")
+    hostile.add_argument("--messages", type=int, default=10_000)
+    hostile.add_argument("--cloud", help="fuzz this running server instead of starting one")
+    for command in (soak, hostile):
+        command.add_argument("--out", type=Path, default=Path("docs/integrity"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return chaos(args) if args.command == "chaos" else fuzz(args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ the greedy replay. Prints a table; --out writes the numbers as JSON.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -45,7 +44,7 @@ from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.proposal import DraftSettings, DrafterKind, Proposal
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
-from harness import write_json
+from harness import arguments, references, write_json
 
 GAMMA = 4
 TREE_NODES = (4, 8, 16, 32)
@@ -74,16 +73,6 @@ def matched(proposal: Proposal, text: list[int]) -> int:
 
 
 @torch.inference_mode()
-def greedy_continuations(target: LoadedModel, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    """The target's greedy continuation of each prompt (it may end early at an end-of-sequence id)."""
-    texts = []
-    for prompt in prompts:
-        out = target.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                    do_sample=False, max_new_tokens=tokens, pad_token_id=target.eos_token_ids[0])
-        texts.append(out[0, len(prompt):].tolist())
-    return texts
-
-
 @torch.inference_mode()
 def agreement(drafter: LoadedModel, prompts: list[list[int]], texts: list[list[int]]) -> dict:
     """Along the continuations: how often the target's token is among the drafter's top r, and in its head."""
@@ -161,7 +150,7 @@ def sampled_run(target: LoadedModel, loaded: LoadedModel, settings: DraftSetting
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--prompts", type=int, default=8, help="free-form prompts, from the first")
     parser.add_argument("--tokens", type=int, default=96, help="continuation tokens per prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled run's; 0 skips it")
@@ -175,7 +164,7 @@ def main() -> None:
     drafters = {engine: load_model(paths["plain"], device="cpu", engine=engine) for engine in ("torch", "llamacpp")}
     vocab = drafters["torch"].vocab_size
     prompts = [encode_prompt(target.tokenizer, q, chat=True) for q in FREEFORM_PROMPTS[:args.prompts]]
-    texts = greedy_continuations(target, prompts, args.tokens)
+    texts = references(target, prompts, args.tokens)
     greedy = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=vocab,
                            stop_ids=frozenset(target.eos_token_ids), fallback_threshold=0.0, seed=args.seed)
     result: dict = {"prompts": args.prompts, "tokens": args.tokens, "gamma": GAMMA, "tree_depth": DEPTH,

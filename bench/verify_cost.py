@@ -1,8 +1,10 @@
-"""What a verify round costs relative to one decoded token, per dtype, and how often bf16 flips a token.
+"""What a verify pass costs: a chain against one decoded token per dtype (and how often bf16 flips a
+token), and a draft tree against a chain of as many drafted tokens.
 
-    python bench/verify_cost.py [--dtypes float32 bfloat16] [--context 200] [--repeats 12] [--prompts 8]
+    taskset -c 1 python bench/verify_cost.py chain [--dtypes float32 bfloat16] [--context 200] [--repeats 12] [--prompts 8]
+    python bench/verify_cost.py tree [--engine llamacpp|torch] [--context 128] [--repeats 7] [--core 1]
 
-On the verifier core (embedded target, one torch thread, as a replica runs it):
+chain, on the verifier core (embedded target, one torch thread, as a replica runs it):
 - t(n): one engine step of n scored tokens after a cached context of `--context` tokens (median of
   repeats); v = t(γ+1) / t(1) at γ = 4 is what a round costs in target-token times (docs/design.md
   §2). hf_t(n) is the same forward through Hugging Face's own cache, for comparison.
@@ -10,10 +12,18 @@ On the verifier core (embedded target, one torch thread, as a replica runs it):
   one token per step) and then verified in blocks of γ = 4 drafted from exactly that decoding. In
   exact arithmetic every block is accepted; a rejection is a near-tie that the block-shaped forward
   pass broke the other way. Reported: generations identical to the target's own, and flips per token.
+Prints a JSON row per dtype.
+
+tree: the embedded target on one thread pinned to `--core`, a cached context of `--context` tokens. For
+n = 1, 2, 4, 8, 16, 32 drafted tokens, a pass feeds the root (the newest committed token) and either a
+bushy tree of n nodes (breadth first, four children per node: a top-4 draft tree) or a chain of n;
+both are n + 1 tokens. Each is timed as the fastest of `--repeats` passes, tree and chain taking turns
+so load drift on the machine hits both alike. Also timed: keep_rows of the tree's first-child path
+(what keeps the accepted path after a tree round; a chain round's truncate is free). An engine without
+tree support (Capabilities.tree_masks false) gets its chains timed only. Prints a Markdown table.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -24,17 +34,21 @@ import torch
 from transformers import DynamicCache
 
 from hybridspec.cloud.core.costs import time_pass
-from hybridspec.cloud.engine.base import Engine, Feed
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.cloud.engine.base import Engine, Feed
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol.tree import chain_parents, feed_parents
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.prompt import encode_prompt
-from harness import median
+from harness import arguments, cpu_model, median, pin, references
 
 GAMMA = 4
 NEW_TOKENS = 64
+SIZES = (1, 2, 4, 8, 16, 32)
+BRANCHING = 4
+SESSIONS = 4  # the llama.cpp engine's streams: each holds a quarter of the cache
 
 
 @torch.inference_mode()
@@ -61,9 +75,7 @@ def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:
     target = verifier.target
     identical, flipped, compared = 0, 0, 0
     for i, prompt in enumerate(prompts):
-        ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
-        ref = ref.tolist()
+        ref = references(target, [prompt], NEW_TOKENS)[0]
         sid = f"flip-{i}"
         length = verifier.open_session(SessionSpec(sid, tuple(prompt))).committed_len
         done, r, same = 0, 0, True
@@ -80,14 +92,45 @@ def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:
     return {"generations": len(prompts), "identical": identical, "flips": flipped, "tokens_compared": compared}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--context", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=8)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def bushy_tree(n: int, branching: int = BRANCHING) -> list[int]:
+    """Parents (common/protocol/tree.py) of n nodes added breadth first, `branching` children per node."""
+    parents: list[int] = []
+    frontier = [-1]
+    while len(parents) < n:
+        below = []
+        for parent in frontier:
+            for _ in range(min(branching, n - len(parents))):
+                parents.append(parent)
+                below.append(len(parents) - 1)
+        frontier = below
+    return parents
+
+
+def first_child_rows(parents: list[int]) -> list[int]:
+    """Fed rows of the path that always takes the first child, from the root (row 0)."""
+    rows, node = [0], -1
+    while children := [i for i, p in enumerate(parents) if p == node]:
+        node = children[0]
+        rows.append(node + 1)
+    return rows
+
+
+def load(kind: str, context: int) -> Engine:
+    """The engine `kind` over the embedded target, one thread, with room for `context` tokens and a round."""
+    target = default_paths()["target"]
+    kv_tokens = SESSIONS * max(1024, context + max(SIZES) + 1)
+    if kind == "llamacpp":
+        from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
+        from hybridspec.common.models.gguf import find_gguf
+
+        return LlamaCppEngine(find_gguf(target), kv_tokens, SESSIONS, threads=1)
+    from hybridspec.cloud.engine.torch_engine import engine_for
+
+    return engine_for(load_model(target, device="cpu").model, kv_tokens)
+
+
+def chain(args) -> None:
+    """t(n), v and the flips per dtype, a JSON row each."""
     path = default_paths()["target"]
     for dtype in args.dtypes:
         target = load_model(path, device="cpu", dtype=dtype)
@@ -103,6 +146,59 @@ def main() -> None:
                **{f"hf_t{n}_ms": round(v, 1) for n, v in hf.items()},
                "hf_v_gamma4": round(hf[GAMMA + 1] / hf[1], 2), **flips(verifier, prompts)}
         print(json.dumps(row), flush=True)
+
+
+@torch.inference_mode()
+def tree(args) -> None:
+    """Tree and chain passes of n = 1..32 drafted tokens, a Markdown table."""
+    pin(args.core)
+    engine = load(args.engine, args.context)
+    trees = engine.capabilities.tree_masks
+    print(f"# {args.engine} engine ({engine.capabilities.dtype}), one thread on core {args.core} of {cpu_model()}; "
+          f"{args.context} cached tokens, fastest of {args.repeats}")
+    if not trees:
+        print("# this engine cannot score trees yet (Capabilities.tree_masks is false): chains only")
+    context = [1000 + i for i in range(args.context)]
+    kv = engine.new_sequence()
+    engine.reserve(kv, len(context))
+    engine.forward([Feed(kv, context, scored=False)])
+    print("| n | chain ms | tree ms | tree / chain | keep_rows ms |")
+    print("|---|---|---|---|---|")
+    for n in SIZES:
+        tokens = [7] + [2000 + i for i in range(n)]  # the root, then n distinct drafted tokens
+        parents = bushy_tree(n)
+        chain_ms, tree_ms, keep_ms = [], [], []
+        for _ in range(args.repeats):
+            chain_ms.append(time_pass(engine, kv, len(context), tokens, None, None)[0])
+            if trees:
+                ms, kept = time_pass(engine, kv, len(context), tokens, feed_parents(parents), first_child_rows(parents))
+                tree_ms.append(ms)
+                keep_ms.append(kept)
+        shape = "chain" if list(parents) == list(chain_parents(n)) else "tree"
+        if trees:
+            print(f"| {n} | {min(chain_ms):.1f} | {min(tree_ms):.1f} | {min(tree_ms) / min(chain_ms):.2f}"
+                  f"{' (a chain)' if shape == 'chain' else ''} | {min(keep_ms):.2f} |")
+        else:
+            print(f"| {n} | {min(chain_ms):.1f} | - | - | - |")
+    engine.release(kv)
+
+
+def main() -> None:
+    parser = arguments(__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    dtypes = commands.add_parser("chain", help="chains per dtype against one token, and bf16's flips")
+    dtypes.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    dtypes.add_argument("--context", type=int, default=200)
+    dtypes.add_argument("--repeats", type=int, default=12)
+    dtypes.add_argument("--prompts", type=int, default=8)
+    trees = commands.add_parser("tree", help="a bushy draft tree against a chain of as many tokens")
+    trees.add_argument("--engine", choices=["llamacpp", "torch"], default="llamacpp")
+    trees.add_argument("--context", type=int, default=128)
+    trees.add_argument("--repeats", type=int, default=7)
+    trees.add_argument("--core", type=int, default=1 if (os.cpu_count() or 1) > 1 else 0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    chain(args) if args.command == "chain" else tree(args)
 
 
 if __name__ == "__main__":

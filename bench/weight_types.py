@@ -2,6 +2,7 @@
 type of the embedded target's weights, on one core of this CPU, in one run.
 
     taskset -c 1 python bench/weight_types.py [--repeats 3] [--flip-prompts 32] [--out FILE]
+    taskset -c 1 python bench/weight_types.py --flips-only [--flip-prompts 64] [--flip-tokens 48] [--out FILE.jsonl]
 
 Types: the shipped Q4_1 GGUF and what `hybridspec models pull --weights` writes from it (Q4_0, Q8_0, F16).
 Per type, interleaved repeat by repeat so that load drift hits every type alike, a Verifier on the
@@ -13,14 +14,17 @@ llama.cpp engine as a replica serves (one thread, prefill in chunks of `prefill_
   prefill_tok_s  the prompt's prefill alone (chunks of prefill_chunk), on the engine as served (ubatches
                  under 64 rows, llamacpp_context.UBATCH) and with ubatches of 2,048 rows (llama.cpp's
                  tiled kernels: faster, but a cache then depends on its chunking: docs/engine.md)
-  flips          bench/llamacpp_exactness.py's count: each prompt decoded one token per pass, then that
-                 decoding verified in blocks of 4, alone and eight sessions a pass; a block not accepted
-                 whole with the reference's next token is a flip (what breaks hybrid == --cloud-only)
-Prints one JSON object (and writes it to --out).
+  flips          each prompt (half chat questions, half the same after a conversation of over 512
+                 tokens) decoded one token per pass (what --cloud-only streams), then that decoding
+                 verified in blocks of γ = 4, one session a pass ("alone") and eight ("batched"). In exact
+                 arithmetic every block is accepted whole with the reference's next token; a block that
+                 is not is a flip (a near-tie broken the other way by the block-shaped pass: what breaks
+                 hybrid == --cloud-only), and that prompt's comparison ends there.
+Prints one JSON object (and writes it to --out). With --flips-only it measures the flips alone, per
+type a JSON line of them split alone/batched and short/long contexts (flips per 10^4 tokens).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -37,15 +41,17 @@ from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, requantize, typed_gguf
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
-from hybridspec.distill.prompts import FREEFORM_PROMPTS
-from conversations import chat
-from llamacpp_exactness import BATCH, GAMMA, prompt_set, verify_blocks
+from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
+from hybridspec.edge.prompt import encode_prompt
 from hybridspec.lab.baselines import engine_greedy
-from harness import header, median, write_json
+from conversations import chat
+from harness import arguments, header, median, report
 
 TYPES = ("Q4_1", "Q4_0", "Q8_0", "F16")
 SHIPPED = "Q4_1"
 NEW_TOKENS = 96
+GAMMA = 4
+BATCH = 8
 
 
 def checkpoint(target_dir: Path, workdir: Path, weights: str) -> Path:
@@ -97,13 +103,79 @@ def first_token_and_decode(verifier: Verifier, prompt: list[int]) -> tuple[float
     return first - start, (NEW_TOKENS - 1) / (end - first), tokens
 
 
+def prompt_set(tokenizer, n: int) -> list[list[int]]:
+    """n/2 short chat prompts, and the same after a conversation of over 512 tokens."""
+    questions = (FREEFORM_PROMPTS + heldout_prompts(n))[:n // 2]
+    history = " ".join(FREEFORM_PROMPTS * 3)
+    short = [encode_prompt(tokenizer, q, chat=True) for q in questions]
+    long = [encode_prompt(tokenizer, f"{history}\n\nNow, a new question. {q}", chat=True) for q in questions]
+    assert all(len(p) > 512 for p in long)
+    return short + long
+
+
+def verify_blocks(verifier: Verifier, prompts: list[list[int]], refs: list[list[int]], batch: int) -> dict:
+    """Verify each reference in blocks of GAMMA, `batch` sessions per pass; count the flips."""
+    flips = compared = 0
+    for start in range(0, len(prompts), batch):
+        group = list(range(start, min(start + batch, len(prompts))))
+        length = {i: verifier.open_session(SessionSpec(f"x{i}", tuple(prompts[i]))).committed_len for i in group}
+        done = {i: 0 for i in group}
+        live, round_index = set(group), 0
+        while live:
+            ready = [i for i in sorted(live) if done[i] + GAMMA + 1 <= len(refs[i])]
+            live = set(ready)
+            if not ready:
+                break
+            blocks = [DraftBlock(f"x{i}", round_index, length[i], tuple(refs[i][done[i]:done[i] + GAMMA])) for i in ready]
+            for i, result in zip(ready, verifier.verify_batch(blocks)):
+                compared += result.num_accepted + 1
+                if result.num_accepted < GAMMA or result.next_token != refs[i][done[i] + GAMMA]:
+                    flips += 1
+                    live.discard(i)  # the decodings part here: what follows is not comparable
+                done[i], length[i] = done[i] + GAMMA + 1, result.committed_len
+            round_index += 1
+        for i in group:
+            verifier.close_session(f"x{i}")
+    return {"flips": flips, "tokens": compared, "flips_per_10k": round(1e4 * flips / max(compared, 1), 2)}
+
+
+def flips(path: Path, prompts: int, new_tokens: int) -> dict:
+    """Flips of the type served from `path`, split alone/batched and short/long contexts."""
+    limits = VerifierLimits(max_context=2048, max_draft=GAMMA, max_sessions=BATCH, kv_streams=BATCH,
+                            kv_cache_tokens=16384)
+    verifier = serve(path, limits)
+    sets = prompt_set(verifier.target.tokenizer, prompts)
+    refs = [engine_greedy(verifier, p, new_tokens) for p in sets]
+    half = len(sets) // 2
+    return {f"{name}_{context}": verify_blocks(verifier, sets[part], refs[part], batch)
+            for name, batch in (("alone", 1), ("batched", BATCH))
+            for context, part in (("short", slice(0, half)), ("long", slice(half, None)))}
+
+
+def flips_only(args) -> None:
+    """Per type a JSON line of its flips (written to --out as JSON lines)."""
+    lines = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for weights in TYPES:
+            row = {"weights": weights, "prompts": args.flip_prompts, "new_tokens": args.flip_tokens,
+                   **flips(checkpoint(default_paths()["target"], Path(workdir), weights), args.flip_prompts,
+                           args.flip_tokens)}
+            lines.append(json.dumps(row))
+            print(lines[-1], flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flip-prompts", type=int, default=32)
     parser.add_argument("--flip-tokens", type=int, default=48)
+    parser.add_argument("--flips-only", action="store_true", help="only the flips, split by batch and context")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    if args.flips_only:
+        return flips_only(args)
     target_dir = default_paths()["target"]
     timing = VerifierLimits(max_context=2048, max_sessions=1, kv_streams=1, kv_cache_tokens=2048,
                             prefix_scope=PrefixScope.OFF, max_tree_nodes=0)
@@ -135,26 +207,15 @@ def main() -> None:
                                                                                        texts[SHIPPED])]
         verifiers.clear()  # free the engines before the flip runs load their own
         wide.clear()
-        flips = VerifierLimits(max_context=2048, max_draft=GAMMA, max_sessions=BATCH, kv_streams=BATCH,
-                               kv_cache_tokens=16384)
         for weights, path in files.items():
-            verifier = serve(path, flips)
-            sets = prompt_set(verifier.target.tokenizer, args.flip_prompts)
-            refs = [engine_greedy(verifier, p, args.flip_tokens) for p in sets]
-            total = {"flips": 0, "tokens": 0}
-            for batch in (1, BATCH):
-                counted = verify_blocks(verifier, sets, refs, batch)
-                total = {k: total[k] + counted[k] for k in total}
-            rows[weights]["flips"] = total
-            del verifier
+            counted = flips(path, args.flip_prompts, args.flip_tokens).values()
+            rows[weights]["flips"] = {k: sum(c[k] for c in counted) for k in ("flips", "tokens")}
     for weights, row in rows.items():
         for key in ("ttft_s", "decode_tok_s", "prefill_tok_s", "prefill_tok_s_ubatch_2048"):
             row[f"{key}_median"] = median(row[key])
     result = {**header(engine="llamacpp, 1 thread"),
               "prompt_tokens": [len(p) for p in prompts], "new_tokens": NEW_TOKENS, "types": rows}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -288,7 +288,7 @@ def test_step_cost_is_a_running_mean_per_token():
 
 
 def test_no_submission_is_lost_while_the_scheduler_takes_its_queues(target):
-    """Found by bench/refusal_soak.py (a prober's one 30 s stall in 1,248 calls): `_put` was handed the
+    """Found by `bench/stalls.py refusals` (a prober's one 30 s stall in 1,248 calls): `_put` was handed the
     queue object before taking the lock, so a submission that waited for the lock while the model
     thread swapped that queue for a new one went into the old queue and was never answered."""
     scheduler = scheduler_of(target)

@@ -30,7 +30,7 @@ REIMPLEMENTED = {
     "commit": re.compile(r"rev-parse"),
     "cpu model": re.compile(r"/proc/cpuinfo"),
     "pass timing": re.compile(r"perf_counter\(\)\n\s*[\w.]*forward\(\[Feed"),
-    "reaching into tests/": re.compile(r"sys\.path|def tiny_target|from (tinymodels|fuzzing) import"),
+    "reaching into tests/": re.compile(r"sys\.path|def tiny_target|from (tinymodels|fuzzing) import|tests_module"),
 }
 
 
@@ -87,6 +87,38 @@ def test_every_bench_script_answers_help():
     assert run.returncode == 0, run.stderr[-2000:]
     failed = json.loads(run.stdout.strip().splitlines()[-1])
     assert not failed, failed
+
+
+MENTIONED = re.compile(r"bench/(\w+)\.py")
+COMMAND = re.compile(r"python bench/(\w+)\.py(?:[ \t]+([a-z][\w-]*))?")
+
+
+def pages() -> list[Path]:
+    """README, docs/ (with the figures' registry) and the tests: where bench commands are quoted."""
+    return [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), ROOT / "docs" / "figures.yaml",
+            *(ROOT / "tests").glob("*.py")]
+
+
+def test_every_bench_command_the_docs_quote_names_a_script_and_its_subcommand():
+    """A renamed or merged script takes its quotes with it: each bench script named exists and, where
+    it has subcommands, the word after the quoted command is one of them (tests/test_docs.py checks the
+    figures themselves)."""
+    texts = [page.read_text() for page in pages()]
+    wrong = sorted({f"bench/{name}.py: no such script" for text in texts for name in MENTIONED.findall(text)
+                    if not (BENCH / f"{name}.py").is_file()})
+    for name, word in sorted({m.groups() for text in texts for m in COMMAND.finditer(text)}, key=str):
+        script = BENCH / f"{name}.py"
+        subcommands = set(re.findall(r'add_parser\("([\w-]+)"', script.read_text())) if script.is_file() else set()
+        if subcommands and word not in subcommands:
+            wrong.append(f"python bench/{name}.py {word or ''}: not one of its subcommands {sorted(subcommands)}")
+    assert not wrong, wrong
+
+
+def test_no_bench_file_reaches_into_tests():
+    """The tiny models and the fuzz strategies are lab/'s, shared by tests/ and bench/; no bench file,
+    the harness included, puts tests/ on its path."""
+    found = [p.name for p in BENCH.glob("*.py") if re.search(r'sys\.path\.insert|"tests"|tests_module', p.read_text())]
+    assert not found, found
 
 
 @pytest.mark.parametrize("p, n", [(90, 10), (95, 20), (50, 2)])
@@ -152,3 +184,40 @@ def test_plots_keep_series_apart_and_save(tmp_path):
     harness.save_figure(fig, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 5_000
     assert [line.get_marker() for line in left.lines + right.lines][-1] == "s"  # series 1's own marker
+
+
+def test_report_prints_the_result_and_writes_it_where_asked(tmp_path, capsys):
+    harness.report({"a": [1, 2]}, None)
+    assert json.loads(capsys.readouterr().out) == {"a": [1, 2]}
+    harness.report({"b": 3}, tmp_path / "deeper" / "r.json", indent=2)
+    assert json.loads(capsys.readouterr().out) == {"b": 3} == json.loads((tmp_path / "deeper" / "r.json").read_text())
+
+
+def test_the_parser_is_described_by_the_docstrings_first_paragraph():
+    parser = harness.arguments("What it measures,\nover two lines.\n\n    python bench/SCRIPT [--n 3]\n")
+    assert parser.description == "What it measures,\nover two lines."
+    assert harness.arguments(None).description == ""
+
+
+def test_the_reference_is_the_targets_argmax_token_by_token_cut_after_an_end_of_sequence(target):
+    import torch
+
+    prompt = [5, 17, 33, 80]
+    (ref,) = harness.references(target, [prompt], 12)
+    ids, eos = list(prompt), set(target.eos_token_ids)
+    with torch.inference_mode():
+        while len(ids) - len(prompt) < 12 and (len(ids) == len(prompt) or ids[-1] not in eos):
+            ids.append(int(target.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ref == ids[len(prompt):] and ref
+
+
+def test_two_hosts_split_the_edge_and_cloud_cores_and_pin_nothing_on_one_core():
+    """harness.cloud pins `cloud serve` to two_hosts()'s cloud cores and the caller to its edge cores."""
+    cores = harness.usable_cores()
+    expected = ({harness.EDGE_CORE}, {harness.CLOUD_CORE}) if {harness.EDGE_CORE, harness.CLOUD_CORE} <= set(cores) \
+        else (None, None)
+    assert harness.two_hosts() == expected
+    show = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); import harness; "
+            "print(harness.two_hosts())"]
+    alone = subprocess.run(show, capture_output=True, text=True, check=True, preexec_fn=harness.pin_child({cores[0]}))
+    assert alone.stdout.strip() == "(None, None)"

@@ -12,7 +12,7 @@ from hybridspec.edge.session import CloudSession
 from hybridspec.edge.state import GenerationState
 from hybridspec.edge.stats import Stats
 
-from tinymodels import greedy_reference
+from hybridspec.lab.tinymodels import greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 

@@ -1,7 +1,7 @@
 """Property-based fuzzing of every RPC over real gRPC: no message gets UNKNOWN or INTERNAL, errors
 stay one short line, and an honest edge running beside the fuzz still gets the target's output.
 
-CI runs a few hundred derandomized cases; bench/fuzz.py runs 10^4 and more with fresh randomness.
+CI runs a few hundred derandomized cases; `bench/soak.py fuzz` runs 10^4 and more with fresh randomness.
 """
 import threading
 
@@ -15,8 +15,8 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from fuzzing import Fuzzer, calls
-from tinymodels import EVERY_ROUND, greedy_reference
+from hybridspec.lab.fuzzing import Fuzzer, calls
+from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW_TOKENS = 16

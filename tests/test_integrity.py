@@ -25,7 +25,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from tinymodels import EVERY_ROUND, greedy_reference
+from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
 
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=32)
 POISON_TOKEN = 7  # the broken model's logit for this token is NaN
@@ -297,7 +297,7 @@ def test_undecodable_bodies_are_invalid_argument_and_counted(target):
 def test_a_refused_message_ends_its_stream_at_once_after_the_answered_rounds(server, stub_of, second):
     """A valid round of one session, a wrong committed length for another, then more, on one stream
     that the client keeps open: the valid round is answered, the refusal ends the call with its status
-    at once, and neither session changes because of the refusal (bench/refusal_soak.py runs this mix
+    at once, and neither session changes because of the refusal (`bench/stalls.py refusals` runs this mix
     for minutes)."""
     stub = stub_of(server)
     channel = grpc.insecure_channel(server.address)

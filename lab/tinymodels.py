@@ -1,4 +1,5 @@
-"""Tiny random Llama-style models with a real tokenizer, built from a config: no downloads."""
+"""Tiny random Llama-style models with a real tokenizer, built from a config: no downloads. The tests'
+target and the benchmarks' `--target tiny` (bench/harness.py's tiny_target)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,7 +50,8 @@ def save_model(model: LlamaForCausalLM, out: Path, tokenizer_prefix: str = "w") 
 def greedy_reference(target: LoadedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
     """What the target alone produces with Hugging Face greedy decoding."""
     out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                pad_token_id=target.eos_token_ids[0])
     return out[0, len(prompt):].tolist()
 
 

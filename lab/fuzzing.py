@@ -1,7 +1,7 @@
 """Hostile and buggy messages for every Verifier RPC, as hypothesis strategies, and the rule they
 must obey: every reply is OK or a documented client-error status with a short message.
 
-Shared by tests/test_fuzz.py (a few hundred cases in CI) and bench/fuzz.py (10^4 and more).
+Shared by tests/test_fuzz.py (a few hundred cases in CI) and `bench/soak.py fuzz` (10^4 and more).
 """
 from __future__ import annotations
 
