@@ -104,7 +104,7 @@ def lookup(data, path: str, every: bool = False):
 
 def figure(entry: dict) -> str:
     """The quote a registry entry's result file gives today (`reduce: mean` or `median` over every
-    row its selector matches)."""
+    row its selector matches; `scale` multiplies, for units: 1000 quotes seconds in ms)."""
     data = load(ROOT / entry["file"])
     reduce = {"mean": statistics.mean, "median": statistics.median}.get(entry.get("reduce"))
 
@@ -117,7 +117,7 @@ def figure(entry: dict) -> str:
     value = value_at(entry["value"])
     if "over" in entry:
         value = value / value_at(entry["over"])
-    return entry["format"].format(value)
+    return entry["format"].format(value * entry.get("scale", 1))
 
 
 @pytest.mark.parametrize("entry", FIGURES, ids=lambda e: f"{e['page']}: {e['quote']}")
