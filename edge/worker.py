@@ -1,11 +1,15 @@
 """The edge worker: draft, get verified, commit — and decide when the cloud is better left alone.
 
 A generation moves between three phases (edge/controller.py decides between the first two):
-    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile (here)
+    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile
+                (edge/hybrid.py)
     cloud-only  the target decodes alone, streamed from its replica (edge/cloud_only.py)
     offline     the cloud is unreachable and `allow_unverified` is on: the drafter continues alone,
                 then its tokens are verified or rolled back (edge/offline.py)
-Committed tokens never change (edge/state.py). Events report progress to a caller that streams text.
+Each phase is a function of the generation's parts (edge/context.py) that returns the next phase; the
+main loop here (`GenerationRun._run`) builds the parts, goes offline when a phase lost the cloud, and
+opens the hybrid session whenever hybrid rounds (re)start. Committed tokens never change
+(edge/state.py). Events report progress to a caller that streams text.
 """
 from __future__ import annotations
 
