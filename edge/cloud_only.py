@@ -4,9 +4,9 @@ measuring — the cloud's time per token T and the drafter's guesses against the
 sampling, the guess is the drafter's coupled draw: edge/proposal.py SHADOW_SAMPLED_MODES) — and
 every `probe_tokens` tokens asks the controller whether hybrid decoding would now be faster.
 
-Shadow drafting needs the generation's `Drafting`: if there is none yet, the phase builds it after the
-first token is handed on (once a drafter loading in the background is there) and hands it back with
-the next phase, so that it is built once."""
+Shadow drafting needs the generation's `Drafting`: if there is none yet and the rule lets a guess be
+checked, the phase builds it after the first token is handed on (once a drafter loading in the
+background is there) and hands it back with the next phase, so that it is built once."""
 from __future__ import annotations
 
 import threading
@@ -15,7 +15,7 @@ from collections.abc import Generator
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
 from .cloud_stream import CloudStream
-from .context import Drafting, Lost, RunContext, build_drafting
+from .context import Drafting, Lost, RunContext, build_drafting, shadow_rule
 from .controller import Phase
 from .state import Event, Origin
 
@@ -25,8 +25,8 @@ CloudOnlyEnd = tuple[Phase | Lost, Drafting | None]
 
 def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, None, CloudOnlyEnd]:
     """Stream cloud tokens until done, or until hybrid looks faster. kit: the generation's drafting,
-    None if not built yet (it is built here after the first token, once the drafter model is there).
-    Returns the next phase (HYBRID: the main loop opens the hybrid session) and the drafting."""
+    None if not built yet (built here for shadow drafting after the first token, once the drafter model
+    is there). Returns the next phase (HYBRID: the main loop opens the hybrid session) and the drafting."""
     cfg, state, stats, ctl, estimates = ctx.cfg, ctx.state, ctx.stats, ctx.controller, ctx.estimates
     # 1. One stream for the rest of the budget, on a session of its own (edge/cloud_stream.py).
     stats.cloud_streams += 1
@@ -72,10 +72,10 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
             if loading:
                 if not ctx.load.ready():
                     continue
-                # The drafter is there: built now (once), and the warm-up starts.
-                if kit is None:
+                # The drafter is there: built now if it may guess along, and the warm-up starts.
+                if kit is None and shadow_rule(cfg):
                     kit = build_drafting(ctx)
-                loading, can_shadow = False, kit.can_shadow
+                loading, can_shadow = False, kit is not None and kit.can_shadow
                 shadow, next_check, since_check = ctl.shadow_worthwhile(can_shadow), ctl.first_check_after(can_shadow), 0
             # 3. Decide, every so often.
             since_check += 1
@@ -94,15 +94,8 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
     finally:
         stream.close()  # cancels the stream if we leave it early
         cloud.close()
-    if state.done or ctl.policy.cloud_only:
-        return Phase.CLOUD_ONLY, kit
-    # 4. Back to hybrid (the main loop opens a session from everything committed so far).
-    was_warming = ctl.end_warmup()
-    ctl.entered_hybrid()
-    if not was_warming:
-        stats.switches_to_hybrid += 1
-        yield ctx.notice("switched back to hybrid decoding: predicted faster than cloud-only again")
-    return Phase.HYBRID, kit
+    # 4. Done, or back to hybrid (the main loop opens a session from everything committed so far).
+    return (Phase.CLOUD_ONLY if state.done or ctl.policy.cloud_only else Phase.HYBRID), kit
 
 
 def _ping_in_background(ctx: RunContext) -> threading.Thread:

@@ -126,5 +126,10 @@ def build_drafting(ctx: RunContext) -> Drafting:
     session = CloudSession(ctx.client, spec, ctx.state, ctx.estimates, ctx.stats, cfg.timeout_s, log)
     verify_round = VerifyRound(ctx.state, ctx.stats, drafter, session.send, with_q=cfg.resolved_mode.uses_draft_probs,
                                features=log, take=session.verdict)
-    shadow_rule = cfg.sampling.greedy or cfg.resolved_mode in SHADOW_SAMPLED_MODES
-    return Drafting(drafter, eagle, session, verify_round, can_shadow=plain and shadow_rule)
+    return Drafting(drafter, eagle, session, verify_round, can_shadow=plain and shadow_rule(cfg))
+
+
+def shadow_rule(cfg: EdgeConfig) -> bool:
+    """Whether a shadow guess can be checked under this config's rule: at temperature 0, or under a
+    rule SHADOW_SAMPLED_MODES names (and then only a plain model drafter guesses: `Drafting.can_shadow`)."""
+    return cfg.sampling.greedy or cfg.resolved_mode in SHADOW_SAMPLED_MODES

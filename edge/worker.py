@@ -223,11 +223,13 @@ class GenerationRun:
                 outage = yield from go_offline(ctx, self.drafting, after)
                 after = Phase.OFFLINE
             # 3. The drafter, its session and its verify round, built once: before the first phase
-            #    that drafts (a cloud-only phase builds them itself once its stream is on its way).
+            #    that drafts (a cloud-only phase builds them itself for shadow drafting, once its
+            #    stream's open has left: the set-up then overlaps the cloud's prefill).
             if after is not Phase.CLOUD_ONLY and self.drafting is None:
                 self.drafting = build_drafting(ctx)
-            # 4. Recovery: hybrid rounds (re)start on a session opened from everything committed;
-            #    after an outage the unverified tail is verified first.
+            # 4. Recovery: hybrid rounds (re)start on a session opened from everything committed
+            #    (at the start, back from cloud-only, after an outage: then the unverified tail is
+            #    verified first).
             if after is Phase.HYBRID and phase is not Phase.HYBRID:
                 after = yield from self._reopen(phase)
                 phase = Phase.HYBRID if after is Phase.HYBRID else phase
@@ -246,16 +248,21 @@ class GenerationRun:
                     return
 
     def _reopen(self, came_from: Phase | None) -> Generator[Event, None, Phase | Lost]:
-        """Open the hybrid session from the committed tokens (re-open it, after an outage, and verify
-        the unverified tail). OFFLINE if the cloud answered a ping but not the re-open: drafting
-        alone goes on."""
-        kit = self.drafting
+        """Open the hybrid session from the committed tokens; after an outage re-open it and verify the
+        unverified tail. OFFLINE if the cloud answered a ping but not the re-open: drafting alone goes on."""
+        ctx, kit = self.ctx, self.drafting
+        was_warming = came_from is Phase.CLOUD_ONLY and ctx.controller.end_warmup()
         try:
             kit.session.open()
         except Unavailable as exc:
             return Phase.OFFLINE if came_from is Phase.OFFLINE else Lost(exc)
         if came_from is Phase.OFFLINE:
-            return (yield from verify_unverified(self.ctx, kit))
+            return (yield from verify_unverified(ctx, kit))
+        if came_from is Phase.CLOUD_ONLY:
+            ctx.controller.entered_hybrid()  # the first rounds are judged optimistically again
+            if not was_warming:  # leaving the warm-up is no switch
+                ctx.stats.switches_to_hybrid += 1
+                yield ctx.notice("switched back to hybrid decoding: predicted faster than cloud-only again")
         return Phase.HYBRID
 
     def _finish(self, wall_s: float, up0: int, down0: int) -> None:
