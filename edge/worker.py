@@ -223,8 +223,8 @@ class GenerationRun:
                 outage = yield from go_offline(ctx, self.drafting, after)
                 after = Phase.OFFLINE
             # 3. The drafter, its session and its verify round, built once: before the first phase
-            #    that drafts (a cloud-only phase builds them itself for shadow drafting, once its
-            #    stream's open has left: the set-up then overlaps the cloud's prefill).
+            #    that drafts (a cloud-only phase builds them itself for shadow drafting, after its
+            #    first token: setting them up before it would hold that token back).
             if after is not Phase.CLOUD_ONLY and self.drafting is None:
                 self.drafting = build_drafting(ctx)
             # 4. Recovery: hybrid rounds (re)start on a session opened from everything committed
