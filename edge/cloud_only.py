@@ -2,26 +2,32 @@
 measuring — the cloud's time per token T and the drafter's guesses against the cloud's tokens
 ("shadow drafting", which measures α and the drafter's time per token without risking a block; when
 sampling, the guess is the drafter's coupled draw: edge/proposal.py SHADOW_SAMPLED_MODES) — and
-every `probe_tokens` tokens asks the controller whether hybrid decoding would now be faster."""
+every `probe_tokens` tokens asks the controller whether hybrid decoding would now be faster.
+
+Shadow drafting needs the generation's `Drafting`: if there is none yet and the rule lets a guess be
+checked, the phase builds it after the first token is handed on (once a drafter loading in the
+background is there) and hands it back with the next phase, so that it is built once."""
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Generator
-from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
 from .cloud_stream import CloudStream
+from .context import Drafting, Lost, RunContext, build_drafting, shadow_rule
 from .controller import Phase
 from .state import Event, Origin
 
-if TYPE_CHECKING:
-    from .phases import RunView
+# What the phase returns: the next phase (or Lost), and the generation's Drafting if there is one now.
+CloudOnlyEnd = tuple[Phase | Lost, Drafting | None]
 
 
-def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
-    """Stream cloud tokens until done, or until hybrid looks faster; returns the next phase."""
-    cfg, state, stats, ctl = run.cfg, run.state, run.stats, run.controller
+def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, None, CloudOnlyEnd]:
+    """Stream cloud tokens until done, or until hybrid looks faster. kit: the generation's drafting,
+    None if not built yet (built here for shadow drafting after the first token, once the drafter model
+    is there). Returns the next phase (HYBRID: the main loop opens the hybrid session) and the drafting."""
+    cfg, state, stats, ctl, estimates = ctx.cfg, ctx.state, ctx.stats, ctx.controller, ctx.estimates
     # 1. One stream for the rest of the budget, on a session of its own (edge/cloud_stream.py).
     stats.cloud_streams += 1
     # The open leaves first and the round-trip probe overlaps it. The drafter is set up (a llama.cpp
@@ -29,11 +35,11 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
     # is first read, so setting it up before held back every generation's first token (never_slower:
     # 7 ms median, 17 mean, a tenth of a 10-token generation). Later tokens are pushed meanwhile.
     sent = time.perf_counter()
-    cloud = CloudStream.of(run.session)
+    cloud = CloudStream(ctx.client, ctx.spec, state, estimates, stats, cfg.timeout_s)
     cloud.start()
     stream = cloud.tokens(cfg.max_new_tokens - state.generated)
     try:
-        ping = _ping_in_background(run)
+        ping = _ping_in_background(ctx)
         loading = ctl.reconsiders  # no guesses, no decisions until the drafter is there (never: --cloud-only)
         can_shadow = shadow = False
         streak = 0  # consecutive shadow agreements: the position a block would have reached
@@ -43,11 +49,11 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
             # 2. Measure: T from the gaps (the first token's wait holds the round trip and prefill), α by shadow.
             now = time.perf_counter()
             if last is not None:
-                run.estimates.cloud_token_s.add(now - last)
+                estimates.cloud_token_s.add(now - last)
             else:
                 # What a switch to hybrid would cost: on a loaded replica seconds of queue, not the bare
                 # prefill (8 edges: a 3 s stall after a switch).
-                run.estimates.observe_open(now - sent, len(state.committed))
+                estimates.observe_open(now - sent, len(state.committed))
             last = now
             stats.cloud_only_tokens += 1
             yield state.commit([token], [Origin.CLOUD])  # the user first: guessing along can wait
@@ -55,19 +61,21 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
                 break  # a stop string ends the generation before the stream does
             if shadow:
                 started = time.perf_counter()
-                proposal = run.drafter.propose(state.committed[:-1], 1, fallback=False)
-                run.estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
+                proposal = kit.drafter.propose(state.committed[:-1], 1, fallback=False)
+                estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
                 stats.shadow_guesses += 1
                 agreed = proposal.shadow_guess(cfg.seed, len(state.committed) - 1) == token
-                run.estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
+                estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
                 # Where the cloud's token stood among the drafter's choices: what sizes trees.
-                run.estimates.observe_ranks(proposal.ranks_seen([], token))
+                estimates.observe_ranks(proposal.ranks_seen([], token))
                 streak = streak + 1 if agreed and streak < ctl.policy.cap else 0
             if loading:
-                if not run.drafter_ready():
+                if not ctx.load.ready():
                     continue
-                # The drafter is there: the warm-up starts now.
-                loading, can_shadow = False, run.can_shadow
+                # The drafter is there: built now if it may guess along, and the warm-up starts.
+                if kit is None and shadow_rule(cfg):
+                    kit = build_drafting(ctx)
+                loading, can_shadow = False, kit is not None and kit.can_shadow
                 shadow, next_check, since_check = ctl.shadow_worthwhile(can_shadow), ctl.first_check_after(can_shadow), 0
             # 3. Decide, every so often.
             since_check += 1
@@ -75,37 +83,26 @@ def run_cloud_only(run: RunView) -> Generator[Event, None, Phase]:
                 continue
             since_check, next_check = 0, cfg.probe_tokens
             ping.join()
-            ping = _ping_in_background(run)
+            ping = _ping_in_background(ctx)
             if ctl.hybrid_looks_better(can_shadow, state.max_new_tokens - state.generated, len(state.committed)):
                 break
             if ctl.end_warmup():
-                yield run.notice("staying with cloud-only decoding: predicted faster than hybrid here")
+                yield ctx.notice("staying with cloud-only decoding: predicted faster than hybrid here")
             shadow = ctl.shadow_worthwhile(can_shadow)
     except Unavailable as exc:
-        return run.lost(exc, None)
+        return Lost(exc), kit
     finally:
         stream.close()  # cancels the stream if we leave it early
         cloud.close()
-    if state.done or ctl.policy.cloud_only:
-        return Phase.CLOUD_ONLY
-    # 4. Back to hybrid: a session from everything committed so far.
-    was_warming = ctl.end_warmup()
-    try:
-        run.open_hybrid()
-    except Unavailable as exc:
-        return run.lost(exc, None)
-    ctl.entered_hybrid()
-    if not was_warming:
-        stats.switches_to_hybrid += 1
-        yield run.notice("switched back to hybrid decoding: predicted faster than cloud-only again")
-    return Phase.HYBRID
+    # 4. Done, or back to hybrid (the main loop opens a session from everything committed so far).
+    return (Phase.CLOUD_ONLY if state.done or ctl.policy.cloud_only else Phase.HYBRID), kit
 
 
-def _ping_in_background(run: RunView) -> threading.Thread:
+def _ping_in_background(ctx: RunContext) -> threading.Thread:
     """Measure the round trip off the critical path (a cloud-only stream hides it otherwise)."""
     def ping() -> None:
         try:
-            run.estimates.rtt_s.add(run.client.ping())
+            ctx.estimates.rtt_s.add(ctx.client.ping())
         except HybridSpecError:
             pass  # the stream itself reports an unreachable cloud
 

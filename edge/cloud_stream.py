@@ -40,11 +40,6 @@ class CloudStream:
         self._opening: Callable[[], None] | None = None
         self._round = 0  # the session's next round on the verifier: one per token decoded
 
-    @classmethod
-    def of(cls, session: CloudSession) -> CloudStream:
-        """A cloud-only stream of the generation `session` (its hybrid session) belongs to."""
-        return cls(session.client, session.spec, session.state, session.estimates, session.stats, session.timeout_s)
-
     def start(self) -> None:
         """Send the open; `tokens` waits for its reply."""
         self._opening = self.session.begin_open()

@@ -1,31 +1,35 @@
 """The edge worker: draft, get verified, commit — and decide when the cloud is better left alone.
 
 A generation moves between three phases (edge/controller.py decides between the first two):
-    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile (here)
+    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile
+                (edge/hybrid.py)
     cloud-only  the target decodes alone, streamed from its replica (edge/cloud_only.py)
     offline     the cloud is unreachable and `allow_unverified` is on: the drafter continues alone,
                 then its tokens are verified or rolled back (edge/offline.py)
-Committed tokens never change (edge/state.py). Events report progress to a caller that streams text.
+Each phase is a function of the generation's parts (edge/context.py) that returns the next phase; the
+main loop here (`GenerationRun._run`) builds the parts, goes offline when a phase lost the cloud, and
+opens the hybrid session whenever hybrid rounds (re)start. Committed tokens never change
+(edge/state.py). Events report progress to a caller that streams text.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.protocol.wire import FeatureFormat, ModelInfo, SessionSpec, check_context
+from ..common.protocol.wire import ModelInfo, SessionSpec, check_context
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
 from .config import EdgeConfig, GammaPolicy
+from .context import Drafting, GaveUp, Lost, RunContext, build_drafting
 from .controller import Controller, Phase, Policy
 from .estimates import Estimates
-from .offline import run_offline
-from .proposal import SHADOW_SAMPLED_MODES, DrafterKind, Proposal
-from .rounds import InFlight, VerifyRound
-from .session import CloudSession
+from .hybrid import hybrid_round
+from .offline import Outage, go_offline, run_offline, verify_unverified
+from .proposal import DrafterKind
 from .startup import DrafterLoad
 from .state import Event, EventKind, GenerationState, Origin
 from .stats import Stats
@@ -34,7 +38,6 @@ from .textcodec import HFCodec, TextCodec
 
 if TYPE_CHECKING:
     from ..common.models.loading import LoadedModel
-    from .drafter import Lookahead
 
 
 @dataclass
@@ -160,241 +163,138 @@ class EdgeWorker:
 
 
 class GenerationRun:
-    """One generation, driven by iterating it."""
+    """One generation, driven by iterating it; `.generation` is set once it ends."""
 
     def __init__(self, worker: EdgeWorker, prompt: list[int], cfg: EdgeConfig) -> None:
-        cfg = self.cfg = cfg.resolved()  # the rule named, a seed drawn if none was given
+        """Checks the prompt against the verifier before any work (a refusal opens nothing)."""
+        cfg = cfg.resolved()  # the rule named, a seed drawn if none was given
         self.worker = worker
-        self.client = worker.lease()
-        self.tokenizer_fp = worker.tokenizer_fp
-        self.estimates = worker.estimates
-        self.prompt = prompt
+        client = worker.lease()
         try:
-            self.info = worker.info if worker.connected else worker.connect(self.client)
-            check_context(len(prompt), cfg.max_new_tokens, self.info.max_context)  # before any work
+            info = worker.info if worker.connected else worker.connect(client)
+            check_context(len(prompt), cfg.max_new_tokens, info.max_context)  # before any work
         except Unavailable:
             if not cfg.allow_unverified:
-                worker.release(self.client)
+                worker.release(client)
                 raise
-            self.info = worker.local_info()  # offline from the start: the drafter's own view
+            info = worker.local_info()  # offline from the start: the drafter's own view
         except BaseException:
-            worker.release(self.client)
+            worker.release(client)
             raise
-        cap = min(cfg.max_draft, worker.cap)
-        self.text = TextTracker(worker.codec, cfg.stop)
-        self.state = GenerationState(prompt, cfg.max_new_tokens, frozenset(self.info.eos_token_ids), self.text)
-        self.stats = Stats()
-        self.controller = Controller(Policy(cap=cap, adaptive=cfg.gamma_policy is GammaPolicy.ADAPTIVE,
-                                            fixed_tree=cfg.gamma_policy is GammaPolicy.TREE,
-                                            pipeline=cfg.pipeline, cloud_only_switch=cfg.cloud_only_switch,
-                                            probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only,
-                                            tree_nodes=self._tree_nodes(), tree_top_k=cfg.tree_top_k),
-                                     self.estimates)
-        self._drafter: Lookahead | None = None  # built once the drafter model is there
-        self.eagle = None  # the EagleDrafter, when the drafter is an eagle head
-        self.session: CloudSession | None = None
-        self.verify_round: VerifyRound | None = None
-        self.phase = Phase.HYBRID
-        self.lost_reason = ""  # why the cloud was last lost
-        self.in_flight: Proposal | None = None  # the block that was being verified when it was
+        self.ctx = _context(worker, client, prompt, cfg, info)
+        self.drafting: Drafting | None = None  # built once, when a phase first needs the drafter
         self.gave_up = False  # the cloud stayed unreachable: the unverified tail is the end
-        self.error = ""
+        self.error = ""  # why the generation failed, if it did
         self.generation: Generation | None = None
-        self._build_session()
-
-    def _tree_nodes(self) -> int:
-        """The tree budget this generation may use: 0 unless the server verifies trees, the rule has a
-        tree form and a model drafts (an eagle head, found once it loads, drafts chains)."""
-        cfg = self.cfg
-        if cfg.drafter_kind is not DrafterKind.MODEL or not cfg.resolved_mode.verifies_trees:
-            return 0
-        return min(cfg.tree_nodes, self.info.max_tree_nodes)
-
-    def drafter_ready(self) -> bool:
-        """The drafter model has loaded (a worker started in the background may still be loading it)."""
-        return self.worker.load.ready()
-
-    @property
-    def drafter(self) -> Lookahead:
-        """This generation's drafter (waits for the model while it loads)."""
-        if self._drafter is None:
-            self._build_drafter()
-        return self._drafter
-
-    @property
-    def can_shadow(self) -> bool:
-        """Whether the drafter can guess along with cloud-only decoding (a plain model drafter, at
-        temperature 0 or under a rule SHADOW_SAMPLED_MODES names)."""
-        sampled_ok = self.cfg.resolved_mode in SHADOW_SAMPLED_MODES
-        if not ((self.cfg.sampling.greedy or sampled_ok) and self.drafter_ready()):
-            return False  # and no torch import here while another thread may be importing it
-        from .drafter import ModelDrafter
-
-        return isinstance(self.drafter.inner, ModelDrafter) and self.eagle is None
-
-    def _build_drafter(self) -> None:
-        model, fallback = self.worker.load.get()  # first: it may still be importing torch on its thread
-        from .drafter import Lookahead, ModelDrafter
-        from .drafters import make_drafter
-        from .eagle import EagleDrafter
-
-        cfg = self.cfg
-        settings = cfg.draft_settings(self.info.vocab_size, frozenset(self.info.eos_token_ids), len(self.prompt))
-        inner = make_drafter(cfg.drafter_kind, model, settings, fallback)
-        self._drafter = Lookahead(inner)
-        # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only
-        # decoding, and it drafts chains.
-        self.eagle = inner if isinstance(inner, EagleDrafter) else None
-        if self.eagle is not None or not isinstance(inner, ModelDrafter):
-            self.controller.policy = replace(self.controller.policy, tree_nodes=0)
-        self._build_session()  # no session is open yet: hybrid decoding needs the drafter first
-        self.verify_round = VerifyRound(self.state, self.stats, self._drafter, self.session.send,
-                                        with_q=cfg.resolved_mode.uses_draft_probs,
-                                        features=self.eagle.log if self.eagle else None, take=self.session.verdict)
-
-    def open_hybrid(self) -> None:
-        """Get ready for verify rounds: the drafter (waiting for it if it still loads), then the session."""
-        if self._drafter is None:
-            self._build_drafter()  # and the session an eagle drafter needs
-        self.session.open()
-
-    def _build_session(self) -> None:
-        """The cloud session; an eagle drafter's asks for the target's features."""
-        cfg, prompt = self.cfg, self.prompt
-        log = self.eagle.log if self.eagle else None
-        spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
-                           seed=cfg.seed, rollback_threshold=cfg.rollback_threshold, lenience=cfg.lenience,
-                           tokenizer_fingerprint=self.tokenizer_fp, prompt_len=len(prompt),
-                           features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE)
-        self.session = CloudSession(self.client, spec, self.state, self.estimates, self.stats, cfg.timeout_s, log)
 
     def __iter__(self) -> Iterator[Event]:
+        ctx = self.ctx
         start = time.perf_counter()
-        up0, down0 = self.client.uplink_bytes, self.client.downlink_bytes
+        up0, down0 = ctx.client.uplink_bytes, ctx.client.downlink_bytes
         try:
             yield from self._run()
-            yield Event(EventKind.COMMIT, text=self.text.finish())  # text held back for a stop string
+            yield Event(EventKind.COMMIT, text=ctx.text.finish())  # text held back for a stop string
         except HybridSpecError as exc:
             self.error = str(exc)
             raise
         finally:
             end = time.perf_counter()  # the last token is out: closing the session is not waited for
-            if not self.gave_up:
-                self.session.close()  # nothing to do unless a session is open
+            if self.drafting is not None and not self.gave_up:
+                self.drafting.session.close()  # nothing to do unless a session is open
             self._finish(end - start, up0, down0)
-            self.worker.release(self.client)
-
-    def _finish(self, wall_s: float, up0: int, down0: int) -> None:
-        tokens, origins = self.state.result()
-        s = self.stats
-        s.new_tokens, s.unverified = len(tokens), len(self.state.unverified)
-        s.predrafted = self._drafter.predrafted if self._drafter else 0
-        s.uplink_bytes = self.client.uplink_bytes - up0
-        s.downlink_bytes = self.client.downlink_bytes - down0
-        s.feature_bytes = self.eagle.log.received_bytes if self.eagle else 0
-        s.wall_s = wall_s
-        text = self.text.text + self.text.continuation(self.state.unverified)
-        reason = "stop" if self.state.eos or self.text.stopped else "length"
-        self.generation = Generation(tokens, origins, s, text, self.state.eos, reason, self.error)
+            self.worker.release(ctx.client)
 
     def _run(self) -> Iterator[Event]:
+        ctx, state, cfg, ready = self.ctx, self.ctx.state, self.ctx.cfg, self.ctx.load.ready()
         # 1. Start where the measurements point: cloud-only while warming up, while the drafter still
         #    loads, or when it is faster; offline if the cloud has never answered.
-        self.phase = self.controller.initial_phase()
-        if self.phase is Phase.HYBRID and self.cfg.cloud_only_switch and not self.drafter_ready():
-            self.phase = Phase.CLOUD_ONLY
-        if self.phase is Phase.CLOUD_ONLY and not (self.controller.warming_up or self.cfg.cloud_only
-                                                   or not self.drafter_ready()):
-            yield self.notice("starting with cloud-only decoding: the edge's measurements favour it")
-        if not self.worker.connected:
-            self.phase = self.lost(Unavailable(f"the verifier at {self.client.address} did not answer"), None)
-        elif self.phase is Phase.HYBRID:
-            try:
-                self.open_hybrid()
-            except Unavailable as exc:
-                self.phase = self.lost(exc, None)
-        # 2. Run phases until the budget is spent, an end-of-sequence token or a stop string came, or
-        #    the cloud is gone.
-        phases = {Phase.HYBRID: self._hybrid_round, Phase.CLOUD_ONLY: lambda: run_cloud_only(self),
-                  Phase.OFFLINE: lambda: run_offline(self)}
-        while not (self.state.done or self.gave_up):
-            self.phase = yield from phases[self.phase]()
+        first = ctx.controller.initial_phase()
+        if first is Phase.HYBRID and cfg.cloud_only_switch and not ready:
+            first = Phase.CLOUD_ONLY
+        if first is Phase.CLOUD_ONLY and not (ctx.controller.warming_up or cfg.cloud_only or not ready):
+            yield ctx.notice("starting with cloud-only decoding: the edge's measurements favour it")
+        unreachable = Unavailable(f"the verifier at {ctx.client.address} did not answer")
+        after: Phase | Lost = first if self.worker.connected else Lost(unreachable)
+        phase: Phase | None = None  # the phase that ran last
+        outage: Outage | None = None
+        while not state.done:
+            # 2. The cloud stopped answering: go offline, keeping the block in flight (or fail).
+            if isinstance(after, Lost):
+                outage = yield from go_offline(ctx, self.drafting, after)
+                after = Phase.OFFLINE
+            # 3. The drafter, its session and its verify round, built once: before the first phase
+            #    that drafts (a cloud-only phase builds them itself for shadow drafting, after its
+            #    first token: setting them up before it would hold that token back).
+            if after is not Phase.CLOUD_ONLY and self.drafting is None:
+                self.drafting = build_drafting(ctx)
+            # 4. Recovery: hybrid rounds (re)start on a session opened from everything committed
+            #    (at the start, back from cloud-only, after an outage: then the unverified tail is
+            #    verified first).
+            if after is Phase.HYBRID and phase is not Phase.HYBRID:
+                after = yield from self._reopen(phase)
+                phase = Phase.HYBRID if after is Phase.HYBRID else phase
+                continue  # verifying the tail may have ended the generation
+            # 5. Run the phase until it hands over.
+            phase = after
+            if phase is Phase.HYBRID:
+                after = yield from hybrid_round(ctx, self.drafting)
+            elif phase is Phase.CLOUD_ONLY:
+                after, self.drafting = yield from run_cloud_only(ctx, self.drafting)
+            else:
+                after = yield from run_offline(ctx, self.drafting, outage)
+                if isinstance(after, GaveUp):
+                    self.gave_up = True
+                    yield ctx.notice(after.message)
+                    return
 
-    def drafter_notice(self) -> Iterator[Event]:
-        """The eagle drafter's word when it hands over to its fallback drafter or takes back over."""
-        if self.eagle is not None and self.eagle.notice:
-            message, self.eagle.notice = self.eagle.notice, ""
-            yield self.notice(message)
-
-    def notice(self, message: str) -> Event:
-        """A change of phase, in words, for the user and the stats."""
-        self.stats.notices.append(message)
-        return Event(EventKind.NOTICE, message=message)
-
-    def lost(self, exc: Unavailable, in_flight: Proposal | None) -> Phase:
-        """The cloud stopped answering: go offline (keeping the block in flight), or fail."""
-        if not self.cfg.allow_unverified:
-            raise exc
-        self.lost_reason, self.in_flight = str(exc), in_flight
-        if self._drafter is not None:
-            self._drafter.drop()
-        return Phase.OFFLINE
-
-    def _hybrid_round(self) -> Generator[Event, None, Phase]:
-        state = self.state
-        # 1. Decide: a chain of γ, a tree, or let the cloud decode alone. The verifier always adds a token.
-        shape = self.controller.next_shape(state.max_new_tokens - state.generated, len(state.committed))
-        if shape is None:
-            yield self._to_cloud_only("hybrid is predicted slower than cloud-only decoding")
-            return Phase.CLOUD_ONLY
-        depth = min(shape.depth, state.max_new_tokens - state.generated - 1)
-        # 2. Draft (unless the last wait already did).
-        t0 = time.perf_counter()
-        if shape.is_chain or depth == 0:  # the last token of the budget is the verifier's alone
-            proposal = self.drafter.propose(state.committed, depth)
-        else:
-            from .tree_draft import TreeBudget, draft_tree  # with the drafter: a tree needs its torch
-
-            budget = TreeBudget(shape.nodes, depth, shape.top_k)
-            proposal = self.drafter.propose_tree(depth, lambda inner: draft_tree(inner, state.committed, budget))
-        yield from self.drafter_notice()
-        if not proposal.drafted_ahead:
-            spent = time.perf_counter() - t0
-            self.stats.draft_s += spent
-            if proposal.ids:
-                per_token = self.estimates.draft_s if proposal.parents is None else self.estimates.tree_node_s
-                per_token.add(spent / len(proposal.ids))
-        if proposal.ids:
-            yield Event(EventKind.DRAFT, provisional=tuple(proposal.main_path().ids))
-        # 3. Verify it, drafting the next block meanwhile.
+    def _reopen(self, came_from: Phase | None) -> Generator[Event, None, Phase | Lost]:
+        """Open the hybrid session from the committed tokens; after an outage re-open it and verify the
+        unverified tail. OFFLINE if the cloud answered a ping but not the re-open: drafting alone goes on."""
+        ctx, kit = self.ctx, self.drafting
+        was_warming = came_from is Phase.CLOUD_ONLY and ctx.controller.end_warmup()
         try:
-            result, events = self.verify_round(
-                proposal, shape.nodes, while_waiting=lambda flight: self._draft_ahead(proposal, depth, flight))
+            kit.session.open()
         except Unavailable as exc:
-            return self.lost(exc, proposal)
-        yield from events
-        # 4. Learn: acceptance per position (a tree's main path stands for the chain it contains) and
-        #    per rank, the verifier's time per block size, the network's share.
-        nodes, main = proposal.accepted(result), proposal.main_nodes()
-        kept = next((i for i, (a, b) in enumerate(zip(nodes, main)) if a != b), min(len(nodes), len(main)))
-        self.estimates.observe_round(len(main), kept, self.drafter.guess_right)
-        self.estimates.observe_ranks(proposal.ranks_seen(nodes, result.next_token))
-        self.estimates.observe_verify(len(proposal.ids), result.verify_ms / 1e3)
-        self.controller.observed_hybrid_round()
+            return Phase.OFFLINE if came_from is Phase.OFFLINE else Lost(exc)
+        if came_from is Phase.OFFLINE:
+            return (yield from verify_unverified(ctx, kit))
+        if came_from is Phase.CLOUD_ONLY:
+            ctx.controller.entered_hybrid()  # the first rounds are judged optimistically again
+            if not was_warming:  # leaving the warm-up is no switch
+                ctx.stats.switches_to_hybrid += 1
+                yield ctx.notice("switched back to hybrid decoding: predicted faster than cloud-only again")
         return Phase.HYBRID
 
-    def _draft_ahead(self, proposal: Proposal, depth: int, flight: InFlight) -> None:
-        """Pipelining: the guessed bonus token and the next block, drafted until the reply arrives,
-        after the block (a tree's main path) as if all of it were accepted."""
-        main = proposal.main_path()
-        if not self.cfg.pipeline or depth == 0 or (main.ids and main.ids[-1] in self.state.stop_ids):
-            return
-        room = self.state.max_new_tokens - self.state.generated - len(main.ids) - 1
-        if room >= 2:
-            self.drafter.prefetch(self.state.committed, main, min(depth + 1, room), interrupt=flight.done)
+    def _finish(self, wall_s: float, up0: int, down0: int) -> None:
+        ctx, kit = self.ctx, self.drafting
+        tokens, origins = ctx.state.result()
+        s = ctx.stats
+        s.new_tokens, s.unverified = len(tokens), len(ctx.state.unverified)
+        s.predrafted = kit.drafter.predrafted if kit else 0
+        s.uplink_bytes = ctx.client.uplink_bytes - up0
+        s.downlink_bytes = ctx.client.downlink_bytes - down0
+        s.feature_bytes = kit.eagle.log.received_bytes if kit and kit.eagle else 0
+        s.wall_s = wall_s
+        text = ctx.text.text + ctx.text.continuation(ctx.state.unverified)
+        reason = "stop" if ctx.state.eos or ctx.text.stopped else "length"
+        self.generation = Generation(tokens, origins, s, text, ctx.state.eos, reason, self.error)
 
-    def _to_cloud_only(self, why: str) -> Event:
-        self.drafter.drop()
-        self.stats.switches_to_cloud += 1
-        self.session.close(wait=False)
-        return self.notice(f"switched to cloud-only decoding: {why}")
+
+def _context(worker: EdgeWorker, client: VerifierClient, prompt: list[int], cfg: EdgeConfig,
+             info: ModelInfo) -> RunContext:
+    """The parts of one generation every phase reads."""
+    text = TextTracker(worker.codec, cfg.stop)
+    state = GenerationState(prompt, cfg.max_new_tokens, frozenset(info.eos_token_ids), text)
+    # Trees only where the server verifies them, the rule has a tree form and a model drafts (an eagle
+    # head, found once it loads, drafts chains: edge/context.py build_drafting).
+    trees = cfg.drafter_kind is DrafterKind.MODEL and cfg.resolved_mode.verifies_trees
+    policy = Policy(cap=min(cfg.max_draft, worker.cap), adaptive=cfg.gamma_policy is GammaPolicy.ADAPTIVE,
+                    fixed_tree=cfg.gamma_policy is GammaPolicy.TREE, pipeline=cfg.pipeline,
+                    cloud_only_switch=cfg.cloud_only_switch, probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only,
+                    tree_nodes=min(cfg.tree_nodes, info.max_tree_nodes) if trees else 0, tree_top_k=cfg.tree_top_k)
+    spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
+                       seed=cfg.seed, rollback_threshold=cfg.rollback_threshold, lenience=cfg.lenience,
+                       tokenizer_fingerprint=worker.tokenizer_fp, prompt_len=len(prompt))
+    return RunContext(cfg=cfg, info=info, spec=spec, state=state, text=text, stats=Stats(),
+                      estimates=worker.estimates, controller=Controller(policy, worker.estimates), client=client,
+                      link=worker, load=worker.load)

@@ -110,9 +110,9 @@ def test_greedy_output_is_the_targets_over_grpc(server, target, eagle, chat_prom
     gen = run.generation
     assert gen.token_ids == greedy_reference(target, chat_prompt, 40)
     assert gen.stats.accepted > 0, gen.stats  # the head learnt something from the features
-    assert run.eagle.log.count == len(chat_prompt) + len(gen.token_ids) - 1  # every committed position but the newest
+    assert run.drafting.eagle.log.count == len(chat_prompt) + len(gen.token_ids) - 1  # every committed position but the newest
     per_vector = 64 + 2 if features == "int8" else 2 * 64
-    assert gen.stats.feature_bytes == per_vector * run.eagle.log.count
+    assert gen.stats.feature_bytes == per_vector * run.drafting.eagle.log.count
     assert gen.stats.feature_bytes < gen.stats.downlink_bytes
     assert not [e for e in events if e.message and "features" in e.message]  # never fell back
 

@@ -6,8 +6,11 @@ import time
 import pytest
 
 from hybridspec.common.protocol.errors import Unavailable
+from hybridspec.edge import cloud_only, context
+from hybridspec.edge import worker as worker_module
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.drafter import Lookahead
 from hybridspec.edge.state import EventKind, Origin
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
@@ -165,7 +168,7 @@ def test_a_worker_that_measured_a_fast_cloud_starts_cloud_only(server, target, r
     assert any("starting with cloud-only" in n for n in gen.stats.notices)
 
 
-def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(server, target):
+def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(server, target, monkeypatch):
     """Regression: while decoding cloud-only, the edge drafted its shadow guess of each token before
     handing the token on, so the first token waited for the drafter to be built and fed the prompt
     (20-40 ms more time to first token with the llama.cpp drafter)."""
@@ -173,14 +176,13 @@ def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(se
     with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         committed, guessed_after = [], []
-        drafter = run.drafter
-        propose = drafter.propose
+        propose = Lookahead.propose  # the generation's drafter is built once its first phase runs
 
         def counting(*args, **kwargs):
             guessed_after.append(len(committed))
             return propose(*args, **kwargs)
 
-        drafter.propose = counting
+        monkeypatch.setattr(Lookahead, "propose", counting)
         for event in run:
             if event.kind is EventKind.COMMIT:
                 committed.extend(event.tokens)
@@ -231,7 +233,7 @@ def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(ser
     assert worker.estimates.switch_cost_s(100) >= 100 * per_token
 
 
-def test_a_cloud_only_stream_asks_for_its_tokens_before_the_drafter_is_set_up(server, target):
+def test_a_cloud_only_stream_asks_for_its_tokens_before_the_drafter_is_set_up(server, target, monkeypatch):
     """Regression: the default edge set its drafter up (a llama.cpp context, about 15 ms) between opening
     a cloud-only stream and reading it, and the Decode request leaves only when the stream is first
     read: every generation's first token waited for it (experiments/never_slower.yaml: 7 ms median,
@@ -240,13 +242,14 @@ def test_a_cloud_only_stream_asks_for_its_tokens_before_the_drafter_is_set_up(se
     with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         committed, built_after = [], []
-        build = run._build_drafter
+        build = context.build_drafting
 
-        def recording() -> None:
+        def recording(ctx):
             built_after.append(len(committed))
-            build()
+            return build(ctx)
 
-        run._build_drafter = recording
+        for module in (cloud_only, worker_module):  # every caller of build_drafting
+            monkeypatch.setattr(module, "build_drafting", recording)
         for event in run:
             if event.kind is EventKind.COMMIT:
                 committed.extend(event.tokens)

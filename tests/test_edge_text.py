@@ -127,7 +127,7 @@ def test_drafter_loading_in_the_background(server, target, model_dirs):
         list(events)
     gen = run.generation
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
-    assert gen.stats.cloud_only_tokens >= 1 and run._drafter is not None
+    assert gen.stats.cloud_only_tokens >= 1 and run.drafting is not None
 
 
 def test_concurrent_generations_share_one_worker(server, target, random_drafter):
