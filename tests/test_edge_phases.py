@@ -10,7 +10,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.session import CloudSession
 from hybridspec.edge.worker import EdgeWorker
 
-from tinymodels import EVERY_ROUND, greedy_reference
+from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW = 24
