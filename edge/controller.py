@@ -35,6 +35,11 @@ OPTIMISTIC_ALPHA = 0.9
 SHADOW_MIN_CHECKS = 16
 SHADOW_MARGIN = 0.15
 SHADOW_RECHECK = 4
+# A generation starts hybrid only when hybrid is predicted this much faster (a fraction) with the α
+# measured so far, which earlier texts gave: acceptance belongs to the text. Below it, the generation
+# starts cloud-only and its own shadow guesses decide after `probe_tokens`; that switch costs one
+# session open, a short prefill where the replica's prefix cache holds the context.
+START_MARGIN = 0.2
 FIRST_GAMMA = 4  # the adaptive policy's first block, before the drafter's speed is known
 
 
@@ -78,12 +83,14 @@ class Controller:
         return self.estimates.rates(DEFAULT_RATES)
 
     def initial_phase(self) -> Phase:
-        """Cloud-only while warming up or unless earlier measurements favour hybrid by the hysteresis:
+        """Cloud-only while warming up or unless earlier measurements favour hybrid by START_MARGIN:
         starting either mode costs one prefill, but a hybrid start that turns out slower costs a
-        second one to leave (a new stream of the whole context), so a close call starts cloud-only."""
+        second one to leave (a new stream of the whole context) after MIN_HYBRID_ROUNDS rounds, and
+        the α behind the prediction was measured on other texts, so a close call starts cloud-only."""
         p = self.policy
         if p.cloud_only or self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
-                self.rates(), p.cap, p.pipeline, now_cloud_only=True, hybrid=self._best_hybrid(self.rates()))):
+                self.rates(), p.cap, p.pipeline, now_cloud_only=True, hysteresis=START_MARGIN,
+                hybrid=self._best_hybrid(self.rates()))):
             return Phase.CLOUD_ONLY
         return Phase.HYBRID
 
