@@ -121,9 +121,9 @@ def main() -> None:
     clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address),
                "decode_ray": VerifierClient(ray_address)}
     workers = {"edge_ray": EdgeWorker(drafter, VerifierClient(ray_address),
-                                      EdgeConfig(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
+                                      EdgeConfig.of(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
                "edge_default_ray": EdgeWorker(drafter, VerifierClient(ray_address),
-                                              EdgeConfig(cloud=ray_address, max_new_tokens=n))}
+                                              EdgeConfig.of(cloud=ray_address, max_new_tokens=n))}
 
     def grpc(name: str, prompt: list[int]) -> list[int]:
         pin(EDGE_CORE)

@@ -119,8 +119,8 @@ STRATEGIES = {"cloud-only": {"cloud_only": True}, "default-edge": {},
 
 def generate(drafter, address: str, prompt: list[int], new_tokens: int, settings: dict) -> dict:
     """One generation by a fresh edge worker: its tokens, time to first token and wall time."""
-    config = EdgeConfig(cloud=address, max_new_tokens=new_tokens, timeout_s=300, **settings)
-    with VerifierClient(address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=address, max_new_tokens=new_tokens, timeout_s=300, **settings)
+    with VerifierClient(address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(drafter, client, config)
         start, first = time.perf_counter(), None
         run = worker.stream(prompt)

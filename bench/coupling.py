@@ -205,7 +205,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(resolve("", "target"), device="cpu")
     drafter = load_model(resolve("embedded:plain", "drafter"), device="cpu")
-    wire_top_k = EdgeConfig().wire_top_k
+    wire_top_k = EdgeConfig().drafting.wire_top_k
     texts = heldout_prompts(args.heldout, seed=7) + list(FREEFORM_PROMPTS)
     prompts = [encode_prompt(target.tokenizer, text, chat=True) for text in texts]
     result = {"prompts": len(prompts), "heldout": args.heldout, "freeform": len(FREEFORM_PROMPTS),

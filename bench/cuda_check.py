@@ -52,7 +52,7 @@ def main() -> None:
         refs.append(out[0, len(p):].tolist())
     print(f"target alone: {sum(map(len, refs)) / ref_s:.1f} tokens/s")
     for gamma in range(1, 9):
-        config = EdgeConfig(max_new_tokens=args.new_tokens, max_draft=gamma, fallback_threshold=0.0, wire_top_k=0)
+        config = EdgeConfig.of(max_new_tokens=args.new_tokens, max_draft=gamma, fallback_threshold=0.0, wire_top_k=0)
         agree = total = generated = rounds = 0
         spent = 0.0
         for p, ref in zip(prompts, refs):

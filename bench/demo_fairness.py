@@ -28,7 +28,6 @@ import platform
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,9 +48,9 @@ STRATEGIES = ("default", "cloud-only", "no-shadow", "shadow")
 def strategy_config(config: EdgeConfig, name: str) -> EdgeConfig:
     """The demo's config as `name` runs it."""
     if name == "cloud-only":
-        return replace(config, cloud_only=True)
+        return config.updated(cloud_only=True)
     if name == "no-shadow":
-        return replace(config, probe_tokens=0)
+        return config.updated(probe_tokens=0)
     return config
 
 
@@ -101,12 +100,12 @@ def session(index: int, pairs: int, strategies: tuple[str, ...]) -> dict:
         import torch
 
         torch.set_num_threads(1)
-        config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, torch_threads=1, **DEMO_TEXT)
+        config = EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, torch_threads=1, **DEMO_TEXT)
         worker = build_worker(config)
         prompt = prompt_ids(worker.codec, DEFAULT_PROMPT, chat=True)
         # 1. The demo as it was: warm-up, default edge, cloud-only, once each; every other session with
         #    the two timed generations swapped, to tell the order's share from the strategy's.
-        worker.generate(prompt, replace(config, max_new_tokens=WARMUP_TOKENS))
+        worker.generate(prompt, config.updated(max_new_tokens=WARMUP_TOKENS))
         swapped = index % 2 == 1
         if swapped:
             old_cloud = timed(worker, prompt, strategy_config(config, "cloud-only"))

@@ -43,7 +43,7 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
-from hybridspec.edge.proposal import DraftSettings
+from hybridspec.edge.proposal import DraftSettings, Drafting
 from llamacpp_drafter import time_drafters
 from harness import arguments, cpu_model, median, pass_times, references, usable_cores, write_json
 
@@ -217,7 +217,7 @@ def timing_round(drafters: dict[int, LoadedModel], engine: LlamaCppEngine, conte
     """One round: every variant's per-token drafting and feed ms (medians of `repeats`, variants
     alternating), and the target's one-token pass."""
     settings = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=engine.vocab_size,
-                             stop_ids=frozenset(), fallback_threshold=0.0)
+                             stop_ids=frozenset(), drafting=Drafting(fallback_threshold=0.0))
     context = list(range(1000, 1000 + context_len))
     runs = {rows: ModelDrafter(d, settings, LlamaCppLM.open(d.llama, d.head_ids, engine.vocab_size))
             for rows, d in drafters.items()}

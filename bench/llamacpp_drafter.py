@@ -45,7 +45,7 @@ from hybridspec.edge.draft_lm import DraftLM, TorchLM
 from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.llamacpp_lm import LlamaCppLM
 from hybridspec.edge.prompt import encode_prompt
-from hybridspec.edge.proposal import DraftSettings
+from hybridspec.edge.proposal import DraftSettings, Drafting
 from harness import arguments, cpu_model, median, pass_times, usable_cores
 
 QUESTIONS = ("Why is the sky blue?", "Write a haiku about autumn leaves.", "What is 17 times 3? Explain.",
@@ -111,7 +111,7 @@ def feed_ms(lm: DraftLM, context: list[int], tokens: int) -> float:
 def drafting(drafters: dict[str, LoadedModel], context_len: int, block: int, repeats: int) -> dict:
     """Per-token drafting and feed times of every drafter, alternating repeat by repeat."""
     settings = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=49152, stop_ids=frozenset(),
-                             fallback_threshold=0.0)
+                             drafting=Drafting(fallback_threshold=0.0))
     context = list(range(1000, 1000 + context_len))
     lms = {name: (TorchLM(d, 49152) if d.llama is None else LlamaCppLM.open(d.llama, d.head_ids, 49152))
            for name, d in drafters.items()}

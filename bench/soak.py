@@ -99,7 +99,7 @@ def models(questions: list[str], new_tokens: int, address: str):
     drafter = load_model(default_paths()["drafter"], device="cpu")
     prompts = [encode_prompt(drafter.tokenizer, q, chat=True) for q in questions]
     with VerifierClient(address, timeout_s=120) as client:
-        worker = EdgeWorker(drafter, client, EdgeConfig(cloud=address, max_new_tokens=new_tokens, cloud_only=True))
+        worker = EdgeWorker(drafter, client, EdgeConfig.of(cloud=address, max_new_tokens=new_tokens, cloud_only=True))
         return drafter, prompts, [worker.generate(p).token_ids for p in prompts]
 
 
@@ -123,12 +123,12 @@ def chaos(args) -> int:
 
         def edge(i: int) -> None:
             extra = {} if i % 2 else {"gamma_policy": "fixed", "cloud_only_switch": False, "max_draft": 4}
-            config = EdgeConfig(cloud=link.address, max_new_tokens=CHAOS_TOKENS, allow_unverified=True,
-                                timeout_s=30, reconnect_s=0.5, **extra)
+            config = EdgeConfig.of(cloud=link.address, max_new_tokens=CHAOS_TOKENS, allow_unverified=True,
+                                   timeout_s=30, reconnect_s=0.5, **extra)
             n = i
             while time.monotonic() < deadline:
                 try:
-                    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+                    with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
                         worker = EdgeWorker(drafter, client, config)
                         while time.monotonic() < deadline:
                             gen = worker.generate(prompts[n % len(prompts)])
@@ -228,7 +228,7 @@ def fuzz(args) -> int:
         stop, honest, errors = threading.Event(), [], []
 
         def honest_edge() -> None:
-            config = EdgeConfig(cloud=address, max_new_tokens=FUZZ_TOKENS)
+            config = EdgeConfig.of(cloud=address, max_new_tokens=FUZZ_TOKENS)
             try:
                 with VerifierClient(address) as client:
                     worker = EdgeWorker(drafter, client, config)

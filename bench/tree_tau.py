@@ -42,7 +42,7 @@ from hybridspec.edge.draft_lm import TorchLM
 from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.prompt import encode_prompt
-from hybridspec.edge.proposal import DraftSettings, DrafterKind, Proposal
+from hybridspec.edge.proposal import DraftSettings, Drafting, DrafterKind, Proposal
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
 from harness import arguments, references, write_json
 
@@ -165,14 +165,15 @@ def main() -> None:
     vocab = drafters["torch"].vocab_size
     prompts = [encode_prompt(target.tokenizer, q, chat=True) for q in FREEFORM_PROMPTS[:args.prompts]]
     texts = references(target, prompts, args.tokens)
+    no_fallback = Drafting(fallback_threshold=0.0)
     greedy = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=vocab,
-                           stop_ids=frozenset(target.eos_token_ids), fallback_threshold=0.0, seed=args.seed)
+                           stop_ids=frozenset(target.eos_token_ids), drafting=no_fallback, seed=args.seed)
     result: dict = {"prompts": args.prompts, "tokens": args.tokens, "gamma": GAMMA, "tree_depth": DEPTH,
                     "tree_top_k": TOP_K, "threads": 1, "agreement": agreement(drafters["torch"], prompts, texts),
                     "greedy": {engine: greedy_replay(d, greedy, prompts, texts) for engine, d in drafters.items()}}
     if args.temperature > 0:
         sampled = DraftSettings(sampling=SamplingParams(temperature=args.temperature), vocab_size=vocab,
-                                stop_ids=frozenset(target.eos_token_ids), fallback_threshold=0.0, seed=args.seed)
+                                stop_ids=frozenset(target.eos_token_ids), drafting=no_fallback, seed=args.seed)
         result["sampled"] = {"temperature": args.temperature, "tokens": args.sampled_tokens,
                              **sampled_run(target, drafters["llamacpp"], sampled, prompts, args.sampled_tokens)}
     print_table(result)

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -72,7 +71,7 @@ def run_demo(args) -> int:
         if pin:
             os.sched_setaffinity(0, {cores[0]})
         config = edge_config(args, cloud=address, max_new_tokens=96, torch_threads=1 if pin else 0, **DEMO_TEXT)
-        baseline = replace(config, cloud_only=True)
+        baseline = config.updated(cloud_only=True)
         worker = build_worker(config)
         prompt = prompt_ids(worker.codec, args.prompt, chat=True)
         console.print(f"[bold]prompt:[/] {args.prompt}")
@@ -80,13 +79,13 @@ def run_demo(args) -> int:
         #    has), and each strategy's first call is out of the way.
         with console.status("warming up: the edge measures its drafter, the link and the cloud..."):
             for warm in (config, baseline):
-                worker.generate(prompt, replace(warm, max_new_tokens=WARMUP_TOKENS))
+                worker.generate(prompt, warm.updated(max_new_tokens=WARMUP_TOKENS))
         # 2. Turns: each runs both strategies, the order alternating, so drift hits both alike.
         hybrid, cloud, shown, rates, checks = [], [], None, None, 0
         for turn in range(args.turns):
             order = ((config, hybrid), (baseline, cloud)) if turn % 2 == 0 else ((baseline, cloud), (config, hybrid))
             for cfg, runs in order:
-                what = "cloud-only (the target decodes alone)" if cfg.cloud_only else "the default edge"
+                what = "cloud-only (the target decodes alone)" if cfg.policy.cloud_only else "the default edge"
                 with console.status(f"turn {turn + 1} of {args.turns}: {what}..."):
                     runs.append(worker.generate(prompt, cfg))
                 if shown is None and runs is hybrid:
@@ -103,7 +102,7 @@ def run_demo(args) -> int:
     console.print(_table(worker, shown.stats, turns, same, pin))
     outcome = Outcome(sum(g.stats.rounds for g in hybrid), sum(g.stats.drafted for g in hybrid),
                       sum(g.stats.accepted for g in hybrid), turns, checks)
-    for line in explain(worker.info, rates, worker.cap, config.pipeline, outcome):
+    for line in explain(worker.info, rates, worker.cap, config.policy.pipeline, outcome):
         console.print(line)
     if args.save:
         _save(args.save, turns, outcome, same, pin)

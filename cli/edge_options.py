@@ -30,9 +30,9 @@ def build_worker(config, background: bool = False, require_cloud: bool = True):
     from ..edge.startup import DrafterLoad, fast_codec
     from ..edge.worker import EdgeWorker
 
-    codec = fast_codec(config) if background else None
-    load = DrafterLoad.start(config, background=background and codec is not None)
-    client = VerifierClient(config.cloud, config.timeout_s, config.cloud_access())
+    codec = fast_codec(config.model) if background else None
+    load = DrafterLoad.start(config.model, background=background and codec is not None)
+    client = VerifierClient(config.link.cloud, config.link.timeout_s, config.cloud_access())
     try:
         return EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
     except BaseException:

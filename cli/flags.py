@@ -1,5 +1,6 @@
-"""CLI flags made from the config dataclasses: one `--field-name` per field, whose help, type, choices
-and default are read from the field (common/config.py `setting`), so a setting is written down once.
+"""CLI flags made from the config dataclasses: one `--setting-name` per setting (of every section, for a
+config made of sections: the flags stay flat), whose help, type, choices and default are read from the
+field (common/config.py `setting`), so a setting is written down once.
 
 A flag defaults to None, "not given": the --config file or the dataclass default then applies
 (`load_config`), and the dataclass checks every value, whether it came from a flag or a file.
@@ -12,22 +13,21 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from ..common.config import Choice, field_types
+from ..common.config import Choice, settings_of
 
 
 def add_config_flags(parser: argparse.ArgumentParser | Any, cls: type, exclude: Iterable[str] = ()) -> None:
-    """Add `--field-name` to `parser` (or an argument group) for every field of the dataclass `cls`
+    """Add `--setting-name` to `parser` (or an argument group) for every setting of the config `cls`
     but those in `exclude`."""
-    types = field_types(cls)
-    for f in dataclasses.fields(cls):
-        if f.name not in exclude:
-            parser.add_argument("--" + f.name.replace("_", "-"), default=None, help=_help(f),
-                                **_flag_kind(types[f.name], f.metadata.get("choices")))
+    for name, (_, f, hint) in settings_of(cls).items():
+        if name not in exclude:
+            parser.add_argument("--" + name.replace("_", "-"), default=None, help=_help(f),
+                                **_flag_kind(hint, f.metadata.get("choices")))
 
 
 def config_overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """What the command line gave for `cls`'s fields; a field it did not give is left out."""
-    values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+    """What the command line gave for `cls`'s settings (flat names); one it did not give is left out."""
+    values = {name: getattr(args, name, None) for name in settings_of(cls)}
     return {name: tuple(value) if isinstance(value, list) else value  # a repeated flag: its field's tuple
             for name, value in values.items() if value is not None}
 

@@ -48,7 +48,7 @@ def run_serve(args) -> int:
             host, port = sock.getsockname()[:2]
             scheme = "https" if options.tls else "http"
             print(f"{READY_PREFIX}{scheme}://{_url_host(host)}:{port} (model {app.state.service.model}, "
-                  f"cloud {config.cloud})", flush=True)
+                  f"cloud {config.link.cloud})", flush=True)
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=options.access_log,
                                                    lifespan="off", timeout_graceful_shutdown=GRACE_S,
                                                    ssl_certfile=options.http_tls_cert or None,

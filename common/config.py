@@ -1,13 +1,18 @@
 """The frozen dataclass configs' machinery, shared by edge and cloud: fields that carry their default,
-help and bounds (`setting`, `like`, `check_fields`), and strict loading from the defaults, a YAML file
-and flags (`load_config`). The CLI makes one flag per field from the same fields (cli/flags.py)."""
+help and bounds (`setting`, `like`, `check_fields`), configs made of sections (`Sections`: each
+section a frozen dataclass that one component receives whole), and strict loading from the defaults, a
+YAML file and flags (`load_config`). A setting's name is unique across its config's sections, so a flag
+(cli/flags.py makes one per setting) and a flat YAML key name it alone; YAML may also nest it under its
+section (`policy: {max_draft: 4}`)."""
 from __future__ import annotations
 
 import dataclasses
 import enum
 import functools
+import re
 import typing
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import yaml
@@ -44,11 +49,22 @@ class DType(Choice):
 
 
 def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, choices: tuple[str, ...] | None = None) -> Any:
+            le: float | None = None, choices: tuple[str, ...] | None = None,
+            pattern: tuple[str, str] | None = None) -> Any:
     """A config field: its default, the help its flag shows, and the bounds (or, for a string field,
-    the allowed values) that `check_fields` enforces. The one place a setting's default and rules live."""
-    rules = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices}
+    the allowed values, or a (regular expression, what it allows in words) pair) that `check_fields`
+    enforces. The one place a setting's default and rules live."""
+    rules = {"help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "pattern": pattern}
     return dataclasses.field(default=default, metadata=rules)
+
+
+DEVICE_AUTO = "auto"  # a CUDA GPU when there is one, else the CPU (common/models/loading.py pick_device)
+
+
+def device_setting(help: str) -> Any:
+    """Where a model computes: not an enum, since cuda:N names any GPU, but a pattern `check_fields` enforces."""
+    return setting(DEVICE_AUTO, f"{help}: auto, cpu, cuda or cuda:N",
+                   pattern=(r"auto|cpu|cuda(:[0-9]+)?", "auto, cpu, cuda or cuda:N"))
 
 
 def like(cls: type, name: str) -> Any:
@@ -70,6 +86,9 @@ def check_fields(config: Any) -> None:
         allowed = f.metadata.get("choices")
         if allowed is not None and value not in allowed:
             raise ValueError(f"{f.name} must be one of {', '.join(c for c in allowed if c)}, got {value!r}")
+        pattern = f.metadata.get("pattern")
+        if pattern is not None and not (isinstance(value, str) and re.fullmatch(pattern[0], value)):
+            raise ValueError(f"{f.name} must be {pattern[1]}, got {value!r}")
         ge, gt, le = (f.metadata.get(k) for k in ("ge", "gt", "le"))
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
@@ -105,23 +124,108 @@ def read_mapping(path: str | Path) -> dict[str, Any]:
     return loaded
 
 
+S = TypeVar("S", bound="Sections")
+
+
+class Sections:
+    """A config whose fields are sections: frozen dataclasses, each holding the settings of one concern
+    and handed whole to the component that uses it. Built from flat keys (`of`), which `settings_of`
+    routes to their sections."""
+
+    @classmethod
+    def of(cls: type[S], **values: Any) -> S:
+        """The config with these settings (flat names, or a section's name and a mapping), every other
+        at its default; ConfigError for an unknown name, the sections' own errors for a bad value."""
+        return cls(**_build_sections(cls, route(cls, values)))
+
+    def updated(self: S, **values: Any) -> S:
+        """This config with these settings (flat names, as `of` takes them) changed."""
+        changed = {name: dataclasses.replace(getattr(self, name), **part)
+                   for name, part in route(type(self), values).items()}
+        return dataclasses.replace(self, **changed)  # type: ignore[type-var]
+
+
+@functools.cache
+def sections_of(cls: type) -> dict[str, type]:
+    """Section name -> section type for a config made of sections; {} for a flat config."""
+    if not (isinstance(cls, type) and issubclass(cls, Sections)):
+        return {}
+    types = field_types(cls)
+    return {f.name: types[f.name] for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def settings_of(cls: type) -> dict[str, tuple[str | None, dataclasses.Field, Any]]:
+    """Every setting of a config by its (flat) name: the section holding it (None in a flat config),
+    its field and its type. A name twice is a bug: one flag and one flat key could not say which."""
+    found: dict[str, tuple[str | None, dataclasses.Field, Any]] = {}
+    parts = sections_of(cls) or {None: cls}
+    for section, kind in parts.items():
+        types = field_types(kind)
+        for f in dataclasses.fields(kind):
+            if f.name in found or f.name in parts:
+                raise TypeError(f"{cls.__name__}: setting {f.name} is named twice")
+            found[f.name] = (section, f, types[f.name])
+    return found
+
+
+def route(cls: type, values: Mapping[str, Any]) -> dict[str | None, dict[str, Any]]:
+    """Section -> {setting: value} from flat keys and section mappings (`policy: {max_draft: 4}`);
+    ConfigError naming any key that is no setting of `cls`, or a setting under another section."""
+    settings, parts = settings_of(cls), sections_of(cls)
+    routed: dict[str | None, dict[str, Any]] = {}
+    unknown = []
+    for key, value in values.items():
+        if key in parts:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"invalid {cls.__name__}: section {key} must be a mapping of its settings, "
+                                  f"got {value!r}")
+            for name, inner in value.items():
+                if settings.get(name, (None,))[0] != key:
+                    unknown.append(f"{key}.{name}")
+                else:
+                    routed.setdefault(key, {})[name] = inner
+        elif key in settings:
+            routed.setdefault(settings[key][0], {})[key] = value
+        else:
+            unknown.append(str(key))
+    if unknown:
+        where = f" (or nested under their sections: {', '.join(parts)})" if parts else ""
+        raise ConfigError(f"unknown config key(s) for {cls.__name__}: {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(sorted(settings))}{where}")
+    return routed
+
+
+def flat_settings(config: Any) -> dict[str, Any]:
+    """Every setting of a config and its value, by flat name (as flags and flat YAML keys name them)."""
+    return {name: getattr(getattr(config, section) if section else config, name)
+            for name, (section, _, _) in settings_of(type(config)).items()}
+
+
+def _build_sections(cls: type, routed: dict[str | None, dict[str, Any]]) -> dict[str, Any]:
+    """The keyword arguments of `cls`: each section built from its routed settings, or the settings
+    themselves for a flat config."""
+    parts = sections_of(cls)
+    if not parts:
+        return routed.get(None, {})
+    return {name: kind(**routed.get(name, {})) for name, kind in parts.items()}
+
+
 def load_config(cls: type[T], path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> T:
-    """Build `cls` from defaults, then the YAML file at `path`, then `overrides` (None values skipped).
+    """Build `cls` from defaults, then the YAML file at `path` (flat keys or sections), then
+    `overrides` (flat keys; None values skipped).
 
     Unknown keys and values the dataclass rejects raise ConfigError naming the key.
     """
-    values: dict[str, Any] = read_mapping(path) if path is not None else {}
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(known))}")
-    types = field_types(cls)
-    for key, value in values.items():
-        values[key] = _typed(cls.__name__, key, value, types[key])
+    routed = route(cls, read_mapping(path) if path is not None else {})
+    for section, values in route(cls, {k: v for k, v in (overrides or {}).items() if v is not None}).items():
+        routed.setdefault(section, {}).update(values)
+    settings = settings_of(cls)
+    for values in routed.values():
+        for key, value in values.items():
+            values[key] = _typed(cls.__name__, key, value, settings[key][2])
     try:
-        return cls(**values)
+        return cls(**_build_sections(cls, routed))
     except (TypeError, ValueError, HybridSpecError) as exc:
         raise ConfigError(f"invalid {cls.__name__}: {exc}") from None
 

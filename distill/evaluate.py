@@ -88,11 +88,11 @@ def eagle_report(loaded: LoadedModel, samples: list[Sample], feats: list[torch.T
     with its own, and a round accepts the drafts that match the target's tokens. `agreement` is the
     acceptance of the first draft of a round (all its inputs true features)."""
     from ..edge.drafter import NgramDrafter
-    from ..edge.proposal import DraftSettings
+    from ..edge.proposal import DraftSettings, Drafting
     from ..edge.eagle import EagleDrafter, FeatureLog
 
     settings = DraftSettings(sampling=SamplingParams(), vocab_size=vocab_size, stop_ids=frozenset(),
-                             fallback_threshold=0.0)
+                             drafting=Drafting(fallback_threshold=0.0))
     report = Report(agreement=0.0, acceptance={}, tokens_per_round={}, per_position={})
     for gamma in gammas:
         rounds = drafted = accepted = total = 0

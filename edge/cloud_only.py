@@ -35,9 +35,9 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
     # is first read, so setting it up before held back every generation's first token (never_slower:
     # 7 ms median, 17 mean, a tenth of a 10-token generation). Later tokens are pushed meanwhile.
     sent = time.perf_counter()
-    cloud = CloudStream(ctx.client, ctx.spec, state, estimates, stats, cfg.timeout_s)
+    cloud = CloudStream(ctx.client, ctx.spec, state, estimates, stats, cfg.link.timeout_s)
     cloud.start()
-    stream = cloud.tokens(cfg.max_new_tokens - state.generated)
+    stream = cloud.tokens(cfg.generation.max_new_tokens - state.generated)
     try:
         ping = _ping_in_background(ctx)
         loading = ctl.reconsiders  # no guesses, no decisions until the drafter is there (never: --cloud-only)
@@ -64,7 +64,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
                 proposal = kit.drafter.propose(state.committed[:-1], 1, fallback=False)
                 estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
                 stats.shadow_guesses += 1
-                agreed = proposal.shadow_guess(cfg.seed, len(state.committed) - 1) == token
+                agreed = proposal.shadow_guess(cfg.generation.seed, len(state.committed) - 1) == token
                 estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
                 # Where the cloud's token stood among the drafter's choices: what sizes trees.
                 estimates.observe_ranks(proposal.ranks_seen([], token))
@@ -81,7 +81,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
             since_check += 1
             if not ctl.reconsiders or since_check < next_check:
                 continue
-            since_check, next_check = 0, cfg.probe_tokens
+            since_check, next_check = 0, cfg.policy.probe_tokens
             ping.join()
             ping = _ping_in_background(ctx)
             if ctl.hybrid_looks_better(can_shadow, state.max_new_tokens - state.generated, len(state.committed)):

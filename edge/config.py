@@ -3,26 +3,21 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..common.config import Choice, ConfigError, DType, check_fields, like, setting
+from ..common.config import Choice, ConfigError, DType, Sections, check_fields, device_setting, setting
 from ..common.models.drafter_gguf import DrafterEngine
 from ..common.protocol.channel import DEFAULT_CLOUD_ADDRESS
 from ..common.security.credentials import MAX_TOKEN_CHARS
 from ..common.security.tls import ClientTLS, is_loopback
 from ..common.protocol.wire import (DEFAULT_LENIENCE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_ROLLBACK_THRESHOLD, FeatureFormat,
                                     Mode, SamplingParams)
-from .controller import Policy
-from .proposal import DraftSettings, DrafterKind
+from .controller import GammaPolicy, PolicySettings
+from .proposal import DraftSettings, DrafterKind, Drafting
 
-
-class GammaPolicy(Choice):
-    """How long a block to draft."""
-
-    ADAPTIVE = "adaptive"  # γ (or a tree's size) each round for the most tokens/s, from measured rates
-    FIXED = "fixed"  # always a chain of max_draft
-    TREE = "tree"  # always a tree of tree_nodes nodes, max_draft deep, tree_top_k children per node
+__all__ = ["AccessSettings", "CloudAccess", "CloudLink", "DrafterModel", "EdgeConfig", "GammaPolicy",
+           "GenerationSettings", "RuleChoice", "WireFeatures"]
 
 
 class RuleChoice(Choice):
@@ -62,68 +57,23 @@ class CloudAccess:
 
 
 @dataclass(frozen=True)
-class EdgeConfig:
-    """Every knob of `hybridspec edge generate`. Empty drafter means the embedded default."""
+class CloudLink:
+    """Where the cloud is and how long to wait for it: the `link` section."""
 
     cloud: str = setting(DEFAULT_CLOUD_ADDRESS, "HOST:PORT of the verifier pool's front door")
-    drafter: str = setting("", "drafter model directory, .gguf file, cached hub id, embedded:plain or "
-                               "embedded:eagle; empty: the embedded default")
-    drafter_kind: DrafterKind = setting(DrafterKind.MODEL, "model: the drafter checkpoint (an LM or an eagle "
-                                                           "head); ngram: prompt lookup")
-    features: WireFeatures = setting(WireFeatures.INT8, "eagle drafters: how the verifier sends the target's "
-                                                        "features")
-    fallback_drafter: str = setting("", "eagle drafters: what drafts while there are no features: a drafter "
-                                        "path or ngram; empty: the embedded plain drafter")
-    ngram_max: int = like(DraftSettings, "ngram_max")
-    drafter_engine: DrafterEngine = setting(DrafterEngine.AUTO, "what runs a drafter LM: llamacpp runs the GGUF "
-                                                                "converted beside it (`models pull` writes the "
-                                                                "embedded one's); torch the checkpoint; auto = "
-                                                                "llamacpp on a CPU when that GGUF is there and "
-                                                                "no dtype is asked for (eagle heads: torch)")
-    device: str = setting("auto", "where the drafter computes: auto, cpu, cuda or cuda:N")
-    dtype: DType = setting(DType.AUTO, "the drafter's weights; auto = float32 on a CPU, bfloat16 on a GPU")
-    torch_threads: int = setting(0, "the drafter's threads on a CPU: torch's intra-op threads (0 keeps torch's "
-                                    "default), or llama.cpp's (0 = 1)", ge=0)
-    max_new_tokens: int = setting(DEFAULT_MAX_NEW_TOKENS, "tokens to generate at most (an end-of-sequence token ends sooner)", ge=1)
-    temperature: float = setting(0.0, "sampling temperature; 0 = greedy")
-    top_k: int = setting(0, "top-k truncation, applied on both sides; 0 = off")
-    top_p: float = setting(1.0, "nucleus truncation, applied on both sides; 1 = off")
-    repetition_penalty: float = setting(1.0, "> 1 discourages every token of the context, prompt included "
-                                             "(both sides apply it); 1 = off")
-    frequency_penalty: float = setting(0.0, "in [-2, 2]: OpenAI's penalty per earlier occurrence in the "
-                                            "generated text")
-    presence_penalty: float = setting(0.0, "in [-2, 2]: OpenAI's penalty for a token already in the generated "
-                                           "text")
-    stop: tuple[str, ...] = setting((), "end the text before this string (repeatable; it is not returned); "
-                                        "applied to verified text only")
-    # A seed asks for reproducible text: sampling then uses the coupled rule, whose output depends only on
-    # (prompt, seed). None: a fresh seed per generation and standard rejection sampling (docs/design.md §2.2).
-    seed: int | None = setting(None, "the same text for the same seed when sampling (coupled rule); none: a "
-                                     "fresh seed per generation")
-    mode: RuleChoice = setting(RuleChoice.AUTO, "acceptance rule; auto: greedy at temperature 0, else coupled "
-                                                "with a seed and speculative without")
-    max_draft: int = setting(8, "most tokens drafted per round (the server's limit caps it too)", ge=1)
-    tree_nodes: int = setting(32, "most nodes of a draft tree per round; the policy sends a tree only when it "
-                                  "predicts one faster than a chain (greedy, speculative and coupled modes, "
-                                  "model drafters, servers that verify trees); 0 or 1 = chains only", ge=0)
-    tree_top_k: int = like(Policy, "tree_top_k")
-    gamma_policy: GammaPolicy = setting(GammaPolicy.ADAPTIVE, "adaptive: the block length (or tree size) per "
-                                                              "round from measured acceptance, RTT and costs; "
-                                                              "fixed: a chain of max_draft; tree: a tree of "
-                                                              "tree_nodes (where trees are possible)")
-    fallback_threshold: float = like(DraftSettings, "fallback_threshold")
-    keep_low_confidence: bool = like(DraftSettings, "keep_low_confidence")
-    rollback_threshold: float = setting(DEFAULT_ROLLBACK_THRESHOLD, "BiLD alpha_RB in nats (mode bild)")
-    lenience: float = setting(DEFAULT_LENIENCE, "lenience in (0, 1] (mode lenient)")
-    wire_top_k: int = like(DraftSettings, "wire_top_k")
-    pipeline: bool = like(Policy, "pipeline")
-    cloud_only_switch: bool = like(Policy, "cloud_only_switch")
-    cloud_only: bool = like(Policy, "cloud_only")
-    probe_tokens: int = like(Policy, "probe_tokens")
+    timeout_s: float = setting(DEFAULT_TIMEOUT_S, "no reply within this many seconds = the cloud is unreachable", gt=0)
+    reconnect_s: float = setting(1.0, "offline: seconds between attempts to reach the cloud again", gt=0)
     allow_unverified: bool = setting(False, "if the cloud is unreachable, keep generating with the drafter "
                                             "alone, marked unverified")
-    reconnect_s: float = setting(1.0, "offline: seconds between attempts to reach the cloud again", gt=0)
-    timeout_s: float = setting(DEFAULT_TIMEOUT_S, "no reply within this many seconds = the cloud is unreachable", gt=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class AccessSettings:
+    """TLS towards the cloud and the token: the `access` section (`resolve` makes the CloudAccess)."""
+
     tls: bool = setting(False, "speak TLS to the cloud, trusting the system's CAs (implied by tls_ca and "
                                "tls_cert)")
     tls_ca: str = setting("", "PEM CA bundle the cloud's certificate must chain to; empty: the system's roots")
@@ -135,11 +85,6 @@ class EdgeConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if len(self.stop) > MAX_STOP_STRINGS or not all(0 < len(x) <= MAX_STOP_CHARS for x in self.stop):
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                             f"{MAX_STOP_CHARS} characters")
-        self.sampling  # validates temperature, top_k, top_p and the penalties
-        self.resolved_mode.check_temperature(self.temperature)
         self.client_tls  # tls_cert and tls_key go together
 
     @property
@@ -148,9 +93,10 @@ class EdgeConfig:
         return ClientTLS(enabled=self.tls or bool(self.tls_ca or self.tls_cert), ca=self.tls_ca, cert=self.tls_cert,
                          key=self.tls_key, server_name=self.tls_server_name)
 
-    def cloud_access(self) -> CloudAccess:
-        """TLS and the token (read now from token_file or $HYBRIDSPEC_TOKEN). ConfigError for a token
-        that cannot be read, or one that would cross the network in plaintext without `insecure`."""
+    def resolve(self, cloud: str) -> CloudAccess:
+        """TLS and the token (read now from token_file or $HYBRIDSPEC_TOKEN) for the cloud at `cloud`.
+        ConfigError for a token that cannot be read, or one that would cross the network in plaintext
+        without `insecure`."""
         token = None
         if self.token_file:
             try:
@@ -164,40 +110,106 @@ class EdgeConfig:
         if token is not None and (len(token) > MAX_TOKEN_CHARS or not token.isprintable() or " " in token):
             raise ConfigError(f"the token must be one word of at most {MAX_TOKEN_CHARS} printable characters")
         tls = self.client_tls
-        host = self.cloud.rsplit(":", 1)[0]
+        host = cloud.rsplit(":", 1)[0]
         if token is not None and not tls.enabled and not is_loopback(host) and not self.insecure:
-            raise ConfigError(f"the token would cross the network to {self.cloud} in plaintext: use TLS (--tls, "
+            raise ConfigError(f"the token would cross the network to {cloud} in plaintext: use TLS (--tls, "
                               "--tls-ca) or pass --insecure")
         return CloudAccess(tls, token)
 
-    @property
-    def sampling(self) -> SamplingParams:
-        """The sampling transform shared with the verifier."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-                              presence_penalty=self.presence_penalty)
+
+@dataclass(frozen=True)
+class DrafterModel:
+    """What drafts and what runs it: the `model` section (edge/startup.py loads it)."""
+
+    drafter: str = setting("", "drafter model directory, .gguf file, cached hub id, embedded:plain or "
+                               "embedded:eagle; empty: the embedded default")
+    drafter_kind: DrafterKind = setting(DrafterKind.MODEL, "model: the drafter checkpoint (an LM or an eagle "
+                                                           "head); ngram: prompt lookup")
+    features: WireFeatures = setting(WireFeatures.INT8, "eagle drafters: how the verifier sends the target's "
+                                                        "features")
+    fallback_drafter: str = setting("", "eagle drafters: what drafts while there are no features: a drafter "
+                                        "path or ngram; empty: the embedded plain drafter")
+    drafter_engine: DrafterEngine = setting(DrafterEngine.AUTO, "what runs a drafter LM: llamacpp runs the GGUF "
+                                                                "converted beside it (`models pull` writes the "
+                                                                "embedded one's); torch the checkpoint; auto = "
+                                                                "llamacpp on a CPU when that GGUF is there and "
+                                                                "no dtype is asked for (eagle heads: torch)")
+    device: str = device_setting("where the drafter computes")
+    dtype: DType = setting(DType.AUTO, "the drafter's weights; auto = float32 on a CPU, bfloat16 on a GPU")
+    torch_threads: int = setting(0, "the drafter's threads on a CPU: torch's intra-op threads (0 keeps torch's "
+                                    "default), or llama.cpp's (0 = 1)", ge=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How long a text, where it stops, its seed and the acceptance rule: the `generation` section."""
+
+    max_new_tokens: int = setting(DEFAULT_MAX_NEW_TOKENS, "tokens to generate at most (an end-of-sequence token "
+                                                          "ends sooner)", ge=1)
+    stop: tuple[str, ...] = setting((), "end the text before this string (repeatable; it is not returned); "
+                                        "applied to verified text only")
+    # A seed asks for reproducible text: sampling then uses the coupled rule, whose output depends only on
+    # (prompt, seed). None: a fresh seed per generation and standard rejection sampling (docs/design.md §2.2).
+    seed: int | None = setting(None, "the same text for the same seed when sampling (coupled rule); none: a "
+                                     "fresh seed per generation")
+    mode: RuleChoice = setting(RuleChoice.AUTO, "acceptance rule; auto: greedy at temperature 0, else coupled "
+                                                "with a seed and speculative without")
+    rollback_threshold: float = setting(DEFAULT_ROLLBACK_THRESHOLD, "BiLD alpha_RB in nats (mode bild)")
+    lenience: float = setting(DEFAULT_LENIENCE, "lenience in (0, 1] (mode lenient)")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if len(self.stop) > MAX_STOP_STRINGS or not all(0 < len(x) <= MAX_STOP_CHARS for x in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                             f"{MAX_STOP_CHARS} characters")
+
+
+@dataclass(frozen=True)
+class EdgeConfig(Sections):
+    """Every knob of `hybridspec edge generate`, by concern; each section goes whole to what uses it.
+    `EdgeConfig.of(max_draft=4)` builds one from flat setting names, as flags and flat YAML keys name
+    them (each name is unique across the sections)."""
+
+    link: CloudLink = CloudLink()
+    access: AccessSettings = AccessSettings()
+    model: DrafterModel = DrafterModel()
+    drafting: Drafting = Drafting()
+    sampling: SamplingParams = SamplingParams()  # the transform shared with the verifier
+    generation: GenerationSettings = GenerationSettings()
+    policy: PolicySettings = PolicySettings()
+
+    def __post_init__(self) -> None:
+        self.resolved_mode.check_temperature(self.sampling.temperature)
+
+    def cloud_access(self) -> CloudAccess:
+        """TLS and the token for this config's cloud (`AccessSettings.resolve`)."""
+        return self.access.resolve(self.link.cloud)
 
     def draft_settings(self, vocab_size: int, stop_ids: frozenset[int], prompt_len: int = 0) -> DraftSettings:
         """How this config drafts against a target with this vocabulary and these stop ids, after a
         prompt of `prompt_len` tokens (0: all of the first context drafted after)."""
-        return DraftSettings(sampling=self.sampling, vocab_size=vocab_size, stop_ids=stop_ids,
-                             fallback_threshold=self.fallback_threshold, keep_low_confidence=self.keep_low_confidence,
-                             wire_top_k=self.wire_top_k, seed=self.resolved().seed, ngram_max=self.ngram_max,
-                             prompt_len=prompt_len, coupled=self.resolved_mode is Mode.COUPLED)
+        return DraftSettings(sampling=self.sampling, vocab_size=vocab_size, stop_ids=stop_ids, drafting=self.drafting,
+                             seed=self.resolved().generation.seed, prompt_len=prompt_len,
+                             coupled=self.resolved_mode is Mode.COUPLED)
 
     @property
     def resolved_mode(self) -> Mode:
         """The acceptance rule: the explicit mode, else greedy at T=0; when sampling, coupled if a seed
         was given (the same text for the same seed), else speculative (more tokens accepted)."""
-        if self.mode is not RuleChoice.AUTO:
-            return Mode(self.mode.value)
-        if self.temperature > 0 and self.seed is not None:
+        g = self.generation
+        if g.mode is not RuleChoice.AUTO:
+            return Mode(g.mode.value)
+        if self.sampling.temperature > 0 and g.seed is not None:
             return Mode.COUPLED
-        return Mode.default_for(self.temperature)
+        return Mode.default_for(self.sampling.temperature)
 
     def resolved(self) -> EdgeConfig:
         """This config with its rule named and a seed drawn if none was given: one generation's settings."""
-        if self.seed is not None and self.mode is not RuleChoice.AUTO:
+        g = self.generation
+        if g.seed is not None and g.mode is not RuleChoice.AUTO:
             return self
-        seed = self.seed if self.seed is not None else secrets.randbits(63)
-        return replace(self, seed=seed, mode=self.resolved_mode.value)
+        seed = g.seed if g.seed is not None else secrets.randbits(63)
+        return self.updated(seed=seed, mode=self.resolved_mode.value)

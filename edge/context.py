@@ -112,7 +112,7 @@ def build_drafting(ctx: RunContext) -> Drafting:
 
     cfg, info = ctx.cfg, ctx.info
     settings = cfg.draft_settings(info.vocab_size, frozenset(info.eos_token_ids), ctx.spec.prompt_len)
-    inner = make_drafter(cfg.drafter_kind, model, settings, fallback)
+    inner = make_drafter(cfg.model.drafter_kind, model, settings, fallback)
     drafter = Lookahead(inner)
     # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only
     # decoding, and it drafts chains; so does prompt lookup. Which one the checkpoint holds is known
@@ -122,8 +122,8 @@ def build_drafting(ctx: RunContext) -> Drafting:
     if not plain:
         ctx.controller.policy = replace(ctx.controller.policy, tree_nodes=0)
     log = eagle.log if eagle is not None else None
-    spec = replace(ctx.spec, features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE)
-    session = CloudSession(ctx.client, spec, ctx.state, ctx.estimates, ctx.stats, cfg.timeout_s, log)
+    spec = replace(ctx.spec, features=FeatureFormat(cfg.model.features) if log else FeatureFormat.NONE)
+    session = CloudSession(ctx.client, spec, ctx.state, ctx.estimates, ctx.stats, cfg.link.timeout_s, log)
     verify_round = VerifyRound(ctx.state, ctx.stats, drafter, session.send, with_q=cfg.resolved_mode.uses_draft_probs,
                                features=log, take=session.verdict)
     return Drafting(drafter, eagle, session, verify_round, can_shadow=plain and shadow_rule(cfg))

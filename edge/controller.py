@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..common.config import setting
+from ..common.config import Choice, check_fields, setting
 from . import policy, tree_policy
 from .estimates import Estimates
 from .tree_policy import Shape
@@ -51,22 +51,56 @@ class Phase(Enum):
     OFFLINE = "offline"  # the cloud is unreachable: draft alone, verify later
 
 
-@dataclass(frozen=True)
-class Policy:
-    """The settings the controller follows, and the one place the defaults, help and bounds of those
-    EdgeConfig passes on live (its fields of the same names copy them: `like`)."""
+class GammaPolicy(Choice):
+    """How long a block to draft."""
 
-    cap: int  # most tokens per block: min(the edge's and the server's max_draft)
-    adaptive: bool = True  # choose γ (or a tree) per round; False: always `cap` (EdgeConfig.gamma_policy)
-    fixed_tree: bool = False  # not adaptive: always a tree of tree_nodes, `cap` deep (where trees are possible)
+    ADAPTIVE = "adaptive"  # γ (or a tree's size) each round for the most tokens/s, from measured rates
+    FIXED = "fixed"  # always a chain of max_draft
+    TREE = "tree"  # always a tree of tree_nodes nodes, max_draft deep, tree_top_k children per node
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The settings the controller follows: EdgeConfig's `policy` section, and the one place their
+    defaults, help and bounds live."""
+
+    max_draft: int = setting(8, "most tokens drafted per round (the server's limit caps it too)", ge=1)
+    tree_nodes: int = setting(32, "most nodes of a draft tree per round; the policy sends a tree only when it "
+                                  "predicts one faster than a chain (greedy, speculative and coupled modes, "
+                                  "model drafters, servers that verify trees); 0 or 1 = chains only", ge=0)
+    tree_top_k: int = setting(4, "most children per node of a draft tree", ge=1)
+    gamma_policy: GammaPolicy = setting(GammaPolicy.ADAPTIVE, "adaptive: the block length (or tree size) per "
+                                                              "round from measured acceptance, RTT and costs; "
+                                                              "fixed: a chain of max_draft; tree: a tree of "
+                                                              "tree_nodes (where trees are possible)")
     pipeline: bool = setting(True, "draft the next block while the current one is verified")
     cloud_only_switch: bool = setting(True, "let the cloud decode alone while that is predicted to be faster")
-    probe_tokens: int = setting(32, "while cloud-only: tokens per stream before measuring and deciding again; "
-                                    "0 = never reconsider", ge=0)
     cloud_only: bool = setting(False, "the baseline: the cloud decodes every token alone and the drafter never "
                                       "runs (same CLI path)")
+    probe_tokens: int = setting(32, "while cloud-only: tokens per stream before measuring and deciding again; "
+                                    "0 = never reconsider", ge=0)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The policy settings as resolved for one generation against its server and drafter."""
+
+    cap: int  # most tokens per block: min(the edge's and the server's max_draft)
     tree_nodes: int = 0  # most nodes of a draft tree, as resolved for this server and drafter; 0 = chains only
-    tree_top_k: int = setting(4, "most children per node of a draft tree", ge=1)
+    settings: PolicySettings = PolicySettings()
+
+    @property
+    def adaptive(self) -> bool:
+        """Choose γ (or a tree) per round; False: always `cap`."""
+        return self.settings.gamma_policy is GammaPolicy.ADAPTIVE
+
+    @property
+    def fixed_tree(self) -> bool:
+        """Not adaptive: always a tree of tree_nodes, `cap` deep (where trees are possible)."""
+        return self.settings.gamma_policy is GammaPolicy.TREE
 
 
 class Controller:
@@ -75,7 +109,8 @@ class Controller:
     def __init__(self, policy_: Policy, estimates: Estimates) -> None:
         self.policy = policy_
         self.estimates = estimates
-        self.warming_up = policy_.cloud_only_switch and not policy_.cloud_only and estimates.cloud_token_s.value is None
+        s = policy_.settings
+        self.warming_up = s.cloud_only_switch and not s.cloud_only and estimates.cloud_token_s.value is None
         self.hybrid_rounds = 0  # since the last switch to hybrid
 
     def rates(self) -> policy.Rates:
@@ -88,8 +123,8 @@ class Controller:
         second one to leave (a new stream of the whole context) after MIN_HYBRID_ROUNDS rounds, and
         the α behind the prediction was measured on other texts, so a close call starts cloud-only."""
         p = self.policy
-        if p.cloud_only or self.warming_up or (p.cloud_only_switch and policy.prefer_cloud_only(
-                self.rates(), p.cap, p.pipeline, now_cloud_only=True, hysteresis=START_MARGIN,
+        if p.settings.cloud_only or self.warming_up or (p.settings.cloud_only_switch and policy.prefer_cloud_only(
+                self.rates(), p.cap, p.settings.pipeline, now_cloud_only=True, hysteresis=START_MARGIN,
                 hybrid=self._best_hybrid(self.rates()))):
             return Phase.CLOUD_ONLY
         return Phase.HYBRID
@@ -98,7 +133,7 @@ class Controller:
         """γ for the next round, or None to hand decoding to the cloud."""
         p = self.policy
         rates = self.rates()
-        if p.cloud_only_switch:
+        if p.settings.cloud_only_switch:
             judged = rates if self.hybrid_rounds >= MIN_HYBRID_ROUNDS else rates.optimistic(OPTIMISTIC_ALPHA)
             if self._prefer_cloud(judged, False, remaining_tokens, context_tokens):
                 return None
@@ -106,7 +141,7 @@ class Controller:
             return p.cap
         if self.estimates.draft_s.value is None:
             return min(FIRST_GAMMA, p.cap)
-        return policy.choose_gamma(rates, p.cap, p.pipeline)
+        return policy.choose_gamma(rates, p.cap, p.settings.pipeline)
 
     def next_shape(self, remaining_tokens: int, context_tokens: int) -> Shape | None:
         """The next round's draft: a chain of γ or a tree (whichever is predicted faster), or None to
@@ -119,23 +154,25 @@ class Controller:
         if p.tree_nodes < 2:
             return chain
         if not p.adaptive:
-            return Shape(p.tree_nodes, p.cap, p.tree_top_k) if p.fixed_tree else chain
+            return Shape(p.tree_nodes, p.cap, p.settings.tree_top_k) if p.fixed_tree else chain
         if self.estimates.draft_s.value is None:
             return chain
         rates = self.rates()
         tree_rate, tree = self._tree(rates)
-        return tree if not tree.is_chain and tree_rate > policy.hybrid_rate(rates, gamma, p.pipeline) else chain
+        better = tree_rate > policy.hybrid_rate(rates, gamma, p.settings.pipeline)
+        return tree if not tree.is_chain and better else chain
 
     def _tree(self, rates: policy.Rates) -> tuple[float, Shape]:
         p = self.policy
-        return tree_policy.choose_tree(rates, self.estimates.ranks, p.tree_nodes, p.cap, p.tree_top_k)
+        return tree_policy.choose_tree(rates, self.estimates.ranks, p.tree_nodes, p.cap, p.settings.tree_top_k)
 
     def _best_hybrid(self, rates: policy.Rates) -> float | None:
         """Hybrid's predicted rate with trees if they are on (None: the chain policy's own)."""
         if self.policy.tree_nodes < 2:
             return None
         p = self.policy
-        chain = policy.hybrid_rate(rates, policy.choose_gamma(rates, p.cap, p.pipeline), p.pipeline)
+        pipeline = p.settings.pipeline
+        chain = policy.hybrid_rate(rates, policy.choose_gamma(rates, p.cap, pipeline), pipeline)
         return max(chain, self._tree(rates)[0])
 
     def observed_hybrid_round(self) -> None:
@@ -157,12 +194,12 @@ class Controller:
     @property
     def reconsiders(self) -> bool:
         """Whether a cloud-only stream is ever reconsidered."""
-        return not self.policy.cloud_only and self.policy.probe_tokens > 0
+        return not self.policy.settings.cloud_only and self.policy.settings.probe_tokens > 0
 
     def first_check_after(self, can_shadow: bool) -> int:
         """Cloud tokens before the first decision of a cloud-only stream."""
         if not self.warming_up:
-            return self.policy.probe_tokens
+            return self.policy.settings.probe_tokens
         return WARMUP_CLOUD_TOKENS if can_shadow else WARMUP_CLOUD_TOKENS_UNSHADOWED
 
     def shadow_worthwhile(self, can_shadow: bool) -> bool:
@@ -192,12 +229,13 @@ class Controller:
         if self.estimates.checked[0] >= SHADOW_MIN_CHECKS:
             alpha = min(alpha, rates.alphas[0] + SHADOW_MARGIN)
         rates = rates.optimistic(alpha)
-        return not policy.prefer_cloud_only(rates, self.policy.cap, self.policy.pipeline, now_cloud_only=True,
+        p = self.policy
+        return not policy.prefer_cloud_only(rates, p.cap, p.settings.pipeline, now_cloud_only=True,
                                             hysteresis=0.0, hybrid=self._best_hybrid(rates))
 
     def _prefer_cloud(self, rates: policy.Rates, now_cloud_only: bool, remaining_tokens: int,
                       context_tokens: int) -> bool:
         """The policy's verdict, with what a switch would cost here and what is left to gain."""
-        return policy.prefer_cloud_only(rates, self.policy.cap, self.policy.pipeline, now_cloud_only,
+        return policy.prefer_cloud_only(rates, self.policy.cap, self.policy.settings.pipeline, now_cloud_only,
                                         hybrid=self._best_hybrid(rates), remaining_tokens=remaining_tokens,
                                         switch_cost_s=self.estimates.switch_cost_s(context_tokens))

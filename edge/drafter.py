@@ -22,7 +22,7 @@ from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.wire import SamplingParams
 from .draft_lm import DraftLM, TorchLM, to_vocab
 from .estimates import RANKS
-from .proposal import DraftSettings, Drafter, Interrupt, Proposal
+from .proposal import DraftSettings, Drafter, Drafting, Interrupt, Proposal
 
 
 def ranked_choices(probs: torch.Tensor, first: int | None = None) -> tuple[int, ...]:
@@ -54,7 +54,7 @@ class ModelDrafter:
         """Draft up to `max_tokens`, ending at low confidence (max q < α_FB), a stop id or an interrupt."""
         s = self.settings
         self._prompt_len = self._prompt_len or len(context)
-        threshold = s.fallback_threshold if fallback else 0.0
+        threshold = s.drafting.fallback_threshold if fallback else 0.0
         ids: list[int] = []
         dists: list[SparseDist] = []
         ranked: list[tuple[int, ...]] = []
@@ -67,12 +67,12 @@ class ModelDrafter:
             probs = logits_to_probs(penalized, self.sampling)
             if should_fall_back(probs, threshold):
                 fell_back = True
-                if not s.keep_low_confidence:
+                if not s.drafting.keep_low_confidence:
                     break
             if self.sampling.greedy:
                 token = int(probs.argmax().item())
             else:
-                dist = truncate(probs, s.wire_top_k)
+                dist = truncate(probs, s.drafting.wire_top_k)
                 # Coupled: the noise of this token's absolute position, as the verifier draws its own.
                 token = dist.coupled(s.seed, len(context) + len(ids)) if s.coupled else dist.sample(self.generator)
                 dists.append(dist)
@@ -104,7 +104,7 @@ class NgramDrafter:
     """Prompt lookup: after the latest earlier occurrence of the context's last n tokens, copy what
     followed (longest n first). q is one-hot on the copied token, which keeps sampling exact too."""
 
-    def __init__(self, sampling: SamplingParams, max_ngram: int = DraftSettings.ngram_max, min_ngram: int = 1,
+    def __init__(self, sampling: SamplingParams, max_ngram: int = Drafting.ngram_max, min_ngram: int = 1,
                  stop_ids: frozenset[int] = frozenset()) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

@@ -19,7 +19,7 @@ def make_drafter(kind: DrafterKind, loaded: LoadedModel | None, settings: DraftS
     gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
     while it has none. A drafter LM loaded for llama.cpp gets a fresh llama.cpp context of its own."""
     if kind is DrafterKind.NGRAM:
-        return NgramDrafter(settings.sampling, max_ngram=settings.ngram_max, stop_ids=settings.stop_ids)
+        return NgramDrafter(settings.sampling, max_ngram=settings.drafting.ngram_max, stop_ids=settings.stop_ids)
     if loaded is None:
         raise ValueError("a model drafter needs a model")
     if loaded.is_eagle:

@@ -74,7 +74,7 @@ def _draft_ahead(ctx: RunContext, kit: Drafting, proposal: Proposal, depth: int,
     """Pipelining: the guessed bonus token and the next block, drafted until the reply arrives,
     after the block (a tree's main path) as if all of it were accepted."""
     state, main = ctx.state, proposal.main_path()
-    if not ctx.cfg.pipeline or depth == 0 or (main.ids and main.ids[-1] in state.stop_ids):
+    if not ctx.cfg.policy.pipeline or depth == 0 or (main.ids and main.ids[-1] in state.stop_ids):
         return
     room = state.max_new_tokens - state.generated - len(main.ids) - 1
     if room >= 2:

@@ -33,14 +33,14 @@ class Outage:
 def go_offline(ctx: RunContext, kit: Drafting | None, lost: Lost) -> Generator[Event, None, Outage]:
     """Say the cloud is gone and keep the block that was in flight, unverified; returns the outage's
     reconnect schedule. Raises the loss itself unless `allow_unverified`."""
-    if not ctx.cfg.allow_unverified:
+    if not ctx.cfg.link.allow_unverified:
         raise lost.error
     if kit is not None:
         kit.drafter.drop()  # whatever was drafted ahead followed a block that is not committed
     yield ctx.notice(f"cloud unreachable ({lost.error}); continuing with the drafter alone, unverified")
     if lost.in_flight is not None and lost.in_flight.ids:
         yield _add_unverified(ctx, lost.in_flight)
-    delay = ctx.cfg.reconnect_s
+    delay = ctx.cfg.link.reconnect_s
     return Outage(delay, time.perf_counter() + delay)
 
 
@@ -53,7 +53,7 @@ def run_offline(ctx: RunContext, kit: Drafting, outage: Outage) -> Generator[Eve
         # 1. Time to try the cloud again?
         now = time.perf_counter()
         if now >= outage.next_try:
-            outage.delay = min(2 * outage.delay, max(RECONNECT_MAX_S, cfg.reconnect_s))
+            outage.delay = min(2 * outage.delay, max(RECONNECT_MAX_S, cfg.link.reconnect_s))
             outage.next_try = now + outage.delay
             if _answers(ctx):
                 return Phase.HYBRID
@@ -65,9 +65,9 @@ def run_offline(ctx: RunContext, kit: Drafting, outage: Outage) -> Generator[Eve
                 yield _add_unverified(ctx, proposal)
                 continue
         # 3. Nothing left to draft: wait for the cloud, but not for ever.
-        outage.give_up = outage.give_up or now + cfg.timeout_s
+        outage.give_up = outage.give_up or now + cfg.link.timeout_s
         if now > outage.give_up:
-            return GaveUp(f"cloud still unreachable after {cfg.timeout_s:g} s; "
+            return GaveUp(f"cloud still unreachable after {cfg.link.timeout_s:g} s; "
                           f"{len(state.unverified)} tokens stay unverified")
         time.sleep(max(0.0, min(outage.next_try, outage.give_up) - now))
 
@@ -93,14 +93,14 @@ def _ended(ctx: RunContext) -> bool:
     tail = ctx.state.unverified
     if tail and tail[-1] in ctx.state.stop_ids:
         return True
-    text = ctx.link.codec.decode(tail[-STOP_WINDOW:]) if ctx.cfg.stop and tail else ""
-    return any(stop in text for stop in ctx.cfg.stop)
+    text = ctx.link.codec.decode(tail[-STOP_WINDOW:]) if ctx.cfg.generation.stop and tail else ""
+    return any(stop in text for stop in ctx.cfg.generation.stop)
 
 
 def _answers(ctx: RunContext) -> bool:
     """Ping the cloud, checking the pair if it never answered before; False while it does not answer."""
     try:
-        ctx.client.ping(timeout_s=min(ctx.cfg.reconnect_s, ctx.cfg.timeout_s))
+        ctx.client.ping(timeout_s=min(ctx.cfg.link.reconnect_s, ctx.cfg.link.timeout_s))
         if not ctx.link.connected:
             ctx.link.connect(ctx.client)
         return True

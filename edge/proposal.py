@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..common.config import Choice, setting
+from ..common.config import Choice, check_fields, setting
 from ..common.protocol.errors import Internal
 from ..common.protocol.tree import ROOT, children, is_chain, path_to
 from ..common.protocol.wire import DraftBlock, Mode, SamplingParams, VerifyResult
@@ -33,13 +33,10 @@ SHADOW_SAMPLED_MODES = frozenset({Mode.COUPLED, Mode.SPECULATIVE, Mode.LENIENT})
 
 
 @dataclass(frozen=True)
-class DraftSettings:
-    """Everything fixed for one generation's drafting. The one place the drafting settings' defaults,
-    help and bounds live: EdgeConfig's fields of the same names copy them (`like`)."""
+class Drafting:
+    """How every drafter drafts: EdgeConfig's `drafting` section, and the one place these settings'
+    defaults, help and bounds live."""
 
-    sampling: SamplingParams
-    vocab_size: int  # the target's; drafter logits are cut or padded to it so ids always agree
-    stop_ids: frozenset[int]  # a block ends after one of these
     fallback_threshold: float = setting(0.6, "BiLD alpha_FB: end a block when the drafter's top probability "
                                              "falls below this", ge=0, le=1)
     # When the fallback ends a block, keep the token that triggered it (as Hugging Face assisted
@@ -47,8 +44,22 @@ class DraftSettings:
     keep_low_confidence: bool = setting(True, "send the token that triggered alpha_FB, or drop it (BiLD)")
     wire_top_k: int = setting(64, "q is truncated to this many tokens before sampling and sending; 0 = full",
                               ge=0)
-    seed: int = 0  # seeds the drafter's sampling
     ngram_max: int = setting(3, "ngram: the longest suffix looked up in the context", ge=1)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """Everything fixed for one generation's drafting: the `drafting` section and what this generation
+    and its target add."""
+
+    sampling: SamplingParams
+    vocab_size: int  # the target's; drafter logits are cut or padded to it so ids always agree
+    stop_ids: frozenset[int]  # a block ends after one of these
+    drafting: Drafting = Drafting()
+    seed: int = 0  # seeds the drafter's sampling
     # Tokens of the prompt at the head of every context (penalties count only what follows as
     # generated); 0 = all of the first context drafted after is prompt, as SessionSpec.prompt_len 0 is.
     prompt_len: int = 0

@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..common.models.embedded import resolve
-from .config import EdgeConfig
+from .config import DrafterModel
 from .textcodec import TextCodec, tokenizer_dir
 
 if TYPE_CHECKING:
@@ -26,13 +26,13 @@ class DrafterLoad:
         self._error: BaseException | None = None
 
     @classmethod
-    def start(cls, config: EdgeConfig, background: bool = True) -> DrafterLoad:
-        """Load what `config` names, on a daemon thread if `background`."""
+    def start(cls, model: DrafterModel, background: bool = True) -> DrafterLoad:
+        """Load what the config's `model` section names, on a daemon thread if `background`."""
         load = cls()
         if background:
-            threading.Thread(target=load._run, args=(config,), daemon=True, name="drafter-load").start()
+            threading.Thread(target=load._run, args=(model,), daemon=True, name="drafter-load").start()
         else:
-            load._run(config)
+            load._run(model)
         return load
 
     @classmethod
@@ -55,19 +55,19 @@ class DrafterLoad:
         assert self._models is not None
         return self._models
 
-    def _run(self, config: EdgeConfig) -> None:
+    def _run(self, model: DrafterModel) -> None:
         try:
             import torch
 
             from ..common.models.loading import load_model
 
-            if config.torch_threads:
-                torch.set_num_threads(config.torch_threads)
-            engine = (config.drafter_engine, config.torch_threads)  # torch, or llama.cpp (its threads)
-            drafter = load_model(resolve(config.drafter, "drafter"), config.device, config.dtype, *engine)
+            if model.torch_threads:
+                torch.set_num_threads(model.torch_threads)
+            engine = (model.drafter_engine, model.torch_threads)  # torch, or llama.cpp (its threads)
+            drafter = load_model(resolve(model.drafter, "drafter"), model.device, model.dtype, *engine)
             fallback = None
-            if drafter.is_eagle and config.fallback_drafter != "ngram":
-                fallback = load_model(resolve(config.fallback_drafter, "plain"), config.device, config.dtype, *engine)
+            if drafter.is_eagle and model.fallback_drafter != "ngram":
+                fallback = load_model(resolve(model.fallback_drafter, "plain"), model.device, model.dtype, *engine)
             self._models = (drafter, fallback)
         except BaseException as exc:  # noqa: BLE001 — handed to whoever waits for the drafter
             self._error = exc
@@ -75,8 +75,8 @@ class DrafterLoad:
             self._done.set()
 
 
-def fast_codec(config: EdgeConfig) -> TextCodec | None:
+def fast_codec(model: DrafterModel) -> TextCodec | None:
     """The drafter's tokenizer without torch, when it lies in a local directory (else None: the
     Hugging Face tokenizer comes with the loaded drafter)."""
-    directory = tokenizer_dir(resolve(config.drafter, "drafter"))
+    directory = tokenizer_dir(resolve(model.drafter, "drafter"))
     return TextCodec(directory) if directory is not None else None

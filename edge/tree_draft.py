@@ -92,7 +92,7 @@ def draft_tree(drafter: ModelDrafter, context: list[int], budget: TreeBudget,
     while True:
         expansions = [_expansion(drafter, context, node, budget.top_k) for node in frontier]
         fell_back = fell_back or any(e.low for e in expansions)
-        if not s.keep_low_confidence:
+        if not s.drafting.keep_low_confidence:
             expansions = [e for e in expansions if not e.low]
         # The children go one level below the frontier; the depth limit leaves this many levels under them.
         counts = _allocate(expansions, budget.nodes - len(ids), budget.depth - len(frontier[0].path) - 1)
@@ -124,13 +124,13 @@ def _expansion(drafter: ModelDrafter, context: list[int], node: _Node, top_k: in
     s = drafter.settings
     penalized = penalize(node.logits[None], drafter.sampling, context + node.path, drafter._prompt_len)[0]
     probs = logits_to_probs(penalized, drafter.sampling)
-    dist = None if drafter.sampling.greedy else truncate(probs, s.wire_top_k)
+    dist = None if drafter.sampling.greedy else truncate(probs, s.drafting.wire_top_k)
     support = probs if dist is None else dist.probs
     top = support.topk(min(top_k, int((support > 0).sum()))).values
     # The coupled draw at the children's position, as the chain's.
     first = dist.coupled(s.seed, len(context) + len(node.path)) if dist is not None and s.coupled else None
-    return _Expansion(node, probs, dist, top, ranked_choices(probs, first), should_fall_back(probs, s.fallback_threshold),
-                      first)
+    falls = should_fall_back(probs, s.drafting.fallback_threshold)
+    return _Expansion(node, probs, dist, top, ranked_choices(probs, first), falls, first)
 
 
 def _allocate(expansions: list[_Expansion], nodes: int, levels_below: int) -> list[int]:

@@ -23,7 +23,7 @@ from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavai
 from ..common.protocol.wire import ModelInfo, SessionSpec, check_context
 from .client import VerifierClient
 from .cloud_only import run_cloud_only
-from .config import EdgeConfig, GammaPolicy
+from .config import EdgeConfig
 from .context import Drafting, GaveUp, Lost, RunContext, build_drafting
 from .controller import Controller, Phase, Policy
 from .estimates import Estimates
@@ -67,7 +67,7 @@ class EdgeWorker:
         """drafter: a loaded model, or one still loading (generations start cloud-only meanwhile);
         fallback_model: for an eagle head, the plain drafter used while it has no features (else n-gram);
         codec: the tokenizer without torch (default: the drafter's own, once loaded);
-        require_cloud: fail now if the cloud is unreachable, unless `config.allow_unverified`."""
+        require_cloud: fail now if the cloud is unreachable, unless `config.link.allow_unverified`."""
         self.load = drafter if isinstance(drafter, DrafterLoad) else DrafterLoad.loaded(drafter, fallback_model)
         self.codec = codec or HFCodec(self.load.get()[0].tokenizer)
         self.tokenizer_fp = self.codec.fingerprint()
@@ -77,13 +77,13 @@ class EdgeWorker:
         self._clients = [client]  # every connection opened, closed by close()
         self._idle = [client]  # connections no generation holds right now
         self.info: ModelInfo | None = None  # the verifier's, once it answered
-        self.cap = config.max_draft
+        self.cap = config.policy.max_draft
         # Rates carry over between generations: the link, the drafter and the cloud stay the same.
         self.estimates = Estimates(self.cap + 1)
         try:
             self.connect()
         except Unavailable:
-            if require_cloud and not config.allow_unverified:
+            if require_cloud and not config.link.allow_unverified:
                 raise
 
     @property
@@ -117,7 +117,7 @@ class EdgeWorker:
                     f"has {info.feature_dim}: the head was trained for another target")
         self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
         self.estimates.use_pass_costs(info.pass_costs)
-        self.info, self.cap = info, min(self.config.max_draft, info.max_draft)
+        self.info, self.cap = info, min(self.config.policy.max_draft, info.max_draft)
         return info
 
     def local_info(self) -> ModelInfo:
@@ -126,11 +126,11 @@ class EdgeWorker:
         model = self.drafter_model
         return ModelInfo(model_name="", vocab_size=max(model.vocab_size, len(model.tokenizer)),
                          tokenizer_fingerprint=self.tokenizer_fp, model_fingerprint="", max_context=0,
-                         max_draft=self.config.max_draft, max_sessions=0, idle_timeout_s=0,
+                         max_draft=self.config.policy.max_draft, max_sessions=0, idle_timeout_s=0,
                          eos_token_ids=model.eos_token_ids)
 
     def generate(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> Generation:
-        """Generate up to config.max_new_tokens tokens after `prompt_ids`."""
+        """Generate up to config.generation.max_new_tokens tokens after `prompt_ids`."""
         run = self.stream(prompt_ids, config)
         for _ in run:
             pass
@@ -172,9 +172,9 @@ class GenerationRun:
         client = worker.lease()
         try:
             info = worker.info if worker.connected else worker.connect(client)
-            check_context(len(prompt), cfg.max_new_tokens, info.max_context)  # before any work
+            check_context(len(prompt), cfg.generation.max_new_tokens, info.max_context)  # before any work
         except Unavailable:
-            if not cfg.allow_unverified:
+            if not cfg.link.allow_unverified:
                 worker.release(client)
                 raise
             info = worker.local_info()  # offline from the start: the drafter's own view
@@ -209,9 +209,9 @@ class GenerationRun:
         # 1. Start where the measurements point: cloud-only while warming up, while the drafter still
         #    loads, or when it is faster; offline if the cloud has never answered.
         first = ctx.controller.initial_phase()
-        if first is Phase.HYBRID and cfg.cloud_only_switch and not ready:
+        if first is Phase.HYBRID and cfg.policy.cloud_only_switch and not ready:
             first = Phase.CLOUD_ONLY
-        if first is Phase.CLOUD_ONLY and not (ctx.controller.warming_up or cfg.cloud_only or not ready):
+        if first is Phase.CLOUD_ONLY and not (ctx.controller.warming_up or cfg.policy.cloud_only or not ready):
             yield ctx.notice("starting with cloud-only decoding: the edge's measurements favour it")
         unreachable = Unavailable(f"the verifier at {ctx.client.address} did not answer")
         after: Phase | Lost = first if self.worker.connected else Lost(unreachable)
@@ -283,17 +283,16 @@ class GenerationRun:
 def _context(worker: EdgeWorker, client: VerifierClient, prompt: list[int], cfg: EdgeConfig,
              info: ModelInfo) -> RunContext:
     """The parts of one generation every phase reads."""
-    text = TextTracker(worker.codec, cfg.stop)
-    state = GenerationState(prompt, cfg.max_new_tokens, frozenset(info.eos_token_ids), text)
+    text = TextTracker(worker.codec, cfg.generation.stop)
+    state = GenerationState(prompt, cfg.generation.max_new_tokens, frozenset(info.eos_token_ids), text)
     # Trees only where the server verifies them, the rule has a tree form and a model drafts (an eagle
     # head, found once it loads, drafts chains: edge/context.py build_drafting).
-    trees = cfg.drafter_kind is DrafterKind.MODEL and cfg.resolved_mode.verifies_trees
-    policy = Policy(cap=min(cfg.max_draft, worker.cap), adaptive=cfg.gamma_policy is GammaPolicy.ADAPTIVE,
-                    fixed_tree=cfg.gamma_policy is GammaPolicy.TREE, pipeline=cfg.pipeline,
-                    cloud_only_switch=cfg.cloud_only_switch, probe_tokens=cfg.probe_tokens, cloud_only=cfg.cloud_only,
-                    tree_nodes=min(cfg.tree_nodes, info.max_tree_nodes) if trees else 0, tree_top_k=cfg.tree_top_k)
+    trees = cfg.model.drafter_kind is DrafterKind.MODEL and cfg.resolved_mode.verifies_trees
+    policy = Policy(cap=min(cfg.policy.max_draft, worker.cap), settings=cfg.policy,
+                    tree_nodes=min(cfg.policy.tree_nodes, info.max_tree_nodes) if trees else 0)
+    g = cfg.generation
     spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
-                       seed=cfg.seed, rollback_threshold=cfg.rollback_threshold, lenience=cfg.lenience,
+                       seed=g.seed, rollback_threshold=g.rollback_threshold, lenience=g.lenience,
                        tokenizer_fingerprint=worker.tokenizer_fp, prompt_len=len(prompt))
     return RunContext(cfg=cfg, info=info, spec=spec, state=state, text=text, stats=Stats(),
                       estimates=worker.estimates, controller=Controller(policy, worker.estimates), client=client,

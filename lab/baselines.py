@@ -35,18 +35,18 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
     draft = make_drafter(DrafterKind.MODEL, drafter, cfg.draft_settings(verifier.info.vocab_size, stop))
     log = draft.log if isinstance(draft, EagleDrafter) else None
     sid = f"colocated-{uuid.uuid4().hex}"
-    state, stats = GenerationState(prompt, cfg.max_new_tokens, stop), Stats()
+    state, stats = GenerationState(prompt, cfg.generation.max_new_tokens, stop), Stats()
     verify_round = VerifyRound(state, stats, draft, lambda block: _Direct(verifier, replace(block, session_id=sid)),
                                with_q=cfg.resolved_mode.uses_draft_probs, features=log)
     start = time.perf_counter()
-    opened = verifier.open_session(SessionSpec(sid, tuple(prompt), cfg.sampling, cfg.resolved_mode, cfg.seed,
-                                               cfg.rollback_threshold, cfg.lenience,
-                                               features=FeatureFormat(cfg.features) if log else FeatureFormat.NONE))
+    g, features = cfg.generation, FeatureFormat(cfg.model.features) if log else FeatureFormat.NONE
+    opened = verifier.open_session(SessionSpec(sid, tuple(prompt), cfg.sampling, cfg.resolved_mode, g.seed,
+                                               g.rollback_threshold, g.lenience, features=features))
     if log is not None and opened.features is not None:
         log.add(opened.features)
     try:
         while not state.done:
-            budget = min(cfg.max_draft, cfg.max_new_tokens - state.generated - 1)
+            budget = min(cfg.policy.max_draft, cfg.generation.max_new_tokens - state.generated - 1)
             verify_round(draft.propose(state.committed, budget), budget)
     finally:
         verifier.close_session(sid)
@@ -75,13 +75,15 @@ class _Direct:
 def hf_assisted(target: LoadedModel, assistant, prompt: list[int], cfg: EdgeConfig) -> LocalRun:
     """transformers' assisted generation (`generate(assistant_model=...)`) with its own heuristics."""
     ids = torch.tensor([prompt], device=target.device)
-    kwargs = {"do_sample": False} if cfg.sampling.greedy else {
-        "do_sample": True, "temperature": cfg.temperature, "top_k": cfg.top_k or None, "top_p": cfg.top_p}
+    s = cfg.sampling
+    kwargs = {"do_sample": False} if s.greedy else {
+        "do_sample": True, "temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}
     if not cfg.sampling.greedy:
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.generation.seed)
     start = time.perf_counter()
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
-                                max_new_tokens=cfg.max_new_tokens, pad_token_id=target.eos_token_ids[0], **kwargs)
+                                max_new_tokens=cfg.generation.max_new_tokens, pad_token_id=target.eos_token_ids[0],
+                                **kwargs)
     wall = time.perf_counter() - start
     return LocalRun(_until_stop(out[0, len(prompt):].tolist(), frozenset(target.eos_token_ids)), wall)
 
@@ -91,7 +93,7 @@ def edge_only(drafter: LoadedModel, vocab_size: int, stop_ids: tuple[int, ...], 
     """The drafter alone, decoding with the same sampling transform."""
     draft = make_drafter(DrafterKind.MODEL, drafter, cfg.draft_settings(vocab_size, frozenset(stop_ids)))
     start = time.perf_counter()
-    tokens = draft.propose(list(prompt), cfg.max_new_tokens, fallback=False).ids
+    tokens = draft.propose(list(prompt), cfg.generation.max_new_tokens, fallback=False).ids
     return LocalRun(tokens, time.perf_counter() - start)
 
 

@@ -60,17 +60,17 @@ class Edge:
     def __init__(self, lab: EdgeHost, strategy: Strategy, point: GridPoint, address: str) -> None:
         self.lab, self.strategy = lab, strategy
         self.config = lab.edge_config(strategy, point, address, 0)
-        self.client = VerifierClient(address, timeout_s=self.config.timeout_s)
+        self.client = VerifierClient(address, timeout_s=self.config.link.timeout_s)
         self.worker: EdgeWorker | None = None
 
     def generate(self, prompt: list[int], repeat: int, trace: Path | None = None) -> dict:
         """One generation; the raw row fields, with what the edge measured: its RTT to the cloud,
         time to first token, and the time between successive commits (a round, or a streamed token)."""
-        cfg = dataclasses.replace(self.config, seed=self.lab.spec.seed + repeat)
+        cfg = self.config.updated(seed=self.lab.spec.seed + repeat)
         clock = CommitClock()
         if self.strategy.kind == "cloud_only":
             # What `--cloud-only` does: a session opened at the front door, decoded on its replica's port.
-            spec = SessionSpec("", tuple(prompt), sampling=cfg.sampling, seed=cfg.seed,
+            spec = SessionSpec("", tuple(prompt), sampling=cfg.sampling, seed=cfg.generation.seed,
                                mode=Mode.GREEDY if cfg.sampling.greedy else Mode.COUPLED)
             rtt_start = time.perf_counter()
             self.client.model_info()  # connected before the clock starts, as an edge worker is; one round trip
@@ -79,7 +79,7 @@ class Edge:
             clock.start()
             tokens = []
             session = self.client.open_session(spec).session_id
-            for token in self.client.decode(DecodeSpec(session, 0, len(prompt), cfg.max_new_tokens)):
+            for token in self.client.decode(DecodeSpec(session, 0, len(prompt), cfg.generation.max_new_tokens)):
                 tokens.append(token)
                 clock.commit([token], "cloud")
             wall = clock.elapsed()

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..cloud.process import start_cloud_process, stop_cloud_process
+from ..common.config import route
 from ..common.models.embedded import resolve
 from ..common.models.loading import LoadedModel, load_model
 from ..edge.config import EdgeConfig
@@ -221,10 +222,10 @@ class Lab:
 
     def drafter_for(self, cfg: EdgeConfig) -> tuple[LoadedModel, LoadedModel | None]:
         """The drafter a strategy names ("" = the experiment's), and for an eagle head its fallback."""
-        drafter = self._load(resolve(cfg.drafter, "drafter") if cfg.drafter else self.drafter_path)
-        if not drafter.is_eagle or cfg.fallback_drafter == "ngram":
+        drafter = self._load(resolve(cfg.model.drafter, "drafter") if cfg.model.drafter else self.drafter_path)
+        if not drafter.is_eagle or cfg.model.fallback_drafter == "ngram":
             return drafter, None
-        return drafter, self._load(resolve(cfg.fallback_drafter, "plain"))
+        return drafter, self._load(resolve(cfg.model.fallback_drafter, "plain"))
 
     def _load(self, path: str) -> LoadedModel:
         """A drafter, loaded once per experiment."""
@@ -270,7 +271,7 @@ class Lab:
         values = {"cloud": address or "127.0.0.1:1", "max_new_tokens": self.spec.max_new_tokens,
                   "temperature": point.temperature, "seed": self.spec.seed + repeat,
                   "torch_threads": 1 if self.pin else 0, "drafter": point.drafter, **strategy.edge}
-        return EdgeConfig(**values)
+        return EdgeConfig.of(**values)
 
     def _row(self, point: GridPoint, strategy: Strategy, raw: dict, repeat: int) -> dict:
         tokens = raw.pop("tokens", [])
@@ -279,7 +280,8 @@ class Lab:
         if "wall_s" in row:
             row["tokens_per_s"] = len(tokens) / row["wall_s"] if row["wall_s"] else 0.0
         row["prompt_set"] = self.prompt_sets[row["prompt"]]
-        row["drafter_used"] = (strategy.edge.get("drafter") or point.drafter or self.spec.drafter or "default") \
+        own = route(EdgeConfig, strategy.edge).get("model", {}).get("drafter")  # flat or nested under model
+        row["drafter_used"] = (own or point.drafter or self.spec.drafter or "default") \
             if strategy.kind != "cloud_only" else ""
         # Hugging Face's assisted generation decodes with torch: comparable only to a torch reference.
         torch_text = strategy.kind == "hf_assisted" and self._verifier().engine.capabilities.name != "torch"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..common.config import ConfigError, read_mapping
+from ..common.config import ConfigError, read_mapping, route
 from ..edge.config import EdgeConfig
 from ..netem.config import NetemBackend
 from ..netem.profiles import profile
@@ -45,10 +45,10 @@ class Strategy:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"strategy {self.name!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        known = {f.name for f in dataclasses.fields(EdgeConfig)}
-        unknown = sorted(set(self.edge) - known)
-        if unknown:
-            raise ConfigError(f"strategy {self.name!r}: unknown edge key(s) {', '.join(unknown)}")
+        try:
+            route(EdgeConfig, self.edge)
+        except ConfigError as exc:
+            raise ConfigError(f"strategy {self.name!r}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.common.config import ConfigError, load_config
+from hybridspec.common.config import ConfigError, flat_settings, load_config, settings_of
 from hybridspec.edge.config import EdgeConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -59,7 +59,9 @@ def test_edge_file_lists_every_knob_at_its_default():
     from hybridspec.edge.config import EdgeConfig
 
     raw = yaml.safe_load((DEPLOY / "edge.yaml").read_text())
-    assert set(raw) == {f.name for f in dataclasses.fields(EdgeConfig)}
+    assert set(raw) == {f.name for f in dataclasses.fields(EdgeConfig)}  # every section, nested
+    for section, values in raw.items():
+        assert set(values) == {f.name for f in dataclasses.fields(getattr(EdgeConfig(), section))}, section
     assert load_config(EdgeConfig, DEPLOY / "edge.yaml") == EdgeConfig()
 
 
@@ -75,9 +77,9 @@ def test_a_bad_choice_is_one_line_naming_the_choices(tmp_path, cls, key, bad):
     message = str(info.value)
     assert "\n" not in message and key in message and repr(bad) in message and "one of" in message
     # A good value becomes the enum member, which still reads and compares as its string.
-    good = next(iter(type(getattr(kind(), key))))
+    good = next(iter(type(flat_settings(kind())[key])))
     path.write_text(f"{key}: {good.value}\n")
-    loaded = getattr(load_config(kind, path), key)
+    loaded = flat_settings(load_config(kind, path))[key]
     assert loaded is good and loaded == good.value and str(loaded) == good.value
 
 
@@ -89,8 +91,80 @@ def test_the_acceptance_rule_is_a_choice_and_auto_keeps_its_old_spelling(tmp_pat
     path = tmp_path / "edge.yaml"
     for spelled in ('""', "auto"):
         path.write_text(f"mode: {spelled}\n")
-        assert load_config(EdgeConfig, path).mode is RuleChoice.AUTO
+        assert load_config(EdgeConfig, path).generation.mode is RuleChoice.AUTO
     assert EdgeConfig().resolved_mode is Mode.GREEDY
-    assert EdgeConfig(temperature=0.7, seed=1).resolved().mode is RuleChoice.COUPLED
-    assert EdgeConfig(mode="bild").resolved_mode is Mode.BILD
+    assert EdgeConfig.of(temperature=0.7, seed=1).resolved().generation.mode is RuleChoice.COUPLED
+    assert EdgeConfig.of(mode="bild").resolved_mode is Mode.BILD
     assert {m.value for m in RuleChoice} == {"auto", *(m.value for m in Mode)}
+
+
+def test_an_edge_file_may_nest_settings_under_their_section_or_give_them_flat(tmp_path):
+    """`policy: {max_draft: 4}` and `max_draft: 4` say the same; flags still override either."""
+    nested, flat = tmp_path / "nested.yaml", tmp_path / "flat.yaml"
+    nested.write_text("policy:\n  max_draft: 4\n  pipeline: false\nsampling: {temperature: 0.5}\nseed: 3\n")
+    flat.write_text("max_draft: 4\npipeline: false\ntemperature: 0.5\nseed: 3\n")
+    expected = EdgeConfig.of(max_draft=4, pipeline=False, temperature=0.5, seed=3)
+    assert load_config(EdgeConfig, nested) == load_config(EdgeConfig, flat) == expected
+    assert expected.policy.max_draft == 4 and expected.sampling.temperature == 0.5 and expected.generation.seed == 3
+    assert load_config(EdgeConfig, nested, {"max_draft": 6}).policy.max_draft == 6
+    assert EdgeConfig.of(policy={"max_draft": 4}, temperature=0.5).updated(seed=3, pipeline=False) == expected
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("policy:\n  max_drafts: 4\n", "unknown config key(s) for EdgeConfig: policy.max_drafts"),
+    ("sampling:\n  max_draft: 4\n", "unknown config key(s) for EdgeConfig: sampling.max_draft"),  # wrong section
+    ("polcy:\n  max_draft: 4\n", "unknown config key(s) for EdgeConfig: polcy"),
+    ("policy: 4\n", "section policy must be a mapping"),
+    ("policy:\n  max_draft: zero\n", "max_draft must be an integer, got 'zero'"),
+    ("policy:\n  max_draft: 0\n", "max_draft must be >= 1, got 0"),
+    ("generation:\n  stop: [\"\"]\n", "stop takes at most"),
+])
+def test_a_bad_nested_key_or_value_is_one_line_naming_it(tmp_path, text, fragment):
+    path = tmp_path / "edge.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(EdgeConfig, path)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_every_setting_name_is_unique_across_sections():
+    """One flag and one flat key per setting: a name in two sections (or naming a section) could not say
+    which it sets. settings_of refuses such a config; this checks the real ones hold no such name."""
+    import dataclasses
+
+    from hybridspec.common.config import Sections, sections_of
+
+    for cls in (EdgeConfig, ServeConfig):
+        names = [f.name for kind in (sections_of(cls) or {None: cls}).values() for f in dataclasses.fields(kind)]
+        assert len(names) == len(set(names)) and not set(names) & set(sections_of(cls)), cls.__name__
+        assert list(settings_of(cls)) == names
+
+    @dataclasses.dataclass(frozen=True)
+    class A:
+        x: int = 1
+
+    @dataclasses.dataclass(frozen=True)
+    class B:
+        x: int = 2
+
+    @dataclasses.dataclass(frozen=True)
+    class Twice(Sections):
+        a: A = A()
+        b: B = B()
+
+    with pytest.raises(TypeError, match="setting x is named twice"):
+        settings_of(Twice)
+
+
+def test_components_receive_their_section_whole():
+    """The sections are the components' own specs: what the drafters, the controller and the verifier's
+    sampling get is the config's section itself, not a copy of its fields."""
+    from hybridspec.common.protocol.wire import SamplingParams
+    from hybridspec.edge.controller import PolicySettings
+    from hybridspec.edge.proposal import Drafting
+
+    config = EdgeConfig.of(wire_top_k=8, max_draft=3, temperature=0.5)
+    assert isinstance(config.drafting, Drafting) and isinstance(config.policy, PolicySettings)
+    assert isinstance(config.sampling, SamplingParams)
+    assert config.draft_settings(100, frozenset()).drafting is config.drafting
+    assert config.draft_settings(100, frozenset()).sampling is config.sampling

@@ -5,7 +5,7 @@ import pytest
 from hybridspec.edge import policy
 from hybridspec.edge.controller import (FIRST_GAMMA, MIN_HYBRID_ROUNDS, SHADOW_MIN_CHECKS, SHADOW_RECHECK, START_MARGIN,
                                         WARMUP_CLOUD_TOKENS, WARMUP_CLOUD_TOKENS_UNSHADOWED, Controller, Phase,
-                                        Policy)
+                                        Policy, PolicySettings)
 from hybridspec.edge.estimates import Estimates
 
 CAP = 8
@@ -23,8 +23,9 @@ def measured(alpha: float, cloud_token_s: float, rtt_s: float = 0.01, draft_s: f
     return est
 
 
-def controller(est: Estimates, **policy) -> Controller:
-    return Controller(Policy(cap=CAP, **policy), est)
+def controller(est: Estimates, **settings) -> Controller:
+    """A controller following the `policy` section with these settings, capped at CAP."""
+    return Controller(Policy(cap=CAP, settings=PolicySettings(**settings)), est)
 
 
 def test_a_fresh_worker_warms_up_cloud_only_unless_switching_is_off():
@@ -74,7 +75,7 @@ def test_a_loaded_replica_prices_rounds_as_if_every_session_drafted(per_token_ms
 
 
 def test_gamma_is_fixed_first_guessed_then_chosen():
-    assert controller(measured(0.8, 0.2), adaptive=False).next_gamma(100, 20) == CAP
+    assert controller(measured(0.8, 0.2), gamma_policy="fixed").next_gamma(100, 20) == CAP
     est = Estimates(CAP + 1)
     est.cloud_token_s.add(0.5)  # a slow cloud: hybrid stays
     assert controller(est).next_gamma(100, 20) == min(FIRST_GAMMA, CAP)  # drafting speed not known yet

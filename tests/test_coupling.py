@@ -192,7 +192,7 @@ PROMPT = [5, 17, 33, 80, 17, 33]
 
 
 def run(server, drafter, **cfg):
-    config = EdgeConfig(cloud=server.address, **{"max_new_tokens": 24, "temperature": 0.8, "seed": 7,
+    config = EdgeConfig.of(cloud=server.address, **{"max_new_tokens": 24, "temperature": 0.8, "seed": 7,
                                                  "mode": "coupled", **cfg})
     with VerifierClient(server.address) as client:
         return EdgeWorker(drafter, client, config).generate(PROMPT).token_ids
@@ -249,9 +249,9 @@ def test_coupled_is_distributed_as_the_target_end_to_end(server, target):
     accepted = 0
     with VerifierClient(server.address) as client:
         for seed in range(600):
-            config = EdgeConfig(cloud=server.address, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed,
-                                mode="coupled", max_draft=1, wire_top_k=2, fallback_threshold=0.0, pipeline=False,
-                                **EVERY_ROUND)
+            config = EdgeConfig.of(cloud=server.address, max_new_tokens=2, temperature=1.0, top_k=4, seed=seed,
+                                   mode="coupled", max_draft=1, wire_top_k=2, fallback_threshold=0.0, pipeline=False,
+                                   **EVERY_ROUND)
             gen = EdgeWorker(target, client, config).generate(PROMPT)
             counts[gen.token_ids[0], gen.token_ids[1]] += 1
             accepted += gen.stats.accepted
@@ -266,19 +266,19 @@ def test_a_seeded_run_repeats(server, random_drafter):
     differs. A seed selects the coupled rule; verifier draws keyed by round, as speculative sampling's
     are, depend on γ and timing."""
     cfg = {"temperature": 0.8, "seed": 7}
-    assert EdgeConfig(**cfg).resolved_mode.value == "coupled"
+    assert EdgeConfig.of(**cfg).resolved_mode.value == "coupled"
     with VerifierClient(server.address) as client:
-        worker = EdgeWorker(random_drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=24, **cfg))
+        worker = EdgeWorker(random_drafter, client, EdgeConfig.of(cloud=server.address, max_new_tokens=24, **cfg))
         texts = [worker.generate(PROMPT).token_ids for _ in range(3)]  # measurements (and γ) change between them
         for gamma in (1, 4):
-            config = EdgeConfig(cloud=server.address, max_new_tokens=24, max_draft=gamma, **EVERY_ROUND, **cfg)
+            config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, max_draft=gamma, **EVERY_ROUND, **cfg)
             texts.append(EdgeWorker(random_drafter, client, config).generate(PROMPT).token_ids)
     assert all(t == texts[0] for t in texts), texts
 
 
 def test_without_a_seed_each_sampled_run_draws_its_own(server, random_drafter):
     """No seed: standard rejection sampling with a fresh seed per generation, so runs differ."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=24, temperature=1.0)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, temperature=1.0)
     assert config.resolved_mode.value == "speculative"
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(random_drafter, client, config)
@@ -301,8 +301,8 @@ def test_shadow_drafting_measures_agreement_when_sampling(server, target, mode, 
     hybrid on an assumed α of 0.9. The drafter's coupled draw now guesses along with the stream; with
     the target itself drafting (and q not truncated) nearly every guess agrees. BiLD's threshold
     rule is not measured this way."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=24, temperature=0.8, seed=7, mode=mode,
-                        wire_top_k=0, max_draft=4)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, temperature=0.8, seed=7, mode=mode,
+                           wire_top_k=0, max_draft=4)
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(target, client, config)
         gen = worker.generate(PROMPT)

@@ -49,7 +49,7 @@ def count_front_door_rounds(pool):
 
 
 def edge_config(address):
-    return EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
+    return EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
 
 
 def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_pool, target, random_drafter):
@@ -191,7 +191,7 @@ def test_cloud_only_tokens_come_straight_from_the_replica(direct_pool, target):
     tokens_before = server.running.metrics.generated_tokens._value.get()
     try:
         with VerifierClient(server.address) as client:
-            config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, cloud_only=True)
+            config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, cloud_only=True)
             gen = EdgeWorker(target, client, config).generate(PROMPT)
             assert client.rounds_address in {r.verify_address for r in pool.replicas.values()}
     finally:
@@ -248,7 +248,7 @@ def test_a_killed_replica_mid_stream_is_recovered_at_the_front_door(direct_pool,
             return stream
 
         client.decode = decode_then_kill
-        config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, cloud_only=True)
+        config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, cloud_only=True)
         gen = EdgeWorker(target, client, config).generate(PROMPT)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
     assert gen.stats.reopens >= 1 and killed

@@ -49,8 +49,8 @@ def test_distilled_drafter_drafts_through_the_edge_path(distilled, server, targe
     out, _ = distilled
     drafter = load_model(out, device="cpu")
     assert drafter.head_ids is not None and drafter.head_ids.numel() == 128
-    config = EdgeConfig(cloud=server.address, max_new_tokens=20, max_draft=4, fallback_threshold=0.0,
-                        **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=20, max_draft=4, fallback_threshold=0.0,
+                           **EVERY_ROUND)
     prompt = [5, 17, 33, 80]
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(drafter, client, config).generate(prompt)

@@ -14,7 +14,7 @@ NEW_TOKENS = 24
 
 
 def run(server, drafter, **cfg):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, **{**EVERY_ROUND, **cfg})
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, **{**EVERY_ROUND, **cfg})
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(drafter, client, config)
         return [worker.generate(p) for p in PROMPTS]
@@ -56,7 +56,7 @@ def test_generation_stops_at_eos_with_eos_included(server, target, verifier):
             break
     else:
         pytest.fail("no prompt of the tiny target reaches EOS within 60 tokens: the test cannot check stopping")
-    config = EdgeConfig(cloud=server.address, max_new_tokens=60, max_draft=4, **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=60, max_draft=4, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(target, client, config).generate([first])
     assert gen.token_ids == ref[: ref.index(eos) + 1]
@@ -71,7 +71,7 @@ def test_cloud_only_generate_matches_the_reference(server, target):
 
 def test_lost_session_is_reopened_transparently(server, target, random_drafter, verifier):
     """The verifier forgets the session mid-generation; the edge re-opens it and nothing changes."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(random_drafter, client, config)
         calls = {"n": 0}
@@ -97,8 +97,8 @@ def test_a_prompt_past_the_context_is_refused_before_any_work(server, random_dra
     from hybridspec.common.protocol.errors import InvalidArgument
 
     with VerifierClient(server.address) as client:
-        worker = EdgeWorker(random_drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=30,
-                                                               cloud_only=cloud_only, **EVERY_ROUND))
+        worker = EdgeWorker(random_drafter, client, EdgeConfig.of(cloud=server.address, max_new_tokens=30,
+                                                                  cloud_only=cloud_only, **EVERY_ROUND))
         opened = server.call(server.backend.status())[0].sessions
         with pytest.raises(InvalidArgument, match=r"the prompt \(500 tokens\) plus max_new_tokens \(30\) exceeds "
                                                   r"the verifier's max_context of 512"):

@@ -12,7 +12,7 @@ PROMPT = [5, 17, 33, 80]
 
 def generate(server, drafter, **cfg):
     # A fixed seed: a run that hit an end-of-sequence token early would fail the length checks by chance.
-    config = EdgeConfig(cloud=server.address, max_new_tokens=20, max_draft=4, **{"seed": 0, **EVERY_ROUND, **cfg})
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=20, max_draft=4, **{"seed": 0, **EVERY_ROUND, **cfg})
     with VerifierClient(server.address) as client:
         return EdgeWorker(drafter, client, config).generate(PROMPT)
 

@@ -17,7 +17,7 @@ TREES = dict(EVERY_ROUND, gamma_policy="tree")
 
 
 def run(server, drafter, prompts=PROMPTS, **cfg):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, **{**TREES, **cfg})
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, **{**TREES, **cfg})
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(drafter, client, config)
         return [worker.generate(p) for p in prompts]

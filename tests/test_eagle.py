@@ -18,7 +18,7 @@ from hybridspec.distill.train import distill
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.drafter import NgramDrafter
-from hybridspec.edge.proposal import DraftSettings
+from hybridspec.edge.proposal import DraftSettings, Drafting
 from hybridspec.edge.eagle import EagleDrafter, FeatureLog
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.lab.baselines import colocated
@@ -59,7 +59,7 @@ def features_of(target, ids):
 
 def settings(**kw):
     return DraftSettings(**{"sampling": SamplingParams(), "vocab_size": VOCAB, "stop_ids": frozenset(),
-                            "fallback_threshold": 0.0, **kw})
+                            "drafting": Drafting(fallback_threshold=0.0), **kw})
 
 
 def test_training_lowers_the_loss_and_the_checkpoint_holds_only_the_head(eagle_dir, eagle):
@@ -102,8 +102,8 @@ def test_without_features_the_fallback_drafts_and_says_so(eagle, target):
 
 @pytest.mark.parametrize("features", ["int8", "fp16"])
 def test_greedy_output_is_the_targets_over_grpc(server, target, eagle, chat_prompt, features):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=40, max_draft=4, features=features,
-                        fallback_threshold=0.0, **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=40, max_draft=4, features=features,
+                           fallback_threshold=0.0, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
         run = EdgeWorker(eagle, client, config).stream(chat_prompt)
         events = list(run)
@@ -127,8 +127,8 @@ def test_sampling_with_the_eagle_drafter_is_distributed_as_the_target(target, ea
     counts = torch.zeros(VOCAB)
     accepted = 0
     for seed in range(runs):
-        cfg = EdgeConfig(max_new_tokens=2, max_draft=1, temperature=1.0, seed=seed, fallback_threshold=0.0,
-                         wire_top_k=0, **EVERY_ROUND)
+        cfg = EdgeConfig.of(max_new_tokens=2, max_draft=1, temperature=1.0, seed=seed, fallback_threshold=0.0,
+                            wire_top_k=0, **EVERY_ROUND)
         run = colocated(verifier, eagle, chat_prompt, cfg)
         counts[run.tokens[0]] += 1
         accepted += run.stats["accepted"]

@@ -23,8 +23,8 @@ NEW = 40
 
 
 def generate(address, drafter, **cfg):
-    config = EdgeConfig(cloud=address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0, **cfg)
-    with VerifierClient(address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0, **cfg)
+    with VerifierClient(address, timeout_s=config.link.timeout_s) as client:
         return EdgeWorker(drafter, client, config).generate(PROMPT)
 
 
@@ -51,8 +51,8 @@ def test_pipelined_drafting_uses_its_predrafts(server, target):
 
 
 def test_events_add_up_to_the_generation(server, target, random_drafter):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, gamma_policy="fixed",
-                        cloud_only_switch=False)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, gamma_policy="fixed",
+                           cloud_only_switch=False)
     with VerifierClient(server.address) as client:
         run = EdgeWorker(random_drafter, client, config).stream(PROMPT)
         events = list(run)
@@ -86,10 +86,10 @@ def _cut_during_round(client, link, at_round: int, outage_s: float):
 @pytest.mark.parametrize("drafter_name", ["target", "random"])
 def test_offline_tokens_are_verified_when_the_cloud_returns(link, target, random_drafter, drafter_name):
     drafter = target if drafter_name == "target" else random_drafter
-    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
-                        gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
-                        reconnect_s=0.2)
-    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=link.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
+                           gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
+                           reconnect_s=0.2)
+    with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(drafter, client, config)
         _cut_during_round(client, link, at_round=3, outage_s=1.0)
         run = worker.stream(PROMPT)
@@ -106,9 +106,9 @@ def test_offline_tokens_are_verified_when_the_cloud_returns(link, target, random
 
 
 def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
-    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, max_draft=4, gamma_policy="fixed",
-                        cloud_only_switch=False, timeout_s=3)
-    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=link.address, max_new_tokens=NEW, max_draft=4, gamma_policy="fixed",
+                           cloud_only_switch=False, timeout_s=3)
+    with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         _cut_during_round(client, link, at_round=2, outage_s=2.0)
         # A reset stream says "unreachable"; on a loaded machine the reply timeout may fire first.
@@ -125,12 +125,12 @@ def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
 def test_allow_unverified_works_when_the_cloud_is_down_at_start(link, target):
     """The edge starts while the cloud is away, drafts alone, and has everything verified once the
     cloud comes back: the output is then the target's, none of it unverified."""
-    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
-                        gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
-                        reconnect_s=0.2)
+    config = EdgeConfig.of(cloud=link.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
+                           gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
+                           reconnect_s=0.2)
     link.set_down(True)
     threading.Timer(1.0, link.set_down, args=(False,)).start()
-    with VerifierClient(link.address, timeout_s=config.timeout_s) as client:
+    with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         assert not worker.connected
         gen = worker.generate(PROMPT)
@@ -140,14 +140,14 @@ def test_allow_unverified_works_when_the_cloud_is_down_at_start(link, target):
 
 def test_without_allow_unverified_a_cloud_down_at_start_is_an_error(link, target):
     link.set_down(True)
-    config = EdgeConfig(cloud=link.address, max_new_tokens=NEW, timeout_s=2)
-    with VerifierClient(link.address, timeout_s=config.timeout_s) as client, pytest.raises(Unavailable):
+    config = EdgeConfig.of(cloud=link.address, max_new_tokens=NEW, timeout_s=2)
+    with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client, pytest.raises(Unavailable):
         EdgeWorker(target, client, config)
 
 
 def test_cloud_only_baseline_decodes_everything_in_the_cloud(server, target, random_drafter):
     """`edge generate --cloud-only`: the same path, the cloud decoding alone from start to end."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, cloud_only=True)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, cloud_only=True)
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(random_drafter, client, config).generate(PROMPT)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
@@ -157,8 +157,8 @@ def test_cloud_only_baseline_decodes_everything_in_the_cloud(server, target, ran
 
 def test_a_worker_that_measured_a_fast_cloud_starts_cloud_only(server, target, random_drafter):
     """Rates carry over between generations: a worker that measured a fast cloud starts cloud-only."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
-                        cloud_only_switch=True, probe_tokens=8)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0,
+                           cloud_only_switch=True, probe_tokens=8)
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(random_drafter, client, config)
         worker.estimates.cloud_token_s.add(1e-5)  # as if measured by an earlier generation
@@ -172,8 +172,8 @@ def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(se
     """Regression: while decoding cloud-only, the edge drafted its shadow guess of each token before
     handing the token on, so the first token waited for the drafter to be built and fed the prompt
     (20-40 ms more time to first token with the llama.cpp drafter)."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
-    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         committed, guessed_after = [], []
         propose = Lookahead.propose  # the generation's drafter is built once its first phase runs
@@ -194,8 +194,8 @@ def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(se
 def test_shadow_drafting_measures_the_drafters_time(server, target):
     """Regression: an edge that stayed cloud-only judged hybrid with the default drafting time (5 ms per
     token) however fast its drafter was, since only hybrid rounds timed drafting."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
-    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         gen = worker.generate(PROMPT)
     assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == 12
@@ -205,8 +205,8 @@ def test_shadow_drafting_measures_the_drafters_time(server, target):
 def test_shadow_drafting_measures_where_the_clouds_tokens_rank(server, target):
     """While cloud-only, the drafter's guesses also count where the cloud's token stood among its
     choices, so the tree policy knows ρ_r before the first round is risked."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
-    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         prior = worker.estimates.ranks[0]
         gen = worker.generate(PROMPT)
@@ -219,8 +219,8 @@ def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(ser
     without the prefill. With 8 edges on one replica, two edges switched after their warm-up and
     then waited 3 s for their session's prefill behind the others' prompts. A cloud-only stream's
     wait for its first token is the same round trip and prefill, queue included."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
-    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         started = time.perf_counter()
         run = worker.stream(PROMPT)
@@ -238,8 +238,8 @@ def test_a_cloud_only_stream_asks_for_its_tokens_before_the_drafter_is_set_up(se
     a cloud-only stream and reading it, and the Decode request leaves only when the stream is first
     read: every generation's first token waited for it (experiments/never_slower.yaml: 7 ms median,
     17 ms mean more time to first token than --cloud-only, a tenth of a 10-token generation)."""
-    config = EdgeConfig(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
-    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         committed, built_after = [], []
         build = context.build_drafting

@@ -35,8 +35,8 @@ def test_the_drafter_and_the_hybrid_session_are_built_once(server, target, monke
 
     monkeypatch.setattr(drafters, "make_drafter", counting_make_drafter)
     monkeypatch.setattr(CloudSession, "__init__", counting_session_init)
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0, **settings)
-    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, fallback_threshold=0.0, **settings)
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         list(run)
     gen = run.generation

@@ -6,7 +6,7 @@ import torch
 from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge import policy
 from hybridspec.edge.drafter import ModelDrafter, NgramDrafter
-from hybridspec.edge.proposal import DraftSettings
+from hybridspec.edge.proposal import DraftSettings, Drafting
 from hybridspec.edge.estimates import Estimates
 
 T = 0.05  # the target's time per token, seconds
@@ -80,8 +80,8 @@ def _greedy_path(model, context, n):
 
 
 def settings(target, **kw) -> DraftSettings:
-    return DraftSettings(sampling=SamplingParams(), vocab_size=target.vocab_size, stop_ids=frozenset(), wire_top_k=0,
-                         **kw)
+    return DraftSettings(sampling=SamplingParams(), vocab_size=target.vocab_size, stop_ids=frozenset(),
+                         drafting=Drafting(wire_top_k=0, **kw))
 
 
 @pytest.mark.parametrize("keep", [True, False], ids=["keep (HF)", "drop (BiLD)"])

@@ -99,7 +99,7 @@ def test_stop_string_in_a_real_generation(server, target, random_drafter):
     full_text = target.tokenizer.decode(reference, skip_special_tokens=True)
     words = full_text.split()
     stop = " ".join(words[len(words) // 2: len(words) // 2 + 2])
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, stop=(stop,), cloud_only_switch=False)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, stop=(stop,), cloud_only_switch=False)
     with VerifierClient(server.address) as client:
         run = EdgeWorker(random_drafter, client, config).stream(PROMPT)
         streamed = "".join(event.text for event in run)
@@ -112,11 +112,11 @@ def test_stop_string_in_a_real_generation(server, target, random_drafter):
 def test_drafter_loading_in_the_background(server, target, model_dirs):
     """Generation starts with the cloud decoding alone while the drafter loads, then takes the drafter
     up (here it only guesses along: the tiny pair cannot beat cloud-only); the output stays the target's."""
-    config = EdgeConfig(cloud=server.address, drafter=str(model_dirs["target"]), max_new_tokens=NEW, max_draft=4,
-                        fallback_threshold=0.0, probe_tokens=4, device="cpu")
+    config = EdgeConfig.of(cloud=server.address, drafter=str(model_dirs["target"]), max_new_tokens=NEW, max_draft=4,
+                           fallback_threshold=0.0, probe_tokens=4, device="cpu")
     gate = threading.Event()
     load = DrafterLoad()
-    threading.Thread(target=lambda: (gate.wait(30), load._run(config)), daemon=True).start()
+    threading.Thread(target=lambda: (gate.wait(30), load._run(config.model)), daemon=True).start()
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(load, client, config, codec=TextCodec(model_dirs["target"]))
         run = worker.stream(PROMPT)
@@ -131,7 +131,7 @@ def test_drafter_loading_in_the_background(server, target, model_dirs):
 
 
 def test_concurrent_generations_share_one_worker(server, target, random_drafter):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4, cloud_only_switch=False)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, cloud_only_switch=False)
     prompts = [PROMPT, [9, 8, 7], [40, 41], [100, 3, 3, 3]]
     results = {}
     with VerifierClient(server.address) as client:

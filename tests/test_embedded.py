@@ -31,7 +31,7 @@ def test_embedded_pair_is_lossless_over_grpc(target, role):
     server = BackgroundServer(Verifier(target))
     try:
         prompt = encode_prompt(target.tokenizer, "What is the capital of France?", chat=True)
-        config = EdgeConfig(cloud=server.address, max_new_tokens=16, max_draft=4, **EVERY_ROUND)
+        config = EdgeConfig.of(cloud=server.address, max_new_tokens=16, max_draft=4, **EVERY_ROUND)
         with VerifierClient(server.address) as client:
             gen = EdgeWorker(drafter, client, config).generate(prompt)
     finally:

@@ -12,7 +12,7 @@ from hybridspec.cloud.api.server import ReplicaEndpoint
 from hybridspec.cloud.config import ServeConfig
 from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
-from hybridspec.common.config import Choice, load_config
+from hybridspec.common.config import Choice, load_config, settings_of
 from hybridspec.distill.config import DistillConfig
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.serve.config import ServeOptions
@@ -46,8 +46,8 @@ def _as_flags(f: dataclasses.Field, hint) -> tuple[list[str], object]:
 
 
 def _fields(cls):
-    types = typing.get_type_hints(cls)
-    return [(f, types[f.name]) for f in dataclasses.fields(cls)]
+    """Every setting's field and type (of every section, for a config made of sections)."""
+    return [(f, hint) for _, f, hint in settings_of(cls).values()]
 
 
 @pytest.mark.parametrize("argv, cls", COMMANDS, ids=lambda x: " ".join(x) if isinstance(x, list) else x.__name__)
@@ -124,4 +124,4 @@ def test_flags_override_a_config_file_key_by_key(tmp_path):
     path.write_text("max_draft: 3\ntemperature: 0.5\n")
     args = build_parser().parse_args(["edge", "generate", "--prompt", "p", "--config", str(path), "--max-draft", "5"])
     config = load_config(EdgeConfig, args.config, config_overrides(args, EdgeConfig))
-    assert (config.max_draft, config.temperature) == (5, 0.5)
+    assert (config.policy.max_draft, config.sampling.temperature) == (5, 0.5)

@@ -31,8 +31,8 @@ def test_every_rpc_survives_fuzzing_beside_an_honest_edge(target):
     stop, outputs, errors = threading.Event(), [], []
 
     def honest_edge() -> None:
-        config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=4, fallback_threshold=0.0,
-                            **EVERY_ROUND)
+        config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=4, fallback_threshold=0.0,
+                               **EVERY_ROUND)
         try:
             with VerifierClient(server.address) as client:
                 worker = EdgeWorker(target, client, config)

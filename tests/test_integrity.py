@@ -145,7 +145,7 @@ def test_an_edge_beside_a_hostile_client_gets_the_target_output(target, stub_of)
     attacker.start()
     try:
         prompt = [5, 17, 33, 80]
-        config = EdgeConfig(cloud=srv.address, max_new_tokens=24, max_draft=4, fallback_threshold=0.0, **EVERY_ROUND)
+        config = EdgeConfig.of(cloud=srv.address, max_new_tokens=24, max_draft=4, fallback_threshold=0.0, **EVERY_ROUND)
         with VerifierClient(srv.address) as client:
             gen = EdgeWorker(target, client, config).generate(prompt)
         assert gen.token_ids == greedy_reference(target, prompt, 24)

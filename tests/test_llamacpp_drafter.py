@@ -20,7 +20,7 @@ from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge.draft_lm import TorchLM
 from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.drafters import make_drafter
-from hybridspec.edge.proposal import DraftSettings, DrafterKind
+from hybridspec.edge.proposal import DraftSettings, Drafting, DrafterKind
 
 llama_lm = pytest.importorskip("hybridspec.edge.llamacpp_lm")  # llama-cpp-python is a dependency; its build may fail
 
@@ -71,7 +71,7 @@ def converted(request, compact_dir, tmp_path_factory):
 
 def settings(**kw) -> DraftSettings:
     return DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=VOCAB, stop_ids=frozenset(),
-                         fallback_threshold=0.0, **kw)
+                         drafting=Drafting(fallback_threshold=0.0), **kw)
 
 
 def same_choice(ours: torch.Tensor, theirs: torch.Tensor, weights: str) -> bool:
@@ -194,7 +194,7 @@ def test_sampled_blocks_send_the_q_they_were_drawn_from(converted):
     _, path = converted
     loaded = load_model(path, device="cpu", engine="llamacpp")
     sampled = DraftSettings(sampling=SamplingParams(temperature=0.8), vocab_size=VOCAB, stop_ids=frozenset(),
-                            fallback_threshold=0.0, seed=3)
+                            drafting=Drafting(fallback_threshold=0.0), seed=3)
     block = make_drafter(DrafterKind.MODEL, loaded, sampled).propose(contexts(6, 1, 20)[0], 6)
     head = set(loaded.head_ids.tolist())
     assert len(block.ids) == 6 and len(block.dists) == 6
@@ -243,7 +243,7 @@ def test_greedy_generation_through_the_verifier_is_the_targets(converted, server
     drafter = load_model(path, device="cpu")
     assert drafter.llama is not None
     prompt = [5, 17, 33, 80]
-    config = EdgeConfig(cloud=server.address, max_new_tokens=24, max_draft=4, fallback_threshold=0.0, **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, max_draft=4, fallback_threshold=0.0, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(drafter, client, config).generate(prompt)
     assert gen.token_ids == greedy_reference(target, prompt, 24)

@@ -149,10 +149,10 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
         with VerifierClient(server.address) as client:
             for question in ("What is the capital of France?", "Name three colours of the rainbow."):
                 prompt = encode_prompt(drafter.tokenizer, question, chat=True)
-                hybrid = EdgeWorker(drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=24, max_draft=4,
-                                                                **EVERY_ROUND)).generate(prompt)
-                alone = EdgeWorker(drafter, client, EdgeConfig(cloud=server.address, max_new_tokens=24,
-                                                               cloud_only=True)).generate(prompt)
+                hybrid = EdgeWorker(drafter, client, EdgeConfig.of(cloud=server.address, max_new_tokens=24, max_draft=4,
+                                                                   **EVERY_ROUND)).generate(prompt)
+                alone = EdgeWorker(drafter, client, EdgeConfig.of(cloud=server.address, max_new_tokens=24,
+                                                                  cloud_only=True)).generate(prompt)
                 assert hybrid.stats.rounds > 0 and hybrid.stats.accepted > 0
                 assert (hybrid.stats.feature_bytes > 0) == (role == "eagle")
                 assert hybrid.token_ids == alone.token_ids

@@ -58,7 +58,7 @@ def test_a_worker_takes_the_clouds_curve(target, model_dirs):
     server = BackgroundServer(verifier)
     try:
         with VerifierClient(server.address) as client:
-            worker = EdgeWorker(target, client, EdgeConfig(cloud=server.address, max_draft=6))
+            worker = EdgeWorker(target, client, EdgeConfig.of(cloud=server.address, max_draft=6))
             curve = worker.estimates.rates(policy.Rates([0.5], 0, 0, 0, 0, 0, 0.01)).verify_curve_s
     finally:
         server.stop()

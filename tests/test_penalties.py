@@ -126,7 +126,7 @@ def penalised_target(target, prompt, n, params, seed=None):
 
 
 def generate(server, drafter, **cfg):
-    config = EdgeConfig(cloud=server.address, max_new_tokens=24, **cfg)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, **cfg)
     with VerifierClient(server.address) as client:
         return EdgeWorker(drafter, client, config).generate(PROMPT).token_ids
 
@@ -145,7 +145,7 @@ def test_greedy_with_penalties_is_the_penalised_targets_own_decoding(server, tar
 
 def test_a_drafter_equal_to_the_target_is_always_accepted_with_penalties(server, target):
     stats_cfg = dict(**PENALTIES, **EVERY_ROUND, max_draft=4, fallback_threshold=0.0)
-    config = EdgeConfig(cloud=server.address, max_new_tokens=24, **stats_cfg)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, **stats_cfg)
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(target, client, config).generate(PROMPT)
     assert gen.stats.acceptance_rate == 1.0  # the drafter penalised its logits exactly as the verifier did

@@ -57,7 +57,7 @@ def run_edges(address, drafters, prompts, **cfg):
 
     def one(i):
         try:
-            config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, **EVERY_ROUND, **cfg)
+            config = EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, **EVERY_ROUND, **cfg)
             with VerifierClient(address) as client:
                 results[i] = EdgeWorker(drafters[i % len(drafters)], client, config).generate(prompts[i])
         except Exception as exc:  # surfaced by the assertion below
@@ -92,8 +92,8 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
     server, pool = pool_server
     reopens_before = metric(server, "hybridspec_session_reopens_total")
     failures_before = metric(server, "hybridspec_replica_failures_total")
-    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
-                        **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
+                           **EVERY_ROUND)
     prompt = PROMPTS[3]
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(random_drafter, client, config)
@@ -125,8 +125,8 @@ def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target
     pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="solo-pool"))
     server = BackgroundServer(pool)
     try:
-        config = EdgeConfig(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
-                            **EVERY_ROUND)
+        config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
+                               **EVERY_ROUND)
         with VerifierClient(server.address) as client:
             worker = EdgeWorker(random_drafter, client, config)
             original, calls = client.submit, {"n": 0}

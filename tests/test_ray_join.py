@@ -70,7 +70,7 @@ def assert_one_line(serve: CloudServe, *fragments: str) -> str:
 
 
 def generate(address: str, drafter, prompt: list[int], **cfg):
-    config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, **cfg)
+    config = EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, **cfg)
     with VerifierClient(address) as client:
         return EdgeWorker(drafter, client, config).generate(prompt)
 
@@ -232,7 +232,7 @@ def test_join_two_nodes_serve_recover_and_leave_the_cluster_running(operator_clu
 def generate_watched(address: str, drafter, prompt: list[int], before_round=None):
     """An edge generation in hybrid rounds, calling before_round(client, round number) before each
     round is sent; returns it and the pid of the replica that served its last round."""
-    config = EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, **EVERY_ROUND)
     with VerifierClient(address) as client:
         worker = EdgeWorker(drafter, client, config)
         original, calls = client.submit, [0]

@@ -87,7 +87,7 @@ def secure_server(target, pki, tokens):
 
 
 def edge_config(address: str) -> EdgeConfig:
-    return EdgeConfig(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
+    return EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
 
 
 def generate(address: str, cloud_access: CloudAccess, drafter) -> list[int]:
@@ -338,12 +338,12 @@ def test_plaintext_beyond_loopback_needs_insecure():
 def test_an_edge_sends_its_token_in_plaintext_only_to_loopback_or_when_told(monkeypatch):
     monkeypatch.setenv("HYBRIDSPEC_TOKEN", "hs_test")
     with pytest.raises(ConfigError, match="in plaintext"):
-        EdgeConfig(cloud="203.0.113.7:50051").cloud_access()
-    assert EdgeConfig(cloud="127.0.0.1:50051").cloud_access().token == "hs_test"
-    assert EdgeConfig(cloud="203.0.113.7:50051", insecure=True).cloud_access().token == "hs_test"
-    assert EdgeConfig(cloud="203.0.113.7:50051", tls=True).cloud_access().tls.enabled
+        EdgeConfig.of(cloud="203.0.113.7:50051").cloud_access()
+    assert EdgeConfig.of(cloud="127.0.0.1:50051").cloud_access().token == "hs_test"
+    assert EdgeConfig.of(cloud="203.0.113.7:50051", insecure=True).cloud_access().token == "hs_test"
+    assert EdgeConfig.of(cloud="203.0.113.7:50051", tls=True).cloud_access().tls.enabled
     monkeypatch.delenv("HYBRIDSPEC_TOKEN")
-    assert EdgeConfig(cloud="203.0.113.7:50051").cloud_access().token is None  # no token: nothing to leak
+    assert EdgeConfig.of(cloud="203.0.113.7:50051").cloud_access().token is None  # no token: nothing to leak
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -367,9 +367,9 @@ def test_cloud_serve_refuses_a_bad_security_setup_in_one_line(model_dirs, flags,
 def test_a_token_file_is_read_and_checked(tmp_path):
     path = tmp_path / "token"
     path.write_text("hs_abc\n")
-    assert EdgeConfig(token_file=str(path)).cloud_access().token == "hs_abc"
+    assert EdgeConfig.of(token_file=str(path)).cloud_access().token == "hs_abc"
     path.write_text("")
     with pytest.raises(ConfigError, match="is empty"):
-        EdgeConfig(token_file=str(path)).cloud_access()
+        EdgeConfig.of(token_file=str(path)).cloud_access()
     with pytest.raises(ConfigError, match="cannot be read"):
-        EdgeConfig(token_file=str(tmp_path / "missing")).cloud_access()
+        EdgeConfig.of(token_file=str(tmp_path / "missing")).cloud_access()

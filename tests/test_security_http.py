@@ -31,10 +31,10 @@ def test_edge_serve_over_https_with_api_keys(secure_server, pki, tokens, target,
 
     keys_path = tokens[0]  # the same file format as the cloud's; here the very same identities
     options = ServeOptions(http_tls_cert=pki["cert"], http_tls_key=pki["key"], api_keys=keys_path, warmup_tokens=0)
-    config = EdgeConfig(cloud=secure_server.address, max_new_tokens=NEW_TOKENS, max_draft=4,
-                        fallback_threshold=0.0, **EVERY_ROUND)
+    config = EdgeConfig.of(cloud=secure_server.address, max_new_tokens=NEW_TOKENS, max_draft=4,
+                           fallback_threshold=0.0, **EVERY_ROUND)
     worker = EdgeWorker(load_model(model_dirs["target"], device="cpu"),
-                        VerifierClient(secure_server.address, config.timeout_s,
+                        VerifierClient(secure_server.address, config.link.timeout_s,
                                        edge_access(pki, tokens[1]["alice"])), config)
     app = create_app(worker, options, CredentialStore(keys_path))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",

@@ -57,8 +57,8 @@ def serving(worker: EdgeWorker, **options):
 
 
 def make_worker(address: str, drafter, **cfg) -> EdgeWorker:
-    config = EdgeConfig(**{"cloud": address, "max_new_tokens": NEW, "max_draft": 4, **EVERY_ROUND, **cfg})
-    return EdgeWorker(drafter, VerifierClient(address, config.timeout_s), config)
+    config = EdgeConfig.of(**{"cloud": address, "max_new_tokens": NEW, "max_draft": 4, **EVERY_ROUND, **cfg})
+    return EdgeWorker(drafter, VerifierClient(address, config.link.timeout_s), config)
 
 
 def expected(target, prompt: list[int], n: int) -> tuple[str, list[int], str]:

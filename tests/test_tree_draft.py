@@ -20,7 +20,7 @@ from hybridspec.common.protocol.tree import ROOT, check_tree, children, chain_pa
 from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge.draft_lm import TorchLM
 from hybridspec.edge.drafter import ModelDrafter
-from hybridspec.edge.proposal import DraftSettings, DrafterKind
+from hybridspec.edge.proposal import DraftSettings, Drafting, DrafterKind
 from hybridspec.edge.tree_draft import TreeBudget, draft_tree
 
 llama_lm = pytest.importorskip("hybridspec.edge.llamacpp_lm")
@@ -43,10 +43,10 @@ def contexts(seed: int, n: int, length: int) -> list[list[int]]:
 
 def settings(temperature: float = 0.0, penalty: float = 1.0, **kw) -> DraftSettings:
     """No fallback and no stop ids unless asked for."""
-    kw.setdefault("fallback_threshold", 0.0)
+    drafting = {"fallback_threshold": 0.0, **{k: kw.pop(k) for k in list(kw) if hasattr(Drafting, k)}}
     kw.setdefault("stop_ids", frozenset())
     return DraftSettings(sampling=SamplingParams(temperature=temperature, repetition_penalty=penalty),
-                         vocab_size=VOCAB, **kw)
+                         vocab_size=VOCAB, drafting=Drafting(**drafting), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ...common.protocol.channel import SHARED_OPTIONS
+from ...common.protocol.channel import DEFAULT_HOST, SHARED_OPTIONS
 from ...common.security.tls import ServerTLS
 from .access import Access, AccessSpec
 from .admission import Admission
@@ -104,7 +104,7 @@ class RunningServer:
 
 
 async def start_server(backend: Pool, host: str, port: int, metrics_port: int | None = None,
-                       metrics_host: str = "127.0.0.1", access: AccessSpec = AccessSpec()) -> RunningServer:
+                       metrics_host: str = DEFAULT_HOST, access: AccessSpec = AccessSpec()) -> RunningServer:
     """Bind both ports, start the backend, then report SERVING. metrics_port None: no /metrics endpoint.
     PortUnavailable, before the backend starts, if either port cannot be bound; ConfigError if a TLS
     or credentials file cannot be used."""
@@ -186,7 +186,7 @@ async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, adve
 
 
 async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, metrics_port: int | None = None,
-                        metrics_host: str = "127.0.0.1", on_ready: Callable[[RunningServer], None] | None = None,
+                        metrics_host: str = DEFAULT_HOST, on_ready: Callable[[RunningServer], None] | None = None,
                         access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
     running = await start_server(backend, host, port, metrics_port, metrics_host, access)
@@ -217,7 +217,7 @@ async def _refresh_forever(backend: Pool, metrics: Metrics) -> None:
 class BackgroundServer:
     """A real gRPC front door on its own event-loop thread, for tests and in-process experiments."""
 
-    def __init__(self, backend: Pool | Verifier, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, backend: Pool | Verifier, host: str = DEFAULT_HOST, port: int = 0,
                  metrics_port: int | None = None, access: AccessSpec = AccessSpec()) -> None:
         """A bare Verifier is served in-process with default batching."""
         if isinstance(backend, Verifier):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...common.config import DType, check_fields, setting
+from ...common.config import DType, check_fields, device_setting, setting
 from ..core.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
 from ..engine.kinds import EngineKind
 
@@ -21,7 +21,7 @@ class ReplicaSpec:
     engine: EngineKind = setting(EngineKind.AUTO, "what computes the target: llamacpp serves its GGUF file on a "
                                                   "CPU; torch its Hugging Face weights; auto = llamacpp on a CPU "
                                                   "when the target has a GGUF file and dtype is auto, else torch")
-    device: str = setting("auto", "where each replica computes: auto, cpu, cuda or cuda:N")
+    device: str = device_setting("where each replica computes")
     dtype: DType = setting(DType.AUTO, "the target's weights in each replica (torch engine; llama.cpp serves the "
                                        "GGUF's own type); auto = float32 on a CPU, bfloat16 on a GPU")
     torch_threads: int = setting(0, "compute threads per replica on a CPU; 0 = the engine's default (torch's "

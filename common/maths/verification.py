@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..protocol.wire import DEFAULT_LENIENCE
 from .bild import first_rollback_index
 from .sampling import gumbel_max, sample
 
@@ -56,7 +57,7 @@ def greedy_from_argmax(draft_ids: list[int], best: list[int]) -> Outcome:
 
 
 def verify_speculative(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                       generator: torch.Generator | None, lenience: float = 1.0) -> Outcome:
+                       generator: torch.Generator | None, lenience: float = DEFAULT_LENIENCE) -> Outcome:
     """Rejection sampling (Leviathan et al. 2211.17192; Chen et al. 2302.01318).
 
     Accept x_i with probability min(1, p_i(x_i) / (l·q_i(x_i))). At the first rejection sample the

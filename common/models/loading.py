@@ -14,9 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import compact
+from ..config import DEVICE_AUTO, DType
 from ..protocol.fingerprints import fingerprint
 from .checkpoint import ensure_checkpoint
-from .drafter_gguf import LlamaDraftFiles, pick_engine
+from .drafter_gguf import DrafterEngine, LlamaDraftFiles, pick_engine
 from .manifest import is_compact
 
 
@@ -58,9 +59,9 @@ class LoadedModel:
         return tuple(sorted(ids))
 
 
-def pick_device(requested: str = "auto") -> torch.device:
+def pick_device(requested: str = DEVICE_AUTO) -> torch.device:
     """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device."""
-    if requested == "auto":
+    if requested == DEVICE_AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(requested)
 
@@ -110,8 +111,8 @@ def classify_model(spec: str | Path) -> SourceKind:
     return SourceKind.HUB_ID
 
 
-def load_model(spec: str | Path, device: str = "auto", dtype: str = "auto", engine: str = "auto",
-               threads: int = 0) -> LoadedModel:
+def load_model(spec: str | Path, device: str = DEVICE_AUTO, dtype: str = DType.AUTO,
+               engine: str = DrafterEngine.AUTO, threads: int = 0) -> LoadedModel:
     """Load a causal LM and its tokenizer from a directory, a .gguf file or a cached hub id.
 
     engine: what a compact drafter drafts with (drafter_gguf.DrafterEngine; auto = llama.cpp on a CPU

@@ -40,8 +40,7 @@ class Mode(str, Enum):
 
     @property
     def verifies_trees(self) -> bool:
-        """True for the rules with a tree form (common/maths/tree_verification.py); BiLD's rollback
-        and lenient sampling verify chains only."""
+        """True for the rules with a tree form (common/maths/tree_verification.py); BiLD, lenient: chains."""
         return self in (Mode.GREEDY, Mode.SPECULATIVE, Mode.COUPLED)
 
     @staticmethod
@@ -63,15 +62,19 @@ DEFAULT_LENIENCE = 1.0  # lenient rejection sampling with l = 1 is exact specula
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a distribution. Validated on construction."""
+    """How logits become a distribution, validated on construction; also EdgeConfig's `sampling` section."""
 
-    temperature: float = 0.0  # 0 means greedy: tokens are argmax, confidence tests use temperature 1
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
-    top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1 keeps all
+    # Each field's metadata holds its flag's help. 0 = greedy: argmax, confidence tests at temperature 1.
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy"})
+    top_k: int = field(default=0, metadata={"help": "top-k truncation, applied on both sides; 0 = off"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus truncation, applied on both sides; 1 = off"})
     # Penalties act on the logits before everything above (common/maths/sampling.py `penalize`).
-    repetition_penalty: float = 1.0  # HF/vLLM: every token of the context, prompt included; 1 = off
-    frequency_penalty: float = 0.0  # OpenAI: minus this per occurrence in the generated tokens; 0 = off
-    presence_penalty: float = 0.0  # OpenAI: minus this once if the token was generated at all; 0 = off
+    repetition_penalty: float = field(default=1.0, metadata={"help": "> 1 discourages every token of the context, "
+                                                                     "prompt included (both sides apply it); 1 = off"})
+    frequency_penalty: float = field(default=0.0, metadata={"help": "in [-2, 2]: OpenAI's penalty per earlier "
+                                                                    "occurrence in the generated text"})
+    presence_penalty: float = field(default=0.0, metadata={"help": "in [-2, 2]: OpenAI's penalty for a token "
+                                                                   "already in the generated text"})
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
@@ -175,11 +178,8 @@ def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """Everything needed to (re-)open a session on any replica.
-
-    On the wire `session_id` is empty for a new generation and the server-issued id to re-open one;
-    inside the cloud it is always the id the front door issued.
-    """
+    """Everything needed to (re-)open a session on any replica. On the wire `session_id` is empty for a new
+    generation and the server-issued id to re-open one; inside the cloud it is always the front door's id."""
 
     session_id: str
     committed_ids: tuple[int, ...]  # prompt + committed tokens

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -66,7 +65,7 @@ class CloudHealth:
         """address, reachable, rtt_ms or error, and how old the answer is."""
         async with self._lock:
             if time.monotonic() - self._checked > HEALTH_CACHE_S:
-                status: dict = {"address": self.worker.config.cloud}
+                status: dict = {"address": self.worker.config.link.cloud}
                 client = self.worker.lease()  # not one a generation counts its bytes on
                 try:
                     rtt = await anyio.to_thread.run_sync(client.ping, HEALTH_TIMEOUT_S)
@@ -87,7 +86,7 @@ class Service:
         self.options = options
         self.tokenizer = worker.drafter_model.tokenizer
         if worker.info is None and not options.served_model_name:  # allow_unverified, the cloud never answered
-            raise Unavailable(f"the cloud at {worker.config.cloud} did not answer, so the target's name is unknown; "
+            raise Unavailable(f"the cloud at {worker.config.link.cloud} did not answer, so the target's name is unknown; "
                               "name the model with --served-model-name to serve before it answers")
         self.model = options.served_model_name or model_id(worker.info.model_name)
         self.fingerprint = f"hybridspec-{self.info.model_fingerprint[:12]}"
@@ -117,7 +116,7 @@ class Service:
         """The worker's config with this request's fields; the server's flags are the defaults."""
         limit = self.info.max_context  # 0 while the cloud has never answered: nothing to check against
         max_new = body.max_new_tokens
-        default = self.worker.config.max_new_tokens
+        default = self.worker.config.generation.max_new_tokens
         if limit:
             room = limit - prompt_tokens
             if room < 1:
@@ -136,7 +135,7 @@ class Service:
                   "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
                   "repetition_penalty": body.repetition_penalty, "stop": body.stop_strings or None}
         try:
-            return replace(self.worker.config, **{k: v for k, v in fields.items() if v is not None})
+            return self.worker.config.updated(**{k: v for k, v in fields.items() if v is not None})
         except (ValueError, HybridSpecError) as exc:
             raise api_error(exc, "configuring a generation") from None
 
@@ -326,7 +325,7 @@ def create_app(worker: EdgeWorker, options: ServeOptions | None = None, api_keys
 
 async def _health(service: Service) -> dict:
     cloud = await service.health.status()
-    allow = service.worker.config.allow_unverified
+    allow = service.worker.config.link.allow_unverified
     ready = cloud["reachable"] or allow
     return {"status": "ok" if cloud["reachable"] else "degraded" if allow else "unavailable", "ready": ready,
             "model": service.model, "cloud": cloud, "allow_unverified": allow,

@@ -12,7 +12,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 
@@ -146,6 +146,6 @@ def warm_up(worker: EdgeWorker, tokens: int) -> float:
     Returns the seconds it took."""
     start = time.perf_counter()
     prompt = encode_messages(worker.drafter_model.tokenizer, [{"role": "user", "content": "Say hello."}])
-    for _ in worker.stream(prompt, config=replace(worker.config, max_new_tokens=tokens)):
+    for _ in worker.stream(prompt, config=worker.config.updated(max_new_tokens=tokens)):
         pass
     return time.perf_counter() - start
