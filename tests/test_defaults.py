@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.common.config import settings_of
+from hybridspec.common.config import Choice, settings_of
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.serve.config import ServeOptions
 
@@ -88,7 +88,8 @@ def same_name_copies(folders=FOLDERS, root: Path = ROOT) -> list[str]:
     defaults: dict[str, set[str]] = {}
     for config in (EdgeConfig, ServeConfig, ServeOptions):
         for name, (_, f, _) in settings_of(config).items():
-            defaults.setdefault(name, set()).add(repr(f.default))
+            default = f.default.value if isinstance(f.default, Choice) else f.default  # as a literal spells it
+            defaults.setdefault(name, set()).add(repr(default))
     bad = []
     for folder in folders:
         for path in sorted((root / folder).rglob("*.py")):
