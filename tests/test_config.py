@@ -168,3 +168,13 @@ def test_components_receive_their_section_whole():
     assert isinstance(config.sampling, SamplingParams)
     assert config.draft_settings(100, frozenset()).drafting is config.drafting
     assert config.draft_settings(100, frozenset()).sampling is config.sampling
+
+
+@pytest.mark.parametrize("cls", [EdgeConfig, ServeConfig])
+def test_a_device_is_checked_when_the_config_is_read(cls):
+    """Not an enum (cuda:N names any GPU), but no longer any string: a typo is one line, not a torch error."""
+    for good in ("auto", "cpu", "cuda", "cuda:1"):
+        assert flat_settings(load_config(cls, None, {"device": good}))["device"] == good
+    for bad in ("gpu", "cuda:", "CPU", "cuda:x"):
+        with pytest.raises(ConfigError, match=f"device must be auto, cpu, cuda or cuda:N, got '{bad}'"):
+            load_config(cls, None, {"device": bad})
