@@ -11,8 +11,8 @@ import enum
 import functools
 import re
 import typing
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -142,7 +142,7 @@ class Sections:
         """This config with these settings (flat names, as `of` takes them) changed."""
         changed = {name: dataclasses.replace(getattr(self, name), **part)
                    for name, part in route(type(self), values).items()}
-        return dataclasses.replace(self, **changed)  # type: ignore[type-var]
+        return dataclasses.replace(self, **changed)
 
 
 @functools.cache
@@ -177,6 +177,8 @@ def route(cls: type, values: Mapping[str, Any]) -> dict[str | None, dict[str, An
     unknown = []
     for key, value in values.items():
         if key in parts:
+            if value is None:  # a section whose keys are all commented out
+                continue
             if not isinstance(value, Mapping):
                 raise ConfigError(f"invalid {cls.__name__}: section {key} must be a mapping of its settings, "
                                   f"got {value!r}")

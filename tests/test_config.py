@@ -108,6 +108,8 @@ def test_an_edge_file_may_nest_settings_under_their_section_or_give_them_flat(tm
     assert expected.policy.max_draft == 4 and expected.sampling.temperature == 0.5 and expected.generation.seed == 3
     assert load_config(EdgeConfig, nested, {"max_draft": 6}).policy.max_draft == 6
     assert EdgeConfig.of(policy={"max_draft": 4}, temperature=0.5).updated(seed=3, pipeline=False) == expected
+    nested.write_text("policy:\n  # max_draft: 4\nlink:\n")  # sections whose keys are all commented out
+    assert load_config(EdgeConfig, nested) == EdgeConfig()
 
 
 @pytest.mark.parametrize("text, fragment", [
