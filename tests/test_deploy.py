@@ -381,7 +381,7 @@ def test_compose_commands_parse_and_ports_line_up():
     from hybridspec.cli.flags import config_overrides
     from hybridspec.netem.config import NetemConfig
 
-    assert edge_config(edge).cloud == "netem:%d" % listen_port
+    assert edge_config(edge).link.cloud == "netem:%d" % listen_port
     assert load_config(NetemConfig, None, config_overrides(netem, NetemConfig)).upstream == netem.upstream
 
 
