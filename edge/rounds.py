@@ -5,7 +5,8 @@ tokens drafted offline, and co-located speculative decoding (lab/baselines.py).
     2. work while it is scored (pipelined drafting, optional)
     3. take the verdict        (`take`: on the cloud, edge/session.py `CloudSession.verdict`, which
                                 re-opens a session the verifier lost and sends the block again)
-    4. commit what it kept, count the round, tell the drafter (and hand an eagle drafter the features)
+    4. check what it kept against the block (once: the caller gets the nodes), commit them, count the
+       round, tell the drafter (and hand an eagle drafter the features)
 """
 from __future__ import annotations
 
@@ -66,8 +67,10 @@ class VerifyRound:
         self.with_q = with_q
 
     def __call__(self, proposal: Proposal, gamma: int, *, while_waiting: Callable[[InFlight], None] | None = None,
-                 unverified: bool = False) -> tuple[VerifyResult, list[Event]]:
-        """Verify `proposal` (γ chosen: `gamma`); unverified: it is the head of the offline tail."""
+                 unverified: bool = False) -> tuple[VerifyResult, list[int], list[Event]]:
+        """Verify `proposal` (γ chosen: `gamma`); unverified: it is the head of the offline tail. Returns
+        the verdict, the nodes it kept (checked against the proposal: `Proposal.accepted`) and the
+        events of what was committed."""
         state = self.state
         # 1. Send.
         in_flight = self.send(proposal.block("", state.round, len(state.committed), self.with_q))
@@ -76,8 +79,8 @@ class VerifyRound:
             while_waiting(in_flight)
         # 3. The verdict, recovering a lost session if `take` can (an explicit step, never a getter's).
         result = self.take(in_flight)
+        # 4. Check what it kept, commit, count, learn.
         nodes, token = proposal.accepted(result), result.next_token
-        # 4. Commit, count, learn.
         if unverified:
             events = state.reconcile(proposal, len(nodes), token)
             self.stats.rolled_back += sum(len(e.tokens) for e in events if e.kind is EventKind.ROLLBACK)
@@ -88,4 +91,4 @@ class VerifyRound:
         if result.features is not None and self.features is not None:
             self.features.add(result.features)
         self.drafter.observe([proposal.ids[n] for n in nodes], token)
-        return result, events
+        return result, nodes, events
