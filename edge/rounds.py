@@ -21,11 +21,16 @@ from .stats import Stats
 
 
 class InFlight(Protocol):
-    """A block on its way to a verdict."""
+    """A block on its way to a verdict (on the cloud: edge/client.py's PendingRound, whose verdict the
+    session takes)."""
 
     def done(self) -> bool:
         """True once the verdict (or an error) is in."""
         ...
+
+
+class Answered(InFlight, Protocol):
+    """A block in flight that gives its own verdict (a direct call of the verifier core)."""
 
     def result(self) -> VerifyResult:
         """Wait for the verdict (or raise the error that came instead); reading it changes nothing."""
@@ -45,8 +50,9 @@ Send = Callable[[DraftBlock], InFlight]
 Take = Callable[[InFlight], VerifyResult]
 
 
-def read(in_flight: InFlight) -> VerifyResult:
-    """Take the verdict as it came: the `Take` of a sender with nothing to recover."""
+def read(in_flight: Answered) -> VerifyResult:
+    """Take the verdict as it came: the `Take` of a sender with nothing to recover, whose blocks in
+    flight give their own verdicts."""
     return in_flight.result()
 
 
