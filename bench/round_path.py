@@ -1,17 +1,22 @@
 """The hybridspec files and Python function frames on a steady-state verify round's path, edge and
 cloud apart: how long the path a newcomer reads is (issue 41), counted rather than guessed.
 
-A tiny random target (lab/tinymodels.py) is served in-process: `cloud/api/server.py:BackgroundServer` over a `Verifier`, a real gRPC server on
-localhost. An `EdgeWorker` drafting with the same weights (by default: every block is accepted
-whole, so every round has the same shape; --drafter-seed 1 drafts with another model) generates greedily with a fixed γ (gamma_policy fixed, no pipelining, no
-cloud-only switch, α_FB 0): every token goes through verify rounds of the same shape. A profiler on
-every thread (sys.setprofile / threading.setprofile) counts each new frame of code under the
-package's folders; a generator's or coroutine's resumption is not a new frame and is not counted.
-Frames are charged to the round that was running when they began (a round starts when
-edge/hybrid.py:hybrid_round is entered); the rounds counted are the steady ones: all but the first
-(after the setup and the session's open) and the last (a shorter block, then the teardown), of a
-generation run after an uncounted warm-up generation. Code generated at run time (dataclasses'
-__init__, namedtuples) has no file here and is not counted; library code (grpc, torch) neither.
+A tiny random target (lab/tinymodels.py) is served in-process: `cloud/api/server.py:BackgroundServer`
+over a `Verifier`, a real gRPC server on localhost. An `EdgeWorker` drafting with the same weights (by
+default: every block is accepted whole, so every round has the same shape; --drafter-seed 1 drafts
+with another model) generates greedily with a fixed γ (gamma_policy fixed, no pipelining, no
+cloud-only switch, α_FB 0): every token goes through verify rounds of the same shape.
+
+A profiler on every thread (sys.setprofile / threading.setprofile) counts each new frame of the
+package's code; a generator's or coroutine's resumption is not a new frame and is not counted. A
+method generated at run time (a dataclass's __init__ or __eq__) counts in its class's file, marked
+"(generated)"; library code (grpc, torch, dataclasses.replace itself) does not count. Frames are
+charged to the round running when they began (a round starts when edge/hybrid.py:hybrid_round is
+entered), and the rounds counted are the steady ones: all but the first (after the setup and the
+session's open) and the last (a shorter block, then the teardown) of a generation run after an
+uncounted warm-up generation. The round reported is the typical one: each function with the median
+of its frames over those rounds (`summarise`). A side is the process that runs the code: the edge's
+threads, or the in-process cloud's.
 
     python bench/round_path.py [--tokens 101] [--gamma 4] [--drafter-seed 0] [--out FILE]
 """
@@ -26,7 +31,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from harness import ROOT, arguments, header, report
+from harness import arguments, header, median, report
 
 PACKAGES = ("edge", "cloud", "common")  # the folders a round crosses; anything else counts as "other"
 # The threads of the edge's process: the generation's own and its stream's reply reader
@@ -50,14 +55,33 @@ class PathCounter:
         self._where: dict[object, tuple[str, str] | None] = {}  # code object -> (file, function) or None
         self._start: dict[object, int] = {}  # resumable code -> the offset where its frame first runs
 
-    def _site(self, code) -> tuple[str, str] | None:
+    def _site(self, frame) -> tuple[str, str] | None:
+        code = frame.f_code
         site = self._where.get(code, False)
         if site is False:
-            path = os.path.realpath(code.co_filename) if os.path.isabs(code.co_filename) else ""
-            inside = path.startswith(self.root) and os.sep + ".venv" + os.sep not in path
-            site = (path[len(self.root):], code.co_qualname) if inside else None
+            site = self._file_site(code) if os.path.isabs(code.co_filename) else self._generated_site(frame)
             self._where[code] = site
         return site
+
+    def _file_site(self, code) -> tuple[str, str] | None:
+        path = self._inside(code.co_filename)
+        return (path, code.co_qualname) if path else None
+
+    def _generated_site(self, frame) -> tuple[str, str] | None:
+        """A method generated at run time (a dataclass's __init__, __eq__, ...: each class gets code
+        of its own) counts as its class's, in the class's file, when the class is the package's."""
+        code = frame.f_code
+        if not (code.co_argcount and code.co_varnames[0] == "self" and "self" in frame.f_locals):
+            return None
+        cls = type(frame.f_locals["self"])
+        path = self._inside(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+        return (path, f"{cls.__qualname__}.{code.co_name} (generated)") if path else None
+
+    def _inside(self, filename: str) -> str:
+        """`filename` relative to the root when the package's own code is there, else ""."""
+        path = os.path.realpath(filename) if os.path.isabs(filename) else ""
+        inside = path.startswith(self.root) and os.sep + ".venv" + os.sep not in path
+        return path[len(self.root):] if inside else ""
 
     def _first_entry(self, frame) -> bool:
         """False for a generator or coroutine resumed (3.11 reports each resumption as a call)."""
@@ -71,7 +95,7 @@ class PathCounter:
     def __call__(self, frame, event, arg) -> None:
         if event != "call":
             return
-        site = self._site(frame.f_code)
+        site = self._site(frame)
         if site is None or not self._first_entry(frame):
             return
         thread = threading.current_thread().name
@@ -97,34 +121,37 @@ def package(path: str) -> str:
     return top if top in PACKAGES else "other"
 
 
-def part(calls: collections.Counter, n: int) -> dict:
-    """Frames per round, distinct functions, and the files of `calls` ((file, function) -> frames in
-    `n` rounds)."""
-    return {"frames_per_round": round(sum(calls.values()) / n, 2), "functions": len(calls),
+def part(calls: dict[tuple[str, str], float]) -> dict:
+    """Frames per round, distinct functions, and the files of `calls` ((file, function) -> frames)."""
+    return {"frames_per_round": round(sum(calls.values()), 2), "functions": len(calls),
             "files": sorted({path for path, _ in calls})}
 
 
 def summarise(calls: dict[int, collections.Counter], rounds: list[int]) -> dict:
-    """Frames per round, distinct functions and files over `rounds`: in all, by package (where the code
-    lives) and by side (the process that runs it: a common/ function counts on the side that called
-    it), with each function's frames per round, by side."""
-    n = len(rounds)
-    total, packages, sides = (collections.Counter(), collections.defaultdict(collections.Counter),
-                              collections.defaultdict(collections.Counter))
-    for r in rounds:
-        for (side, path, fn), frames in calls.get(r, {}).items():
-            total[(path, fn)] += frames
-            packages[package(path)][(path, fn)] += frames
-            sides[side][(path, fn)] += frames
-    everything = part(total, n)
+    """The typical round of `rounds`: each function with the median of its frames per round (rounds
+    without it count 0), so that what happens in some rounds only, on a timer (the cloud's metrics
+    refresh) or by the scheduler's timing, drops out; the mean over the rounds is given beside it. In
+    all, by package (where the code lives) and by side (the process that runs it: a common/ function
+    counts on the side that called it), with each function's frames per round, by side."""
+    keys = {key for r in rounds for key in calls.get(r, {})}
+    typical = {key: median([calls.get(r, {}).get(key, 0) for r in rounds]) for key in keys}
+    mean = sum(calls.get(r, {}).total() for r in rounds) / len(rounds)
+    typical = {key: frames for key, frames in typical.items() if frames}
+    total, packages, sides = {}, collections.defaultdict(dict), collections.defaultdict(dict)
+    for (side, path, fn), frames in typical.items():
+        total[(path, fn)] = total.get((path, fn), 0) + frames
+        packages[package(path)][(path, fn)] = packages[package(path)].get((path, fn), 0) + frames
+        sides[side][(path, fn)] = frames
+    everything = part(total)
     return {
-        "rounds_counted": n,
+        "rounds_counted": len(rounds),
         "frames_per_round": everything["frames_per_round"],
+        "mean_frames_per_round": round(mean, 2),
         "functions": everything["functions"],
         "files": len(everything["files"]),
-        "by_side": {side: part(c, n) for side, c in sorted(sides.items())},
-        "by_package": {p: part(c, n) for p, c in sorted(packages.items())},
-        "calls_per_round": {side: {f"{path}:{fn}": round(frames / n, 2) for (path, fn), frames
+        "by_side": {side: part(c) for side, c in sorted(sides.items())},
+        "by_package": {p: part(c) for p, c in sorted(packages.items())},
+        "calls_per_round": {side: {f"{path}:{fn}": frames for (path, fn), frames
                                    in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))}
                             for side, c in sorted(sides.items())},
     }
