@@ -3,8 +3,8 @@ tokens drafted offline, and co-located speculative decoding (lab/baselines.py).
 
     1. send the block          (over gRPC, or a direct call of the verifier core)
     2. work while it is scored (pipelined drafting, optional)
-    3. take the verdict        (`take`: on the cloud, edge/session.py `CloudSession.verdict`, which
-                                re-opens a session the verifier lost and sends the block again)
+    3. take the verdict        (the session's: on the cloud, edge/session.py `CloudSession.verdict`,
+                                which re-opens a session the verifier lost and sends the block again)
     4. check what it kept against the block (once: the caller gets the nodes), commit them, count the
        round, tell the drafter (and hand an eagle drafter the features)
 """
@@ -21,19 +21,10 @@ from .stats import Stats
 
 
 class InFlight(Protocol):
-    """A block on its way to a verdict (on the cloud: edge/client.py's PendingRound, whose verdict the
-    session takes)."""
+    """A block on its way to a verdict (on the cloud: edge/client.py's PendingRound)."""
 
     def done(self) -> bool:
         """True once the verdict (or an error) is in."""
-        ...
-
-
-class Answered(InFlight, Protocol):
-    """A block in flight that gives its own verdict (a direct call of the verifier core)."""
-
-    def result(self) -> VerifyResult:
-        """Wait for the verdict (or raise the error that came instead); reading it changes nothing."""
         ...
 
 
@@ -44,32 +35,34 @@ class FeatureSink(Protocol):
         ...
 
 
-# Sends a block (its session_id is the sender's to fill in) and returns it in flight.
-Send = Callable[[DraftBlock], InFlight]
-# Takes a block's verdict, recovering on the way if the sender can (step 3).
-Take = Callable[[InFlight], VerifyResult]
+class Session(Protocol):
+    """Where a generation's blocks are verified: its session on the cloud (edge/session.py
+    `CloudSession`), or the verifier core called directly (lab/baselines.py)."""
 
+    id: str  # the session id the blocks carry
 
-def read(in_flight: Answered) -> VerifyResult:
-    """Take the verdict as it came: the `Take` of a sender with nothing to recover, whose blocks in
-    flight give their own verdicts."""
-    return in_flight.result()
+    def send(self, block: DraftBlock) -> InFlight:
+        """Send a block; returns it in flight."""
+        ...
+
+    def verdict(self, in_flight: InFlight) -> VerifyResult:
+        """Wait for a block's verdict, recovering on the way if the session can (step 3)."""
+        ...
 
 
 class VerifyRound:
     """Runs rounds of one generation against one verifier."""
 
-    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, send: Send, with_q: bool,
-                 features: FeatureSink | None = None, take: Take = read) -> None:
-        """with_q: send each draft token's q (the acceptance rules that read it); features: where the
-        target's features in replies go (an eagle drafter's log); take: how a verdict is taken (and a
-        lost session recovered) from what `send` returned."""
+    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, session: Session, with_q: bool,
+                 features: FeatureSink | None = None) -> None:
+        """session: where the blocks go and their verdicts come from; with_q: send each draft token's q
+        (the acceptance rules that read it); features: where the target's features in replies go (an
+        eagle drafter's log)."""
         self.features = features
         self.state = state
         self.stats = stats
         self.drafter = drafter
-        self.send = send
-        self.take = take
+        self.session = session
         self.with_q = with_q
 
     def __call__(self, proposal: Proposal, gamma: int, *, while_waiting: Callable[[InFlight], None] | None = None,
@@ -79,12 +72,12 @@ class VerifyRound:
         events of what was committed."""
         state = self.state
         # 1. Send.
-        in_flight = self.send(proposal.block("", state.round, len(state.committed), self.with_q))
+        in_flight = self.session.send(proposal.block(self.session.id, state.round, len(state.committed), self.with_q))
         # 2. Work meanwhile.
         if while_waiting is not None:
             while_waiting(in_flight)
-        # 3. The verdict, recovering a lost session if `take` can (an explicit step, never a getter's).
-        result = self.take(in_flight)
+        # 3. The verdict, recovering a lost session if the session can (an explicit step, never a getter's).
+        result = self.session.verdict(in_flight)
         # 4. Check what it kept, commit, count, learn.
         nodes, token = proposal.accepted(result), result.next_token
         if unverified:

@@ -88,8 +88,8 @@ class CloudSession:
         self.id = ""
 
     def send(self, block: DraftBlock) -> PendingRound:
-        """Send a round of this session on its stream (the block under this session's id)."""
-        return self.client.submit(replace(block, session_id=self.id))
+        """Send a round of this session on its stream (the block carries this session's `id`)."""
+        return self.client.submit(block)
 
     def verdict(self, round_: PendingRound) -> VerifyResult:
         """Step 3 of a verify round on the cloud (edge/rounds.py): wait for `round_`'s reply, and if the

@@ -29,7 +29,7 @@ def test_reading_a_lost_rounds_result_changes_nothing(server, verifier, target):
         first_id = session.id
         verifier.close_session(first_id)  # as after a replica restart or eviction
         (token,) = greedy_reference(target, PROMPT, 1)
-        round_ = session.send(DraftBlock("", state.round, len(state.committed), (token,)))
+        round_ = session.send(DraftBlock(first_id, state.round, len(state.committed), (token,)))
         for _ in range(2):
             with pytest.raises(FailedPrecondition):
                 client.wait(round_)
