@@ -123,8 +123,9 @@ def package(path: str) -> str:
 
 def part(calls: dict[tuple[str, str], float]) -> dict:
     """Frames per round, distinct functions, and the files of `calls` ((file, function) -> frames)."""
-    return {"frames_per_round": round(sum(calls.values()), 2), "functions": len(calls),
-            "files": sorted({path for path, _ in calls})}
+    files = sorted({path for path, _ in calls})
+    return {"frames_per_round": round(sum(calls.values()), 2), "functions": len(calls), "file_count": len(files),
+            "files": files}
 
 
 def summarise(calls: dict[int, collections.Counter], rounds: list[int]) -> dict:
@@ -148,7 +149,7 @@ def summarise(calls: dict[int, collections.Counter], rounds: list[int]) -> dict:
         "frames_per_round": everything["frames_per_round"],
         "mean_frames_per_round": round(mean, 2),
         "functions": everything["functions"],
-        "files": len(everything["files"]),
+        "files": everything["file_count"],
         "by_side": {side: part(c) for side, c in sorted(sides.items())},
         "by_package": {p: part(c) for p, c in sorted(packages.items())},
         "calls_per_round": {side: {f"{path}:{fn}": frames for (path, fn), frames
