@@ -11,11 +11,12 @@ round of each hybrid stretch.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 from ..common.protocol.errors import Unavailable
 from .context import Drafting, Lost, RunContext
 from .controller import Phase
+from .rounds import InFlight
 from .state import Event, EventKind
 
 
@@ -55,10 +56,12 @@ def hybrid_round(ctx: RunContext, kit: Drafting) -> Generator[Event, None, Phase
     # 3. Verify it. Pipelining: while it is scored, draft the guessed bonus token and the next block as
     #    if all of this one (a tree: its main path) were accepted, where the budget has room for them.
     room = remaining - len(main.ids) - 1
-    ahead = ctx.cfg.pipeline and depth > 0 and room >= 2 and not (main.ids and main.ids[-1] in state.stop_ids)
+    draft_ahead: Callable[[InFlight], None] | None = None
+    if ctx.cfg.pipeline and depth > 0 and room >= 2 and not (main.ids and main.ids[-1] in state.stop_ids):
+        def draft_ahead(flight: InFlight) -> None:
+            drafter.prefetch(state.committed, main, min(depth + 1, room), interrupt=flight.done)
     try:
-        result, nodes, events = kit.verify_round(proposal, shape.nodes, while_waiting=(lambda flight: drafter.prefetch(
-            state.committed, main, min(depth + 1, room), interrupt=flight.done)) if ahead else None)
+        result, nodes, events = kit.verify_round(proposal, shape.nodes, while_waiting=draft_ahead)
     except Unavailable as exc:
         return Lost(exc, proposal)
     yield from events
