@@ -52,6 +52,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
         can_shadow = shadow = False
         streak = 0  # consecutive shadow agreements: the position a block would have reached
         unguessed = 0  # tokens not guessed since the last guess, the edge having waited too little for them
+        guessed_at = -1  # the committed length at the last guess
         last = None
         next_check, since_check = ctl.first_check_after(can_shadow), 0
         for token, waited in _waits(stream):
@@ -72,10 +73,13 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
             if shadow and guess_s is not None and waited < guess_s and unguessed + 1 < SHADOW_UNAFFORDABLE_EVERY:
                 unguessed, streak = unguessed + 1, 0  # the position a block would reach is unknown now
             elif shadow:
-                unguessed = 0
                 started = time.perf_counter()
                 proposal = kit.drafter.propose(state.committed[:-1], 1, fallback=False)
-                estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
+                if guessed_at == len(state.committed) - 1:
+                    # A real draft of one token (t_d) only if the drafter had guessed the token before: a
+                    # first guess also feeds it the prompt, one after a gap the tokens it did not guess.
+                    estimates.draft_s.add(time.perf_counter() - started)
+                unguessed, guessed_at = 0, len(state.committed)
                 stats.shadow_guesses += 1
                 agreed = proposal.shadow_guess(cfg.seed, len(state.committed) - 1) == token
                 estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))

@@ -280,3 +280,28 @@ def test_shadow_guesses_never_hold_back_tokens_that_are_already_waiting(server, 
     assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == NEW
     # Before, warming up alone guessed 16 tokens (29 in all here).
     assert 0 < gen.stats.shadow_guesses <= 1 + NEW // cloud_only.SHADOW_UNAFFORDABLE_EVERY, gen.stats.shadow_guesses
+
+
+def test_shadow_guesses_time_the_drafter_only_on_one_token_steps(server, target, monkeypatch):
+    """Regression: t_d was also taken from guesses that first fed the drafter the prompt or the tokens
+    it had not guessed; one prompt's feed made the next tokens' guesses look unaffordable, and each
+    guess after a gap then fed several tokens, so t_d stayed high (the demo reported drafting at 2.28
+    cloud tokens' time). Only a guess right after a guess of the previous token times the drafter."""
+    config = EdgeConfig(cloud=server.address, max_new_tokens=NEW, max_draft=4)  # a new worker warms up cloud-only
+    guessed_at: list[int] = []
+    propose = Lookahead.propose
+
+    def recording(self, context, *args, **kwargs):
+        guessed_at.append(len(context))
+        return propose(self, context, *args, **kwargs)
+
+    monkeypatch.setattr(Lookahead, "propose", recording)
+    with VerifierClient(server.address, timeout_s=config.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        timed = []
+        add = worker.estimates.draft_s.add
+        monkeypatch.setattr(worker.estimates.draft_s, "add", lambda s: (timed.append(guessed_at[-1]), add(s)))
+        gen = worker.generate(PROMPT)
+    assert gen.stats.rounds == 0 and gen.stats.shadow_guesses == len(guessed_at) > 1
+    assert guessed_at[0] not in timed  # the first guess fed the drafter the prompt
+    assert timed and all(at - 1 in guessed_at for at in timed), (guessed_at, timed)
