@@ -16,7 +16,7 @@ chat prompts through each layer in turn, repeated and interleaved so that drift 
                    from the replica's own endpoint (what the edge does since cloud-only tokens skip Ray)
   edge_ray         `edge generate --cloud-only`'s worker over the Ray pool (text handling, stops)
   edge_default_ray the default edge's worker over the Ray pool (it decides; on this CPU: cloud-only,
-                   shadow drafting on the edge's core)
+                   shadow drafting on the edge's core with the llama.cpp drafter `edge generate` loads)
 
 Milliseconds per token (prompt prefill included, as a user waits for it) and tokens/s relative to
 llama.cpp alone. Prints one JSON object.
@@ -40,9 +40,9 @@ from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
 from hybridspec.common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
+from hybridspec.cli.edge_options import build_worker
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
-from hybridspec.edge.worker import EdgeWorker
 from hybridspec.common.models.loading import load_model
 from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report, start_cloud, stop_cloud
 
@@ -103,7 +103,7 @@ def main() -> None:
 
     paths = default_paths()
     gguf = find_gguf(paths["target"])
-    drafter = load_model(paths["drafter"], device="cpu")  # the edge's tokenizer; never run (cloud-only)
+    drafter = load_model(paths["drafter"], device="cpu")  # the prompts' tokenizer
     prompts = [encode_prompt(drafter.tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
     n = args.new_tokens
     pin(CLOUD_CORE)
@@ -120,10 +120,9 @@ def main() -> None:
     ray, ray_address = start_cloud({"prefix_scope": "off"}, pin_edge=False)  # else the defaults
     clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address),
                "decode_ray": VerifierClient(ray_address)}
-    workers = {"edge_ray": EdgeWorker(drafter, VerifierClient(ray_address),
-                                      EdgeConfig.of(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
-               "edge_default_ray": EdgeWorker(drafter, VerifierClient(ray_address),
-                                              EdgeConfig.of(cloud=ray_address, max_new_tokens=n))}
+    # Built as `edge generate` builds them: the default drafter runs on llama.cpp, not torch.
+    workers = {"edge_ray": build_worker(EdgeConfig.of(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
+               "edge_default_ray": build_worker(EdgeConfig.of(cloud=ray_address, max_new_tokens=n))}
 
     def grpc(name: str, prompt: list[int]) -> list[int]:
         pin(EDGE_CORE)

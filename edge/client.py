@@ -72,8 +72,10 @@ class _Endpoint:
 
 @dataclass
 class PendingRound:
-    """A round in flight: its reply arrives in `future`; `arrived` is set when it does."""
+    """A round in flight: the block sent, and when; its reply arrives in `future`, and `arrived` is set
+    when it does. Reading it changes nothing (`VerifierClient.wait` reads the reply)."""
 
+    block: DraftBlock
     sent: float
     future: Future = field(default_factory=Future)
     arrived: float = 0.0
@@ -245,7 +247,7 @@ class VerifierClient:
     def submit(self, block: DraftBlock) -> PendingRound:
         """Send one round on the session's stream; the reply arrives in the returned handle."""
         request = codec.block_to_pb(block)
-        round_ = PendingRound(time.perf_counter())
+        round_ = PendingRound(block, time.perf_counter())
         while self._stream is None or not self._stream.send(round_, request):
             self._end_stream()  # the server ended it: let its threads go, then open a new one
             direct = self._direct

@@ -4,6 +4,12 @@ measuring — the cloud's time per token T and the drafter's guesses against the
 sampling, the guess is the drafter's coupled draw: edge/proposal.py SHADOW_SAMPLED_MODES) — and
 every `probe_tokens` tokens asks the controller whether hybrid decoding would now be faster.
 
+Shadow drafting uses the edge's idle time only: a token is guessed when the edge waited for it at least
+as long as a guess takes. A guess longer than the wait would hold the cloud's next tokens back from the
+user, and a drafter slower than the cloud would fall ever further behind the stream (a torch drafter
+on the Ray pool: stalls of 100-300 ms, the default edge at 0.85-0.90x the Decode RPC's speed). One
+token in SHADOW_UNAFFORDABLE_EVERY is guessed regardless, so that α and the guess's cost are still measured.
+
 Shadow drafting needs the generation's `Drafting`: if there is none yet and the rule lets a guess be
 checked, the phase builds it after the first token is handed on (once a drafter loading in the
 background is there) and hands it back with the next phase, so that it is built once."""
@@ -11,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 
 from ..common.protocol.errors import HybridSpecError, Unavailable
 from .cloud_stream import CloudStream
@@ -21,6 +27,8 @@ from .state import Event, Origin
 
 # What the phase returns: the next phase (or Lost), and the generation's Drafting if there is one now.
 CloudOnlyEnd = tuple[Phase | Lost, Drafting | None]
+
+SHADOW_UNAFFORDABLE_EVERY = 8  # a guess longer than the wait for the token: one token in this many still
 
 
 def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, None, CloudOnlyEnd]:
@@ -43,9 +51,11 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
         loading = ctl.reconsiders  # no guesses, no decisions until the drafter is there (never: --cloud-only)
         can_shadow = shadow = False
         streak = 0  # consecutive shadow agreements: the position a block would have reached
+        unguessed = 0  # tokens not guessed since the last guess, the edge having waited too little for them
+        guessed_at = -1  # the committed length at the last guess
         last = None
         next_check, since_check = ctl.first_check_after(can_shadow), 0
-        for token in stream:
+        for token, waited in _waits(stream):
             # 2. Measure: T from the gaps (the first token's wait holds the round trip and prefill), α by shadow.
             now = time.perf_counter()
             if last is not None:
@@ -59,10 +69,17 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
             yield state.commit([token], [Origin.CLOUD])  # the user first: guessing along can wait
             if state.done:
                 break  # a stop string ends the generation before the stream does
-            if shadow:
+            guess_s = estimates.draft_s.value
+            if shadow and guess_s is not None and waited < guess_s and unguessed + 1 < SHADOW_UNAFFORDABLE_EVERY:
+                unguessed, streak = unguessed + 1, 0  # the position a block would reach is unknown now
+            elif shadow:
                 started = time.perf_counter()
                 proposal = kit.drafter.propose(state.committed[:-1], 1, fallback=False)
-                estimates.draft_s.add(time.perf_counter() - started)  # a real draft of one token: t_d
+                if guessed_at == len(state.committed) - 1:
+                    # A real draft of one token (t_d) only if the drafter had guessed the token before: a
+                    # first guess also feeds it the prompt, one after a gap the tokens it did not guess.
+                    estimates.draft_s.add(time.perf_counter() - started)
+                unguessed, guessed_at = 0, len(state.committed)
                 stats.shadow_guesses += 1
                 agreed = proposal.shadow_guess(cfg.generation.seed, len(state.committed) - 1) == token
                 estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
@@ -96,6 +113,17 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
         cloud.close()
     # 4. Done, or back to hybrid (the main loop opens a session from everything committed so far).
     return (Phase.CLOUD_ONLY if state.done or ctl.policy.cloud_only else Phase.HYBRID), kit
+
+
+def _waits(tokens: Iterator[int]) -> Iterator[tuple[int, float]]:
+    """Each token with the seconds the edge waited for it (next to nothing: it was already waiting)."""
+    while True:
+        asked = time.perf_counter()
+        try:
+            token = next(tokens)
+        except StopIteration:
+            return
+        yield token, time.perf_counter() - asked
 
 
 def _ping_in_background(ctx: RunContext) -> threading.Thread:

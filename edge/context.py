@@ -124,8 +124,8 @@ def build_drafting(ctx: RunContext) -> Drafting:
     log = eagle.log if eagle is not None else None
     spec = replace(ctx.spec, features=FeatureFormat(cfg.model.features) if log else FeatureFormat.NONE)
     session = CloudSession(ctx.client, spec, ctx.state, ctx.estimates, ctx.stats, cfg.link.timeout_s, log)
-    verify_round = VerifyRound(ctx.state, ctx.stats, drafter, session.send, with_q=cfg.resolved_mode.uses_draft_probs,
-                               features=log, take=session.verdict)
+    verify_round = VerifyRound(ctx.state, ctx.stats, drafter, session, with_q=cfg.resolved_mode.uses_draft_probs,
+                               features=log)
     return Drafting(drafter, eagle, session, verify_round, can_shadow=plain and shadow_rule(cfg))
 
 

@@ -129,11 +129,12 @@ class Controller:
             return Phase.CLOUD_ONLY
         return Phase.HYBRID
 
-    def next_gamma(self, remaining_tokens: int, context_tokens: int) -> int | None:
-        """γ for the next round, or None to hand decoding to the cloud."""
+    def next_gamma(self, remaining_tokens: int, context_tokens: int, rates: policy.Rates | None = None) -> int | None:
+        """γ for the next round, or None to hand decoding to the cloud. rates: the caller's snapshot of
+        `rates()`; without one they are read here, and only where a decision reads them."""
         p = self.policy
-        rates = self.rates()
         if p.settings.cloud_only_switch:
+            rates = rates or self.rates()
             judged = rates if self.hybrid_rounds >= MIN_HYBRID_ROUNDS else rates.optimistic(OPTIMISTIC_ALPHA)
             if self._prefer_cloud(judged, False, remaining_tokens, context_tokens):
                 return None
@@ -141,23 +142,25 @@ class Controller:
             return p.cap
         if self.estimates.draft_s.value is None:
             return min(FIRST_GAMMA, p.cap)
-        return policy.choose_gamma(rates, p.cap, p.settings.pipeline)
+        return policy.choose_gamma(rates or self.rates(), p.cap, p.settings.pipeline)
 
     def next_shape(self, remaining_tokens: int, context_tokens: int) -> Shape | None:
         """The next round's draft: a chain of γ or a tree (whichever is predicted faster), or None to
         hand decoding to the cloud."""
-        gamma = self.next_gamma(remaining_tokens, context_tokens)
+        p = self.policy
+        # One snapshot of the rates for every decision of the round; a fixed γ without the cloud-only
+        # switch decides nothing and reads none.
+        rates = self.rates() if p.cloud_only_switch or p.adaptive else None
+        gamma = self.next_gamma(remaining_tokens, context_tokens, rates)
         if gamma is None:
             return None
         chain = Shape(gamma, gamma, 1)
-        p = self.policy
         if p.tree_nodes < 2:
             return chain
         if not p.adaptive:
             return Shape(p.tree_nodes, p.cap, p.settings.tree_top_k) if p.fixed_tree else chain
         if self.estimates.draft_s.value is None:
             return chain
-        rates = self.rates()
         tree_rate, tree = self._tree(rates)
         better = tree_rate > policy.hybrid_rate(rates, gamma, p.settings.pipeline)
         return tree if not tree.is_chain and better else chain

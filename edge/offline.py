@@ -80,7 +80,7 @@ def verify_unverified(ctx: RunContext, kit: Drafting) -> Generator[Event, None, 
     while state.unverified and not state.done:
         block = state.unverified_block(ctx.controller.policy.cap, with_q=not ctx.cfg.sampling.greedy)
         try:
-            result, events = kit.verify_round(block, len(block.ids), unverified=True)
+            result, _, events = kit.verify_round(block, len(block.ids), unverified=True)
         except Unavailable as exc:
             return Lost(exc)
         ctx.estimates.observe_verify(len(block.ids), result.verify_ms / 1e3)

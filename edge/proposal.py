@@ -93,11 +93,11 @@ class Proposal:
 
     def block(self, session_id: str, round_index: int, committed_len: int, with_probs: bool) -> DraftBlock:
         """This proposal as a verify request; with_probs: send q (the modes that read it)."""
-        dists = self.dists if with_probs else None
+        q = self.dists if with_probs and self.dists else ()
         return DraftBlock(session_id=session_id, round=round_index, committed_len=committed_len,
                           draft_ids=tuple(self.ids),
-                          support_ids=tuple(tuple(d.ids.tolist()) for d in dists or ()),
-                          probs=tuple(tuple(d.probs.tolist()) for d in dists or ()),
+                          support_ids=tuple(tuple(d.ids.tolist()) for d in q) if q else (),
+                          probs=tuple(tuple(d.probs.tolist()) for d in q) if q else (),
                           parents=self.parents or ())
 
     def accepted(self, result: VerifyResult) -> list[int]:

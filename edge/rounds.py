@@ -3,9 +3,10 @@ tokens drafted offline, and co-located speculative decoding (lab/baselines.py).
 
     1. send the block          (over gRPC, or a direct call of the verifier core)
     2. work while it is scored (pipelined drafting, optional)
-    3. take the verdict        (`take`: on the cloud, edge/session.py `CloudSession.verdict`, which
-                                re-opens a session the verifier lost and sends the block again)
-    4. commit what it kept, count the round, tell the drafter (and hand an eagle drafter the features)
+    3. take the verdict        (the session's: on the cloud, edge/session.py `CloudSession.verdict`,
+                                which re-opens a session the verifier lost and sends the block again)
+    4. check what it kept against the block (once: the caller gets the nodes), commit them, count the
+       round, tell the drafter (and hand an eagle drafter the features)
 """
 from __future__ import annotations
 
@@ -20,14 +21,10 @@ from .stats import Stats
 
 
 class InFlight(Protocol):
-    """A block on its way to a verdict."""
+    """A block on its way to a verdict (on the cloud: edge/client.py's PendingRound)."""
 
     def done(self) -> bool:
         """True once the verdict (or an error) is in."""
-        ...
-
-    def result(self) -> VerifyResult:
-        """Wait for the verdict (or raise the error that came instead); reading it changes nothing."""
         ...
 
 
@@ -38,46 +35,51 @@ class FeatureSink(Protocol):
         ...
 
 
-# Sends a block (its session_id is the sender's to fill in) and returns it in flight.
-Send = Callable[[DraftBlock], InFlight]
-# Takes a block's verdict, recovering on the way if the sender can (step 3).
-Take = Callable[[InFlight], VerifyResult]
+class Session(Protocol):
+    """Where a generation's blocks are verified: its session on the cloud (edge/session.py
+    `CloudSession`), or the verifier core called directly (lab/baselines.py)."""
 
+    id: str  # the session id the blocks carry
 
-def read(in_flight: InFlight) -> VerifyResult:
-    """Take the verdict as it came: the `Take` of a sender with nothing to recover."""
-    return in_flight.result()
+    def send(self, block: DraftBlock) -> InFlight:
+        """Send a block; returns it in flight."""
+        ...
+
+    def verdict(self, in_flight: InFlight) -> VerifyResult:
+        """Wait for a block's verdict, recovering on the way if the session can (step 3)."""
+        ...
 
 
 class VerifyRound:
     """Runs rounds of one generation against one verifier."""
 
-    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, send: Send, with_q: bool,
-                 features: FeatureSink | None = None, take: Take = read) -> None:
-        """with_q: send each draft token's q (the acceptance rules that read it); features: where the
-        target's features in replies go (an eagle drafter's log); take: how a verdict is taken (and a
-        lost session recovered) from what `send` returned."""
+    def __init__(self, state: GenerationState, stats: Stats, drafter: Drafter, session: Session, with_q: bool,
+                 features: FeatureSink | None = None) -> None:
+        """session: where the blocks go and their verdicts come from; with_q: send each draft token's q
+        (the acceptance rules that read it); features: where the target's features in replies go (an
+        eagle drafter's log)."""
         self.features = features
         self.state = state
         self.stats = stats
         self.drafter = drafter
-        self.send = send
-        self.take = take
+        self.session = session
         self.with_q = with_q
 
     def __call__(self, proposal: Proposal, gamma: int, *, while_waiting: Callable[[InFlight], None] | None = None,
-                 unverified: bool = False) -> tuple[VerifyResult, list[Event]]:
-        """Verify `proposal` (γ chosen: `gamma`); unverified: it is the head of the offline tail."""
+                 unverified: bool = False) -> tuple[VerifyResult, list[int], list[Event]]:
+        """Verify `proposal` (γ chosen: `gamma`); unverified: it is the head of the offline tail. Returns
+        the verdict, the nodes it kept (checked against the proposal: `Proposal.accepted`) and the
+        events of what was committed."""
         state = self.state
         # 1. Send.
-        in_flight = self.send(proposal.block("", state.round, len(state.committed), self.with_q))
+        in_flight = self.session.send(proposal.block(self.session.id, state.round, len(state.committed), self.with_q))
         # 2. Work meanwhile.
         if while_waiting is not None:
             while_waiting(in_flight)
-        # 3. The verdict, recovering a lost session if `take` can (an explicit step, never a getter's).
-        result = self.take(in_flight)
+        # 3. The verdict, recovering a lost session if the session can (an explicit step, never a getter's).
+        result = self.session.verdict(in_flight)
+        # 4. Check what it kept, commit, count, learn.
         nodes, token = proposal.accepted(result), result.next_token
-        # 4. Commit, count, learn.
         if unverified:
             events = state.reconcile(proposal, len(nodes), token)
             self.stats.rolled_back += sum(len(e.tokens) for e in events if e.kind is EventKind.ROLLBACK)
@@ -88,4 +90,4 @@ class VerifyRound:
         if result.features is not None and self.features is not None:
             self.features.add(result.features)
         self.drafter.observe([proposal.ids[n] for n in nodes], token)
-        return result, events
+        return result, nodes, events

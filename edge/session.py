@@ -87,28 +87,28 @@ class CloudSession:
             self.client.close_session_later(self.id)
         self.id = ""
 
-    def send(self, block: DraftBlock) -> Round:
-        """Send a round of this session on its stream."""
-        block = replace(block, session_id=self.id)
-        return Round(self, block, self.client.submit(block))
+    def send(self, block: DraftBlock) -> PendingRound:
+        """Send a round of this session on its stream (the block carries this session's `id`)."""
+        return self.client.submit(block)
 
-    def verdict(self, round_: Round) -> VerifyResult:
+    def verdict(self, round_: PendingRound) -> VerifyResult:
         """Step 3 of a verify round on the cloud (edge/rounds.py): wait for `round_`'s reply, and if the
-        verifier lost the session, recover (`recover`). A reply that came straight back also measures
-        the round trip: its wait minus the verifier's time. All of the wait counts as cloud time."""
+        verifier lost the session, recover (`recover`). Waiting changes nothing: the reply, or the error
+        the verifier answered (FailedPrecondition if it lost the session; Unavailable if no reply came
+        in time). A reply that came straight back also measures the round trip: its wait minus the
+        verifier's time. All of the wait counts as cloud time."""
         t0 = time.perf_counter()
         try:
             try:
-                result = round_.result()
+                result = self.client.wait(round_)
             except FailedPrecondition as exc:
                 return self.recover(round_, exc)
-            pending = round_.pending
-            self.estimates.rtt_s.add(max(0.0, pending.arrived - pending.sent - result.verify_ms / 1e3))
+            self.estimates.rtt_s.add(max(0.0, round_.arrived - round_.sent - result.verify_ms / 1e3))
             return result
         finally:
             self.stats.cloud_s += time.perf_counter() - t0
 
-    def recover(self, round_: Round, lost: FailedPrecondition) -> VerifyResult:
+    def recover(self, round_: PendingRound, lost: FailedPrecondition) -> VerifyResult:
         """The verifier lost the session (`lost`): re-open it from the committed tokens and send the
         round's block again; returns its verdict."""
         if isinstance(lost, ReplicaUnreachable):
@@ -117,22 +117,3 @@ class CloudSession:
             self.client.ping()
         self.reopen()
         return self.client.verify(replace(round_.block, session_id=self.id))
-
-
-class Round:
-    """A round in flight on the session's stream. Reading it changes nothing: recovering a session the
-    verifier lost is the session's explicit step (`CloudSession.verdict`)."""
-
-    def __init__(self, session: CloudSession, block: DraftBlock, pending: PendingRound) -> None:
-        self.session = session
-        self.block = block
-        self.pending = pending
-
-    def done(self) -> bool:
-        """True once the reply (or an error) is in."""
-        return self.pending.done()
-
-    def result(self) -> VerifyResult:
-        """Wait for the reply: the verdict, or the error the verifier answered (FailedPrecondition if
-        it lost the session; Unavailable if no reply came in time)."""
-        return self.session.client.wait(self.pending)

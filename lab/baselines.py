@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,7 +36,7 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
     log = draft.log if isinstance(draft, EagleDrafter) else None
     sid = f"colocated-{uuid.uuid4().hex}"
     state, stats = GenerationState(prompt, cfg.generation.max_new_tokens, stop), Stats()
-    verify_round = VerifyRound(state, stats, draft, lambda block: _Direct(verifier, replace(block, session_id=sid)),
+    verify_round = VerifyRound(state, stats, draft, _DirectSession(verifier, sid),
                                with_q=cfg.resolved_mode.uses_draft_probs, features=log)
     start = time.perf_counter()
     g, features = cfg.generation, FeatureFormat(cfg.model.features) if log else FeatureFormat.NONE
@@ -58,17 +58,28 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
 
 
 @dataclass(frozen=True)
-class _Direct:
-    """A block verified by a direct call of the verifier core: no network, nothing to wait for."""
+class _Verified:
+    """A block the verifier core already answered: nothing to wait for."""
 
-    verifier: Verifier
-    block: DraftBlock
+    result: VerifyResult
 
     def done(self) -> bool:
         return True
 
-    def result(self) -> VerifyResult:
-        return self.verifier.verify(self.block)
+
+@dataclass(frozen=True)
+class _DirectSession:
+    """A session on the verifier core in this process: each block verified by a direct call as it is
+    sent; no network, nothing to recover."""
+
+    verifier: Verifier
+    id: str
+
+    def send(self, block: DraftBlock) -> _Verified:
+        return _Verified(self.verifier.verify(block))
+
+    def verdict(self, sent: _Verified) -> VerifyResult:
+        return sent.result
 
 
 @torch.inference_mode()

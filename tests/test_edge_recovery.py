@@ -19,8 +19,9 @@ PROMPT = [5, 17, 33, 80]
 
 def test_reading_a_lost_rounds_result_changes_nothing(server, verifier, target):
     """Found reading the tree (issue 41): `Round.result` re-opened a lost session inside the getter.
-    Reading now raises what the verifier answered, as often as it is read, and re-opens nothing; the
-    session's `verdict` step re-opens it once and gets the block verified."""
+    Reading a round's reply (`VerifierClient.wait`, what that getter became) now raises what the
+    verifier answered, as often as it is read, and re-opens nothing; the session's `verdict` step
+    re-opens it once and gets the block verified."""
     state, stats = GenerationState(list(PROMPT), 8, frozenset()), Stats()
     with VerifierClient(server.address) as client:
         session = CloudSession(client, SessionSpec("", tuple(PROMPT)), state, Estimates(8), stats, timeout_s=30)
@@ -28,10 +29,10 @@ def test_reading_a_lost_rounds_result_changes_nothing(server, verifier, target):
         first_id = session.id
         verifier.close_session(first_id)  # as after a replica restart or eviction
         (token,) = greedy_reference(target, PROMPT, 1)
-        round_ = session.send(DraftBlock("", state.round, len(state.committed), (token,)))
+        round_ = session.send(DraftBlock(first_id, state.round, len(state.committed), (token,)))
         for _ in range(2):
             with pytest.raises(FailedPrecondition):
-                round_.result()
+                client.wait(round_)
         assert stats.reopens == 0 and session.id == first_id
         assert first_id not in verifier.stats().session_ids  # nothing re-opened it behind the reader's back
         result = session.verdict(round_)

@@ -20,8 +20,13 @@ def greedy_argmaxes(specs: list[SessionSpec], logits: list[torch.Tensor]) -> lis
     taken on the device and brought to the host together: one wait for a whole step, not one per
     round."""
     plain = [spec.mode is Mode.GREEDY and not spec.sampling.penalized for spec in specs]
-    maxes = [rows.argmax(dim=-1) for rows, use in zip(logits, plain) if use]
-    flat = torch.cat(maxes).tolist() if maxes else []
+    rows_used = [rows for rows, use in zip(logits, plain) if use]
+    if all(rows.device.type == "cpu" and rows.dtype == torch.float32 for rows in rows_used):
+        # On the CPU numpy's argmax costs a tenth of torch's (6 against 77 us for a 49,152-token row),
+        # and a cloud-only token pays it once.
+        flat = [int(i) for rows in rows_used for i in rows.numpy().argmax(axis=-1)]
+    else:
+        flat = torch.cat([rows.argmax(dim=-1) for rows in rows_used]).tolist()
     out: list[list[int] | None] = []
     for rows, use in zip(logits, plain):
         out.append(flat[:rows.shape[0]] if use else None)
