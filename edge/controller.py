@@ -150,7 +150,7 @@ class Controller:
         p = self.policy
         # One snapshot of the rates for every decision of the round; a fixed γ without the cloud-only
         # switch decides nothing and reads none.
-        rates = self.rates() if p.cloud_only_switch or p.adaptive else None
+        rates = self.rates() if p.settings.cloud_only_switch or p.adaptive else None
         gamma = self.next_gamma(remaining_tokens, context_tokens, rates)
         if gamma is None:
             return None
