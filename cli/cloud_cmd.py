@@ -33,20 +33,21 @@ def run_serve(args) -> int:
     config = serve_config(args)  # light: nothing heavy is imported until the backend starts
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # Before the models or a Ray cluster start; the real binds are checked again when they happen.
-    _check_ports({"host": config.host, "port": config.port, "metrics_host": config.metrics_host,
-                  "metrics_port": config.metrics_port})
+    server = config.server
+    _check_ports({"host": server.host, "port": server.port, "metrics_host": server.metrics_host,
+                  "metrics_port": server.metrics_port})
     _check_access(config)
     backend, what = _backend(config)
 
     def ready(running) -> None:
-        metrics = f", metrics on {config.metrics_host}:{running.metrics_port}" if running.metrics_port else ""
-        print(f"{READY_PREFIX}{config.host}:{running.port} ({what}{metrics})", flush=True)
+        metrics = f", metrics on {server.metrics_host}:{running.metrics_port}" if running.metrics_port else ""
+        print(f"{READY_PREFIX}{server.host}:{running.port} ({what}{metrics})", flush=True)
 
     from ..cloud.api.server import serve_forever
 
-    metrics_port = None if config.metrics_port < 0 else config.metrics_port
-    asyncio.run(serve_forever(backend, config.host, config.port, config.grace_s, metrics_port, config.metrics_host,
-                              ready, config.access))
+    metrics_port = None if server.metrics_port < 0 else server.metrics_port
+    asyncio.run(serve_forever(backend, server.host, server.port, server.grace_s, metrics_port, server.metrics_host,
+                              ready, config.access_spec()))
     print("hybridspec verifier stopped", file=sys.stderr)
     return 0
 
@@ -67,15 +68,16 @@ def _check_access(config) -> None:
     from ..cloud.api.access import Access
     from ..common.security.tls import check_plaintext, is_loopback
 
-    config.access.tls.check_files()
-    Access(config.access)
+    access, server = config.access_spec(), config.server
+    access.tls.check_files()
+    Access(access)
     log = logging.getLogger("hybridspec.cloud")
-    warning = check_plaintext(config.host, config.access.tls.enabled, config.insecure, "the gRPC front door")
+    warning = check_plaintext(server.host, access.tls.enabled, server.insecure, "the gRPC front door")
     if warning:
         log.warning(warning)
-    if not config.credentials and not is_loopback(config.host):
+    if not access.credentials and not is_loopback(server.host):
         log.warning("no --credentials: every client that reaches %s:%s may open sessions (limits apply per "
-                    "address); see docs/security.md", config.host, config.port)
+                    "address); see docs/security.md", server.host, server.port)
 
 
 def _backend(config):
@@ -84,22 +86,24 @@ def _backend(config):
     from ..common.models.embedded import resolve
     from ..common.models.loading import classify_model
 
-    target = resolve(config.target, "target")
+    replica = config.replica
+    target = resolve(config.server.target, "target")
     classify_model(target)  # fail here, in one line, before Ray replicas try to load it
-    kind = pick_engine(target, config.engine, config.device, config.dtype, config.max_sessions)
-    if config.backend is Backend.RAY:
+    kind = pick_engine(target, replica.engine, replica.device, replica.dtype, config.limits.max_sessions)
+    if config.server.backend is Backend.RAY:
         from ..cloud.pool.ray_pool import RayPool
 
         pool = RayPool(config.pool_spec(target), config.replica_endpoint())
-        return pool, f"{target}, {kind} engine, {config.replicas} Ray replica(s)"
+        return pool, f"{target}, {kind} engine, {config.pool.replicas} Ray replica(s)"
     from ..cloud.core.verifier import Verifier
     from ..cloud.engine.factory import load_engine
     from ..cloud.pool.backend import InProcessBackend
 
-    loaded, engine = load_engine(target, config.engine, config.device, config.dtype, config.torch_threads,
+    loaded, engine = load_engine(target, replica.engine, replica.device, replica.dtype, replica.torch_threads,
                                  config.limits)
     verifier = Verifier(loaded, config.limits, engine)
-    verifier.measure_pass_costs(config.pass_cost_tokens)
-    backend = InProcessBackend(verifier, config.max_batch_size, config.max_wait_ms, config.max_sessions_per_client,
-                               config.max_sessions_per_address, config.prefill_budget_ms)
+    verifier.measure_pass_costs(replica.pass_cost_tokens)
+    backend = InProcessBackend(verifier, replica.max_batch_size, replica.max_wait_ms,
+                               config.pool.max_sessions_per_client, config.pool.max_sessions_per_address,
+                               replica.prefill_budget_ms)
     return backend, f"{target}, {kind} engine, in-process"

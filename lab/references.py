@@ -18,9 +18,9 @@ from .baselines import engine_greedy
 def served_verifier(target: str, cloud: dict) -> Verifier:
     """A verifier on the engine the experiment's cloud serves with (one thread)."""
     # One session at a time: one stream (a llama.cpp cache is a function of its tokens, however many)
-    config, limits = ServeConfig(**cloud), VerifierLimits(max_context=8192, max_sessions=1, kv_streams=1,
-                                                          kv_cache_tokens=8192)
-    loaded, engine = load_engine(target, config.engine, config.device, config.dtype, 1, limits)
+    replica = ServeConfig.of(**cloud).replica
+    limits = VerifierLimits(max_context=8192, max_sessions=1, kv_streams=1, kv_cache_tokens=8192)
+    loaded, engine = load_engine(target, replica.engine, replica.device, replica.dtype, 1, limits)
     return Verifier(loaded, limits, engine)
 
 

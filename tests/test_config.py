@@ -16,12 +16,13 @@ def test_local_cpu_file_equals_the_defaults():
 
 def test_gpu_cluster_file_loads():
     config = load_config(ServeConfig, DEPLOY / "gpu-cluster.yaml")
-    assert config.replica_num_gpus == 1 and config.ray_address == "auto" and config.device == "cuda"
+    assert config.pool.replica_num_gpus == 1 and config.pool.ray_address == "auto"
+    assert config.replica.device == "cuda"
 
 
 def test_flags_override_the_file():
     config = load_config(ServeConfig, DEPLOY / "gpu-cluster.yaml", {"replicas": 2, "port": None})
-    assert config.replicas == 2 and config.port == 50051
+    assert config.pool.replicas == 2 and config.server.port == 50051
 
 
 @pytest.mark.parametrize("bad, fragment", [({"backend": "serve"}, "backend"), ({"replicas": 0}, "replicas"),
@@ -48,7 +49,7 @@ def test_bad_edge_values_are_one_clear_error(bad, fragment):
 
 
 def test_an_int_where_a_number_is_wanted_is_fine():
-    assert load_config(ServeConfig, None, {"max_wait_ms": 3}).max_wait_ms == 3.0
+    assert load_config(ServeConfig, None, {"max_wait_ms": 3}).replica.max_wait_ms == 3.0
 
 
 def test_edge_file_lists_every_knob_at_its_default():

@@ -295,22 +295,22 @@ def test_cloud_image_refuses_plaintext_on_every_interface_unless_told(name):
     with pytest.raises(ConfigError, match="0.0.0.0 without TLS.*--insecure"):
         cloud_serve_config(dockerfile)
     tls = ["--tls-cert", "/etc/hybridspec/tls/tls.crt", "--tls-key", "/etc/hybridspec/tls/tls.key"]
-    assert cloud_serve_config(dockerfile, tls).access.tls.enabled
-    assert not cloud_serve_config(dockerfile, ["--insecure"]).access.tls.enabled
+    assert cloud_serve_config(dockerfile, tls).access_spec().tls.enabled
+    assert not cloud_serve_config(dockerfile, ["--insecure"]).access_spec().tls.enabled
 
 
 @pytest.mark.parametrize("name", ["cloud.Dockerfile", "cloud-cpu.Dockerfile"])
 def test_cloud_image_exposes_exactly_the_ports_it_serves(name):
     dockerfile = by_name(name)
     config = cloud_serve_config(dockerfile, ["--insecure"])
-    assert config.host == "0.0.0.0" and config.metrics_host == "0.0.0.0"
-    assert (config.port, config.metrics_port) == (50051, 9464)  # the CLI's defaults
-    assert dockerfile.exposed == {config.port, config.metrics_port}
-    assert config.direct_verify is False
-    assert config.device == ("cuda" if name == "cloud.Dockerfile" else "cpu")
+    assert config.server.host == "0.0.0.0" and config.server.metrics_host == "0.0.0.0"
+    assert (config.server.port, config.server.metrics_port) == (50051, 9464)  # the CLI's defaults
+    assert dockerfile.exposed == {config.server.port, config.server.metrics_port}
+    assert config.server.direct_verify is False
+    assert config.replica.device == ("cuda" if name == "cloud.Dockerfile" else "cpu")
     # readiness over plain HTTP on the metrics port: still works once gRPC needs TLS and a token
     healthcheck = dockerfile.one("HEALTHCHECK")
-    assert f"http://127.0.0.1:{config.metrics_port}/health/ready" in healthcheck
+    assert f"http://127.0.0.1:{config.server.metrics_port}/health/ready" in healthcheck
 
 
 def test_edge_image_exposes_the_port_it_serves():
@@ -359,14 +359,14 @@ def test_compose_commands_parse_and_ports_line_up():
     cloud_file, cloud_argv = service_argv("cloud")
     assert cloud_argv[0] == "hybridspec"
     cloud = cloud_serve_config(cloud_file, services["cloud"].get("command", []))
-    assert container_ports(services["cloud"]) == {cloud.port, cloud.metrics_port} == cloud_file.exposed
+    assert container_ports(services["cloud"]) == {cloud.server.port, cloud.server.metrics_port} == cloud_file.exposed
 
     _, netem_argv = service_argv("netem")
     assert netem_argv[:2] == ["hybridspec", "netem"]
     netem = parse(netem_argv[1:])
     listen_host, listen_port = host_port(netem.listen)
     assert listen_host == "0.0.0.0"
-    assert host_port(netem.upstream) == ("cloud", cloud.port)
+    assert host_port(netem.upstream) == ("cloud", cloud.server.port)
     assert container_ports(services["netem"]) == {listen_port}
     assert netem.delay_ms and netem.delay_ms > 0
 

@@ -14,7 +14,7 @@ def test_prometheus_scrapes_the_cloud_and_the_edge_where_they_serve():
     services = compose()["services"]
     cloud = cloud_serve_config(service_argv("cloud")[0], services["cloud"].get("command", []))
     edge = parse(service_argv("edge")[1][1:])
-    wanted = {("cloud", cloud.metrics_port), ("edge", edge.port)}
+    wanted = {("cloud", cloud.server.metrics_port), ("edge", edge.port)}
     config = yaml.safe_load(PROMETHEUS.read_text())
     targets = set()
     for job in config["scrape_configs"]:

@@ -158,8 +158,8 @@ def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, tar
 
 def test_direct_verify_is_a_config_switch():
     assert ServeConfig().replica_endpoint().host == "127.0.0.1"
-    assert ServeConfig(host="0.0.0.0", insecure=True).replica_endpoint().host == "0.0.0.0"
-    assert ServeConfig(direct_verify=False).replica_endpoint() is None
+    assert ServeConfig.of(host="0.0.0.0", insecure=True).replica_endpoint().host == "0.0.0.0"
+    assert ServeConfig.of(direct_verify=False).replica_endpoint() is None
 
 
 def test_the_in_process_backend_names_no_replica_endpoint(server):

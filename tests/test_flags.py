@@ -80,14 +80,16 @@ def test_every_flag_says_what_it_does_and_its_default(cls):
             assert f"(default: {f.default})" in helps[f.name], f.name
 
 
-def test_flat_configs_take_the_defaults_of_the_specs_they_feed():
-    """ServeConfig's limits, pool and access settings are the specs' own defaults: written once."""
+def test_serve_config_takes_the_defaults_of_the_specs_it_feeds():
+    """ServeConfig's limits are the replicas' VerifierLimits itself; its pool, replica and access
+    settings take the specs' own defaults: written once."""
     config = ServeConfig()
-    assert config.limits == VerifierLimits()
-    assert config.access == AccessSpec()
+    assert config.limits == VerifierLimits() and isinstance(config.limits, VerifierLimits)
+    assert config.access_spec() == AccessSpec()
     spec = config.pool_spec("t")
     assert spec == PoolSpec(replica=ReplicaSpec(target="t"))
-    assert config.replica_endpoint() == ReplicaEndpoint(config.host, AccessSpec())
+    assert spec.replica.limits is config.limits  # handed on whole
+    assert config.replica_endpoint() == ReplicaEndpoint(config.server.host, AccessSpec())
 
 
 @pytest.mark.parametrize("argv, fragment", [

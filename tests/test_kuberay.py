@@ -133,9 +133,10 @@ def test_the_head_runs_the_front_door_with_a_valid_config():
     command = head_command()
     assert command[:3] == ["hybridspec", "cloud", "serve"]
     config = serve_config()
-    assert config.backend == "ray" and config.ray_address == "auto" and config.device == "cuda"
-    assert config.host == "0.0.0.0" and config.access.tls.enabled and config.credentials and not config.insecure
-    assert config.direct_verify is False, "edges cannot reach Pod IPs: rounds go through the front door"
+    assert config.server.backend == "ray" and config.pool.ray_address == "auto" and config.replica.device == "cuda"
+    assert config.server.host == "0.0.0.0" and config.access_spec().tls.enabled and config.access.credentials
+    assert not config.server.insecure
+    assert config.server.direct_verify is False, "edges cannot reach Pod IPs: rounds go through the front door"
     assert raycluster()["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     assert "$KUBERAY_GEN_RAY_START_CMD &" in " ".join(head_container()["args"])
 
@@ -155,10 +156,10 @@ def test_one_replica_per_gpu_and_the_counts_agree():
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         container = group["template"]["spec"]["containers"][0]
         per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
-        assert per_pod == 1 and config.replica_num_gpus == 1.0
-        assert float(group["rayStartParams"]["num-cpus"]) >= config.replica_num_cpus * per_pod
+        assert per_pod == 1 and config.pool.replica_num_gpus == 1.0
+        assert float(group["rayStartParams"]["num-cpus"]) >= config.pool.replica_num_cpus * per_pod
         gpus += group["replicas"] * per_pod
-    assert config.replicas == gpus
+    assert config.pool.replicas == gpus
     head = raycluster()["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"
     assert "nvidia.com/gpu" not in head_container()["resources"].get("limits", {})
@@ -180,7 +181,7 @@ def test_services_select_the_head_and_reach_its_ports():
     head_labels = {"ray.io/cluster": raycluster()["metadata"]["name"], "ray.io/node-type": "head"}
     named = {p["name"]: p["containerPort"] for p in head_container()["ports"]}
     front, metrics = one("Service", "hybridspec-verifier"), one("Service", "hybridspec-metrics")
-    for service, port, kind in ((front, config.port, "LoadBalancer"), (metrics, config.metrics_port, "ClusterIP")):
+    for service, port, kind in ((front, config.server.port, "LoadBalancer"), (metrics, config.server.metrics_port, "ClusterIP")):
         assert service["spec"]["selector"] == head_labels
         assert service["spec"]["type"] == kind
         (entry,) = service["spec"]["ports"]
@@ -191,8 +192,8 @@ def test_probes_use_the_metrics_servers_health_routes():
     config = serve_config()
     named = {p["name"]: p["containerPort"] for p in head_container()["ports"]}
     ready, live = head_container()["readinessProbe"]["httpGet"], head_container()["livenessProbe"]["httpGet"]
-    assert (ready["path"], named[ready["port"]]) == ("/health/ready", config.metrics_port)
-    assert (live["path"], named[live["port"]]) == ("/health", config.metrics_port)
+    assert (ready["path"], named[ready["port"]]) == ("/health/ready", config.server.metrics_port)
+    assert (live["path"], named[live["port"]]) == ("/health", config.server.metrics_port)
     for group in raycluster()["spec"]["workerGroupSpecs"]:
         probe = group["template"]["spec"]["containers"][0]["readinessProbe"]["tcpSocket"]["port"]
         assert str(probe) == group["rayStartParams"]["node-manager-port"]
@@ -212,19 +213,19 @@ def mounted_secret(path: str) -> tuple[str, str]:
 
 def test_tls_and_credentials_come_from_mounted_secrets():
     config = serve_config()
-    assert mounted_secret(config.tls_cert) == ("hybridspec-tls", "tls.crt")  # a kubernetes.io/tls Secret
-    assert mounted_secret(config.tls_key) == ("hybridspec-tls", "tls.key")
-    assert mounted_secret(config.credentials) == ("hybridspec-credentials", "credentials.yaml")
+    assert mounted_secret(config.access.tls_cert) == ("hybridspec-tls", "tls.crt")  # a kubernetes.io/tls Secret
+    assert mounted_secret(config.access.tls_key) == ("hybridspec-tls", "tls.key")
+    assert mounted_secret(config.access.credentials) == ("hybridspec-credentials", "credentials.yaml")
 
 
 def test_grace_and_network_policy():
     config = serve_config()
     pod = raycluster()["spec"]["headGroupSpec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > config.grace_s
+    assert pod["terminationGracePeriodSeconds"] > config.server.grace_s
     assert pod["securityContext"]["runAsNonRoot"] is True
     policy = one("NetworkPolicy")["spec"]
     assert policy["podSelector"]["matchLabels"] == {"ray.io/cluster": raycluster()["metadata"]["name"]}
     open_ports = {p["port"] for rule in policy["ingress"] if "from" not in rule for p in rule["ports"]}
-    assert open_ports == {config.port}, "only the front door is open to everyone"
-    metrics_rules = [r for r in policy["ingress"] if any(p["port"] == config.metrics_port for p in r.get("ports", []))]
+    assert open_ports == {config.server.port}, "only the front door is open to everyone"
+    metrics_rules = [r for r in policy["ingress"] if any(p["port"] == config.server.metrics_port for p in r.get("ports", []))]
     assert metrics_rules and all("namespaceSelector" in src for r in metrics_rules for src in r["from"])

@@ -328,11 +328,11 @@ def test_plaintext_beyond_loopback_needs_insecure():
     from hybridspec.cloud.config import ServeConfig
 
     with pytest.raises(ConfigError, match="would listen on 0.0.0.0 without TLS"):
-        ServeConfig(host="0.0.0.0")
-    assert ServeConfig(host="0.0.0.0", insecure=True).host == "0.0.0.0"
-    assert ServeConfig(host="0.0.0.0", tls_cert="c.pem", tls_key="k.pem").access.tls.enabled
+        ServeConfig.of(host="0.0.0.0")
+    assert ServeConfig.of(host="0.0.0.0", insecure=True).server.host == "0.0.0.0"
+    assert ServeConfig.of(host="0.0.0.0", tls_cert="c.pem", tls_key="k.pem").access_spec().tls.enabled
     with pytest.raises(ConfigError, match="go together"):
-        ServeConfig(tls_cert="c.pem")
+        ServeConfig.of(tls_cert="c.pem")
 
 
 def test_an_edge_sends_its_token_in_plaintext_only_to_loopback_or_when_told(monkeypatch):
