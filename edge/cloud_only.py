@@ -112,7 +112,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
         stream.close()  # cancels the stream if we leave it early
         cloud.close()
     # 4. Done, or back to hybrid (the main loop opens a session from everything committed so far).
-    return (Phase.CLOUD_ONLY if state.done or ctl.policy.cloud_only else Phase.HYBRID), kit
+    return (Phase.CLOUD_ONLY if state.done or ctl.policy.settings.cloud_only else Phase.HYBRID), kit
 
 
 def _waits(tokens: Iterator[int]) -> Iterator[tuple[int, float]]:

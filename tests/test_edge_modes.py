@@ -305,3 +305,17 @@ def test_shadow_guesses_time_the_drafter_only_on_one_token_steps(server, target,
     assert gen.stats.rounds == 0 and gen.stats.shadow_guesses == len(guessed_at) > 1
     assert guessed_at[0] not in timed  # the first guess fed the drafter the prompt
     assert timed and all(at - 1 in guessed_at for at in timed), (guessed_at, timed)
+
+
+def test_a_cloud_only_stream_hands_over_to_hybrid_when_hybrid_looks_better(server, target, monkeypatch):
+    """Regression: the cloud-only phase's hand-over to hybrid read a setting the controller's resolved
+    `Policy` no longer carried once the config was split into sections (AttributeError, seen only where
+    the tiny models made hybrid look faster by chance). Forced here: hybrid always looks better."""
+    from hybridspec.edge.controller import Controller
+
+    monkeypatch.setattr(Controller, "hybrid_looks_better", lambda self, *args: True)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4)  # a new worker warms up cloud-only
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
+        gen = EdgeWorker(target, client, config).generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.cloud_only_tokens > 0 and gen.stats.rounds > 0  # it streamed, then verified rounds
