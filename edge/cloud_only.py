@@ -51,8 +51,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
         loading = ctl.reconsiders  # no guesses, no decisions until the drafter is there (never: --cloud-only)
         can_shadow = shadow = False
         streak = 0  # consecutive shadow agreements: the position a block would have reached
-        unguessed = 0  # tokens not guessed since the last guess, the edge having waited too little for them
-        guessed_at = -1  # the committed length at the last guess
+        guessed_at = -1  # the committed length at the last guess (-1: none in this phase)
         last = None
         next_check, since_check = ctl.first_check_after(can_shadow), 0
         for token, waited in _waits(stream):
@@ -70,8 +69,9 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
             if state.done:
                 break  # a stop string ends the generation before the stream does
             guess_s = estimates.draft_s.value
-            if shadow and guess_s is not None and waited < guess_s and unguessed + 1 < SHADOW_UNAFFORDABLE_EVERY:
-                unguessed, streak = unguessed + 1, 0  # the position a block would reach is unknown now
+            since_guess = len(state.committed) - guessed_at if guessed_at >= 0 else SHADOW_UNAFFORDABLE_EVERY
+            if shadow and guess_s is not None and waited < guess_s and since_guess < SHADOW_UNAFFORDABLE_EVERY:
+                streak = 0  # the position a block would reach is unknown now
             elif shadow:
                 started = time.perf_counter()
                 proposal = kit.drafter.propose(state.committed[:-1], 1, fallback=False)
@@ -79,7 +79,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
                     # A real draft of one token (t_d) only if the drafter had guessed the token before: a
                     # first guess also feeds it the prompt, one after a gap the tokens it did not guess.
                     estimates.draft_s.add(time.perf_counter() - started)
-                unguessed, guessed_at = 0, len(state.committed)
+                guessed_at = len(state.committed)
                 stats.shadow_guesses += 1
                 agreed = proposal.shadow_guess(cfg.generation.seed, len(state.committed) - 1) == token
                 estimates.observe_shadow(agreed, min(streak, ctl.policy.cap))
