@@ -155,6 +155,15 @@ def test_replicas_run_at_the_operators_niceness_not_rays(pool_server):
     assert {p.info["nice"] for p in replicas} == {0}
 
 
+def test_a_local_cluster_keeps_no_idle_workers_beside_the_replicas(pool_server):
+    """Ray prestarts workers for tasks the pool never runs; each would poll for about 1 % of a core that
+    a replica on the same host decodes with."""
+    ours = psutil.Process().children(recursive=True)
+    names = [(p.cmdline() or [""])[0] for p in ours if p.is_running()]
+    assert any(name.startswith("ray::VerifierReplica") for name in names)
+    assert not [name for name in names if name.startswith("ray::IDLE")]
+
+
 def test_replicas_report_their_pass_costs(pool_server):
     server, pool = pool_server
     with VerifierClient(server.address) as client:

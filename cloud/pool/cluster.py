@@ -38,6 +38,10 @@ from ...common.protocol.errors import Unavailable
 log = logging.getLogger(__name__)
 
 LOCAL = "local"  # ray.init's own word for "start a new local cluster": it ignores RAY_ADDRESS and the address file
+# A local cluster runs replica actors only, never tasks: Ray's workers prestarted for tasks would sit idle
+# beside them, each polling for about 1 % of a core (measured on a one-core cloud host, where a
+# replica then decodes that much slower). Ray starts an actor's worker when it is created either way.
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 CONNECT_TIMEOUT_S = 5.0  # a TCP connection to the head's port: anything alive there answers at once
@@ -66,7 +70,8 @@ def start_local(attempts: int = 2, local_only: bool = True, **init_kwargs) -> No
     if local_only:
         os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
         ray_constants.ENABLE_RAY_CLUSTER = False
-    _init(attempts, "could not start a local Ray cluster", address=LOCAL, **init_kwargs)
+    _init(attempts, "could not start a local Ray cluster", address=LOCAL,
+          _system_config=LOCAL_SYSTEM_CONFIG, **init_kwargs)
 
 
 def join(address: str, timeout_s: float, **init_kwargs) -> None:
