@@ -47,7 +47,7 @@ def run_serve(args) -> int:
 
     metrics_port = None if server.metrics_port < 0 else server.metrics_port
     asyncio.run(serve_forever(backend, server.host, server.port, server.grace_s, metrics_port, server.metrics_host,
-                              ready, config.access_spec()))
+                              ready, config.access))
     print("hybridspec verifier stopped", file=sys.stderr)
     return 0
 
@@ -68,7 +68,7 @@ def _check_access(config) -> None:
     from ..cloud.api.access import Access
     from ..common.security.tls import check_plaintext, is_loopback
 
-    access, server = config.access_spec(), config.server
+    access, server = config.access, config.server
     access.tls.check_files()
     Access(access)
     log = logging.getLogger("hybridspec.cloud")

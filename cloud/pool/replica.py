@@ -62,10 +62,12 @@ class VerifierReplica:
     def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None) -> None:
         """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
         come through the front door only)."""
-        target, engine = load_engine(spec.target, spec.engine, spec.device, spec.dtype, spec.torch_threads, spec.limits)
+        settings = spec.settings
+        target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
+                                     settings.torch_threads, spec.limits)
         verifier = Verifier(target, spec.limits, engine)
-        verifier.measure_pass_costs(spec.pass_cost_tokens)
-        self.scheduler = Scheduler(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
+        verifier.measure_pass_costs(settings.pass_cost_tokens)
+        self.scheduler = Scheduler(verifier, settings.max_batch_size, settings.max_wait_ms, settings.prefill_budget_ms)
         self._starter = endpoint
         self._endpoint: Endpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
