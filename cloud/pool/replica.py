@@ -56,6 +56,17 @@ class ReplicaReady:
     verify_address: str  # HOST:PORT; "" without a direct endpoint
 
 
+def load_verifier(spec: ReplicaSpec) -> Verifier:
+    """A replica's verifier: its target loaded on the engine its settings pick, its pass costs measured
+    (a Ray replica's, and `cloud serve --backend inprocess`'s one)."""
+    settings = spec.settings
+    target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
+                                 settings.torch_threads, spec.limits)
+    verifier = Verifier(target, spec.limits, engine)
+    verifier.measure_pass_costs(settings.pass_cost_tokens)
+    return verifier
+
+
 class VerifierReplica:
     """Ray actor class (the pool applies ray.remote with its resources)."""
 
@@ -63,11 +74,8 @@ class VerifierReplica:
         """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
         come through the front door only)."""
         settings = spec.settings
-        target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
-                                     settings.torch_threads, spec.limits)
-        verifier = Verifier(target, spec.limits, engine)
-        verifier.measure_pass_costs(settings.pass_cost_tokens)
-        self.scheduler = Scheduler(verifier, settings.max_batch_size, settings.max_wait_ms, settings.prefill_budget_ms)
+        self.scheduler = Scheduler(load_verifier(spec), settings.max_batch_size, settings.max_wait_ms,
+                                   settings.prefill_budget_ms)
         self._starter = endpoint
         self._endpoint: Endpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
