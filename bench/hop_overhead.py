@@ -46,7 +46,7 @@ from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.backend import InProcessBackend
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
-from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.common.security.credentials import add_identity
@@ -168,8 +168,9 @@ def paths(args) -> dict:
                 logging_level="ERROR")
     servers = {}
     for name, endpoint in (("front-door", None), ("direct", ReplicaEndpoint("127.0.0.1"))):
-        spec = ReplicaSpec(target=target, device="cpu", torch_threads=1, limits=LIMITS, max_wait_ms=args.max_wait_ms)
-        pool = RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=f"hop-{name}"), endpoint)
+        settings = ReplicaSettings(device="cpu", torch_threads=1, max_wait_ms=args.max_wait_ms)
+        pool = RayPool(PoolSpec(ReplicaSpec(target, settings, LIMITS), PoolSettings(replicas=1), name=f"hop-{name}"),
+                       endpoint)
         servers[name] = BackgroundServer(pool)
     if pinned:
         pin(cores[0])  # the front doors' loops, the in-process verifier and the edges

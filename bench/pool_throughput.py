@@ -160,7 +160,7 @@ def _pool_runs(args, target, refs, cores):
 
     from hybridspec.cloud.pool.cluster import start_local
     from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
-    from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+    from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
     from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 
     if cores:
@@ -169,9 +169,9 @@ def _pool_runs(args, target, refs, cores):
                 logging_level="ERROR")
     servers = {}
     for name, max_batch in (("unbatched", 1), ("batched", MAX_BATCH)):
-        spec = ReplicaSpec(target=args.target, device=args.device, torch_threads=1 if cores else 0, limits=LIMITS,
-                           max_batch=max_batch, max_wait_ms=2.0)
-        pool = RayPool(PoolSpec(replica=spec, replicas=1, num_cpus=1, name=name),
+        settings = ReplicaSettings(device=args.device, torch_threads=1 if cores else 0, max_batch_size=max_batch,
+                                   max_wait_ms=2.0)
+        pool = RayPool(PoolSpec(ReplicaSpec(args.target, settings, LIMITS), PoolSettings(replicas=1), name=name),
                        ReplicaEndpoint("127.0.0.1"))  # direct verify, the default
         servers[name] = BackgroundServer(pool)
     if cores:

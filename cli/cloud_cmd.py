@@ -47,7 +47,7 @@ def run_serve(args) -> int:
 
     metrics_port = None if server.metrics_port < 0 else server.metrics_port
     asyncio.run(serve_forever(backend, server.host, server.port, server.grace_s, metrics_port, server.metrics_host,
-                              ready, config.access_spec()))
+                              ready, config.access))
     print("hybridspec verifier stopped", file=sys.stderr)
     return 0
 
@@ -68,7 +68,7 @@ def _check_access(config) -> None:
     from ..cloud.api.access import Access
     from ..common.security.tls import check_plaintext, is_loopback
 
-    access, server = config.access_spec(), config.server
+    access, server = config.access, config.server
     access.tls.check_files()
     Access(access)
     log = logging.getLogger("hybridspec.cloud")
@@ -95,15 +95,10 @@ def _backend(config):
 
         pool = RayPool(config.pool_spec(target), config.replica_endpoint())
         return pool, f"{target}, {kind} engine, {config.pool.replicas} Ray replica(s)"
-    from ..cloud.core.verifier import Verifier
-    from ..cloud.engine.factory import load_engine
     from ..cloud.pool.backend import InProcessBackend
+    from ..cloud.pool.replica import load_verifier
 
-    loaded, engine = load_engine(target, replica.engine, replica.device, replica.dtype, replica.torch_threads,
-                                 config.limits)
-    verifier = Verifier(loaded, config.limits, engine)
-    verifier.measure_pass_costs(replica.pass_cost_tokens)
-    backend = InProcessBackend(verifier, replica.max_batch_size, replica.max_wait_ms,
+    backend = InProcessBackend(load_verifier(config.replica_spec(target)), replica.max_batch_size, replica.max_wait_ms,
                                config.pool.max_sessions_per_client, config.pool.max_sessions_per_address,
                                replica.prefill_budget_ms)
     return backend, f"{target}, {kind} engine, in-process"

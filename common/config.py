@@ -1,5 +1,5 @@
 """The frozen dataclass configs' machinery, shared by edge and cloud: fields that carry their default,
-help and bounds (`setting`, `like`, `check_fields`), configs made of sections (`Sections`: each
+help and bounds (`setting`, `check_fields`), configs made of sections (`Sections`: each
 section a frozen dataclass that one component receives whole), and strict loading from the defaults, a
 YAML file and flags (`load_config`). A setting's name is unique across its config's sections, so a flag
 (cli/flags.py makes one per setting) and a flat YAML key name it alone; YAML may also nest it under its
@@ -65,13 +65,6 @@ def device_setting(help: str) -> Any:
     """Where a model computes: not an enum, since cuda:N names any GPU, but a pattern `check_fields` enforces."""
     return setting(DEVICE_AUTO, f"{help}: auto, cpu, cuda or cuda:N",
                    pattern=(r"auto|cpu|cuda(:[0-9]+)?", "auto, cpu, cuda or cuda:N"))
-
-
-def like(cls: type, name: str) -> Any:
-    """A field with the default, help and bounds of `cls`'s field `name`: for a flat config (the serve
-    configs) that passes the setting on to the spec that owns it."""
-    source = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return dataclasses.field(default=source.default, metadata=source.metadata)
 
 
 def check_fields(config: Any) -> None:

@@ -173,6 +173,25 @@ def test_components_receive_their_section_whole():
     assert config.draft_settings(100, frozenset()).sampling is config.sampling
 
 
+def test_serve_sections_are_the_cloud_components_own_settings():
+    """Each ServeConfig section but the front door's is declared beside the component it configures
+    (no copy of its fields in cloud/config.py), and a nested or flat YAML file still loads into it."""
+    from hybridspec.cloud.api.access import AccessSpec
+    from hybridspec.cloud.config import ServerSettings
+    from hybridspec.cloud.core.limits import VerifierLimits
+    from hybridspec.cloud.pool.specs import PoolSettings, ReplicaSettings
+    from hybridspec.common.config import sections_of
+
+    assert sections_of(ServeConfig) == {"server": ServerSettings, "access": AccessSpec, "pool": PoolSettings,
+                                        "replica": ReplicaSettings, "limits": VerifierLimits}
+    nested = load_config(ServeConfig, None, {"pool": {"replica_num_cpus": 0.5, "replica_niceness": 3},
+                                              "replica": {"max_batch_size": 4}, "access": {"stream_idle_s": 9}})
+    flat = load_config(ServeConfig, None, {"replica_num_cpus": 0.5, "replica_niceness": 3, "max_batch_size": 4,
+                                            "stream_idle_s": 9})
+    assert nested == flat == ServeConfig(pool=PoolSettings(replica_num_cpus=0.5, replica_niceness=3),
+                                         replica=ReplicaSettings(max_batch_size=4), access=AccessSpec(stream_idle_s=9))
+
+
 @pytest.mark.parametrize("cls", [EdgeConfig, ServeConfig])
 def test_a_device_is_checked_when_the_config_is_read(cls):
     """Not an enum (cuda:N names any GPU), but no longer any string: a typo is one line, not a torch error."""

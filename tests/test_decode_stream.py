@@ -11,7 +11,7 @@ from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.scheduler import Scheduler
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.ray_pool import RayPool
-from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.common.protocol.errors import FailedPrecondition, Unavailable
 from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.edge.client import VerifierClient
@@ -136,9 +136,9 @@ def test_generate_sends_its_request_before_the_first_token_is_read(target):
 
 @pytest.fixture(scope="module")
 def stream_pool(ray_cluster, model_dirs):
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, pass_cost_tokens=0,
-                          limits=LIMITS)
-    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="stream-pool"))
+    replica = ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1, pass_cost_tokens=0),
+                          LIMITS)
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=1, replica_num_cpus=0.5), name="stream-pool"))
     server = BackgroundServer(pool)
     yield server, pool
     server.stop()

@@ -1,6 +1,6 @@
 """One source for each default: a setting's default is written where the setting is defined (`setting`)
-and copied everywhere else (`like`, a named constant, the owning dataclass's attribute), never typed
-again as a literal. A literal default of a function parameter or a dataclass field in common/, edge/ or
+and referenced everywhere else (a named constant, the owning dataclass's attribute), never typed
+again as a literal, nor declared again as a second field. A literal default of a function parameter or a dataclass field in common/, edge/ or
 cloud/ that equals a config setting's default, under a name that shares a word with the setting's, is
 a second copy that can drift: this test names it by file:line."""
 import ast
@@ -116,3 +116,34 @@ def test_no_component_repeats_a_setting_default_under_its_name():
     section's attribute): a literal under the setting's own name is a copy that can drift."""
     bad = same_name_copies()
     assert not bad, "defaults written twice (define them once, reference them elsewhere):\n" + "\n".join(bad)
+
+
+def declared_settings(folders=FOLDERS, root: Path = ROOT) -> dict[tuple[str, str, str], list[str]]:
+    """(folder, help, default) -> every dataclass field of that folder's modules that declares it. By
+    folder: the edge's tls_key (a client's key) is another setting than the cloud's, in the same words."""
+    import dataclasses
+    import importlib
+
+    found: dict[tuple[str, str, str], list[str]] = {}
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            if "setting(" not in path.read_text():
+                continue
+            module = importlib.import_module(".".join(("hybridspec", *path.relative_to(root).with_suffix("").parts)))
+            for cls in vars(module).values():
+                if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__):
+                    continue
+                for f in (f for f in dataclasses.fields(cls) if "help" in f.metadata):
+                    key = (folder, f.metadata["help"], repr(f.default))
+                    found.setdefault(key, []).append(f"{cls.__name__}.{f.name}")
+    return found
+
+
+def test_no_setting_is_declared_twice():
+    """A section handed to a component is the component's own settings class: a second field that
+    repeats a setting's help and default (as the serve config's copies of the specs' fields once did)
+    is a copy that can drift."""
+    declared = declared_settings()
+    assert any("AccessSpec.credentials" in owners for owners in declared.values())  # it looked where they live
+    twice = [owners for owners in declared.values() if len(owners) > 1]
+    assert not twice, f"settings declared twice: {twice}"

@@ -295,8 +295,8 @@ def test_cloud_image_refuses_plaintext_on_every_interface_unless_told(name):
     with pytest.raises(ConfigError, match="0.0.0.0 without TLS.*--insecure"):
         cloud_serve_config(dockerfile)
     tls = ["--tls-cert", "/etc/hybridspec/tls/tls.crt", "--tls-key", "/etc/hybridspec/tls/tls.key"]
-    assert cloud_serve_config(dockerfile, tls).access_spec().tls.enabled
-    assert not cloud_serve_config(dockerfile, ["--insecure"]).access_spec().tls.enabled
+    assert cloud_serve_config(dockerfile, tls).access.tls.enabled
+    assert not cloud_serve_config(dockerfile, ["--insecure"]).access.tls.enabled
 
 
 @pytest.mark.parametrize("name", ["cloud.Dockerfile", "cloud-cpu.Dockerfile"])

@@ -8,7 +8,7 @@ import ray
 
 from hybridspec.cloud.config import ServeConfig
 from hybridspec.cloud.pool.ray_pool import RayPool
-from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol import codec
@@ -27,9 +27,10 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def direct_pool(ray_cluster, model_dirs):
     """Two replicas, each with its own Verify endpoint on 127.0.0.1, behind a front door."""
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1,
-                          limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=8))
-    pool = RayPool(PoolSpec(replica=replica, replicas=2, num_cpus=0.5, name="direct-pool"), ReplicaEndpoint("127.0.0.1"))
+    replica = ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
+                          VerifierLimits(max_context=512, max_draft=16, max_sessions=8))
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=2, replica_num_cpus=0.5), name="direct-pool"),
+                   ReplicaEndpoint("127.0.0.1"))
     server = BackgroundServer(pool, metrics_port=0)
     yield server, pool
     server.stop()

@@ -80,16 +80,16 @@ def test_every_flag_says_what_it_does_and_its_default(cls):
             assert f"(default: {f.default})" in helps[f.name], f.name
 
 
-def test_serve_config_takes_the_defaults_of_the_specs_it_feeds():
-    """ServeConfig's limits are the replicas' VerifierLimits itself; its pool, replica and access
-    settings take the specs' own defaults: written once."""
-    config = ServeConfig()
-    assert config.limits == VerifierLimits() and isinstance(config.limits, VerifierLimits)
-    assert config.access_spec() == AccessSpec()
+def test_serve_config_hands_its_sections_to_the_specs_whole():
+    """ServeConfig's access, pool, replica and limits sections are the components' own settings: the
+    specs carry the very section objects (not copies of their fields), with the owners' defaults."""
+    config = ServeConfig.of(replicas=2, replica_num_cpus=0.5, max_batch_size=4, credentials="tokens.yaml")
+    assert config.access == AccessSpec(credentials="tokens.yaml")
     spec = config.pool_spec("t")
-    assert spec == PoolSpec(replica=ReplicaSpec(target="t"))
-    assert spec.replica.limits is config.limits  # handed on whole
-    assert config.replica_endpoint() == ReplicaEndpoint(config.server.host, AccessSpec())
+    assert spec.settings is config.pool and spec.replica.settings is config.replica
+    assert spec.replica.limits is config.limits and spec.replica.target == "t"
+    assert config.replica_endpoint().access is config.access
+    assert ServeConfig().pool_spec("t") == PoolSpec(ReplicaSpec("t"))
 
 
 @pytest.mark.parametrize("argv, fragment", [

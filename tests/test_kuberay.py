@@ -134,7 +134,7 @@ def test_the_head_runs_the_front_door_with_a_valid_config():
     assert command[:3] == ["hybridspec", "cloud", "serve"]
     config = serve_config()
     assert config.server.backend == "ray" and config.pool.ray_address == "auto" and config.replica.device == "cuda"
-    assert config.server.host == "0.0.0.0" and config.access_spec().tls.enabled and config.access.credentials
+    assert config.server.host == "0.0.0.0" and config.access.tls.enabled and config.access.credentials
     assert not config.server.insecure
     assert config.server.direct_verify is False, "edges cannot reach Pod IPs: rounds go through the front door"
     assert raycluster()["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from hybridspec.cloud.pool.ray_pool import RayPool
-from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
@@ -29,10 +29,11 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def pool_server(ray_cluster, model_dirs):
     """Two replica actors (half a Ray CPU each) behind a front door with a /metrics endpoint."""
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, max_batch=16,
-                          max_wait_ms=20.0,  # generous, so that concurrent test edges really share passes
-                          limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
-    pool = RayPool(PoolSpec(replica=replica, replicas=2, num_cpus=0.5, name="test-pool"))
+    settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=16,
+                               max_wait_ms=20.0)  # generous, so that concurrent test edges really share passes
+    replica = ReplicaSpec(str(model_dirs["target"]), settings,
+                          VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=2, replica_num_cpus=0.5), name="test-pool"))
     server = BackgroundServer(pool, metrics_port=0)
     yield server, pool
     server.stop()
@@ -120,9 +121,9 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
 def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target, random_drafter):
     """Regression: with one replica the edge used to fail with UNAVAILABLE; it now waits for Ray to
     restart the replica and re-opens from its committed tokens."""
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1,
-                          limits=VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
-    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="solo-pool"))
+    replica = ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
+                          VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=1, replica_num_cpus=0.5), name="solo-pool"))
     server = BackgroundServer(pool)
     try:
         config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
@@ -148,7 +149,7 @@ def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target
 
 def test_replicas_run_at_the_operators_niceness_not_rays(pool_server):
     """Ray starts workers at niceness 15, where a replica yields its core to anything else on the node;
-    the pool starts them at PoolSpec.niceness (0 by default)."""
+    the pool starts them at PoolSettings.replica_niceness (0 by default)."""
     replicas = [p for p in psutil.process_iter(["cmdline", "nice"])
                 if (p.info["cmdline"] or [""])[0].startswith("ray::VerifierReplica")]
     assert len(replicas) >= 2

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hybridspec.cloud.api.access import AccessSpec
 from hybridspec.cloud.pool.backend import InProcessBackend
 from hybridspec.cloud.pool.ray_pool import RayPool
-from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
+from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.config import ConfigError
@@ -24,7 +24,7 @@ from hybridspec.common.security.credentials import add_identity, remove_identity
 from hybridspec.common.protocol.errors import Unauthenticated, Unavailable
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.security.tls import ClientTLS, ServerTLS
+from hybridspec.common.security.tls import ClientTLS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess, EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
@@ -69,7 +69,7 @@ def tokens(tmp_path_factory):
 
 
 def access(pki, tokens, mutual=False) -> AccessSpec:
-    return AccessSpec(tls=ServerTLS(pki["cert"], pki["key"], pki["client_ca"] if mutual else ""),
+    return AccessSpec(tls_cert=pki["cert"], tls_key=pki["key"], tls_client_ca=pki["client_ca"] if mutual else "",
                       credentials=tokens[0])
 
 
@@ -148,7 +148,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(target, pki, tokens, 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     shutil.copy(pki["cert"], cert)
     shutil.copy(pki["key"], key)
-    spec = AccessSpec(tls=ServerTLS(str(cert), str(key)), credentials=tokens[0])
+    spec = AccessSpec(tls_cert=str(cert), tls_key=str(key), credentials=tokens[0])
     srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)), access=spec)
     try:
         new_ca = trustme.CA()
@@ -253,7 +253,7 @@ def test_a_revoked_token_stops_working_without_a_restart(target, pki, tmp_path):
     path = tmp_path / "credentials.yaml"
     token = add_identity(path, "temp")
     srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)),
-                           access=AccessSpec(tls=ServerTLS(pki["cert"], pki["key"]), credentials=str(path)))
+                           access=AccessSpec(tls_cert=pki["cert"], tls_key=pki["key"], credentials=str(path)))
     channel, stub = secure_stub(srv.address, pki)
     try:
         with channel:
@@ -282,8 +282,8 @@ def test_a_revoked_token_stops_working_without_a_restart(target, pki, tmp_path):
 @pytest.fixture(scope="module")
 def secure_pool(ray_cluster, model_dirs, pki, tokens):
     spec = access(pki, tokens)
-    replica = ReplicaSpec(target=str(model_dirs["target"]), device="cpu", torch_threads=1, limits=LIMITS)
-    pool = RayPool(PoolSpec(replica=replica, replicas=1, num_cpus=0.5, name="secure-pool"),
+    replica = ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1), LIMITS)
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=1, replica_num_cpus=0.5), name="secure-pool"),
                    ReplicaEndpoint("127.0.0.1", spec))
     server = BackgroundServer(pool, access=spec)
     yield server, pool
@@ -330,7 +330,7 @@ def test_plaintext_beyond_loopback_needs_insecure():
     with pytest.raises(ConfigError, match="would listen on 0.0.0.0 without TLS"):
         ServeConfig.of(host="0.0.0.0")
     assert ServeConfig.of(host="0.0.0.0", insecure=True).server.host == "0.0.0.0"
-    assert ServeConfig.of(host="0.0.0.0", tls_cert="c.pem", tls_key="k.pem").access_spec().tls.enabled
+    assert ServeConfig.of(host="0.0.0.0", tls_cert="c.pem", tls_key="k.pem").access.tls.enabled
     with pytest.raises(ConfigError, match="go together"):
         ServeConfig.of(tls_cert="c.pem")
 

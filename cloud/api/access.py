@@ -21,9 +21,13 @@ from .quota import RateLimiter
 
 @dataclass(frozen=True)
 class AccessSpec:
-    """Transport security and credentials of a verifier endpoint (ServeConfig builds it)."""
+    """Transport security, credentials and per-caller limits of a verifier endpoint: ServeConfig's
+    `access` section itself, handed whole to the front door and every replica endpoint."""
 
-    tls: ServerTLS = ServerTLS()
+    tls_cert: str = setting("", "PEM certificate chain of the front door and the replica endpoints: serve TLS "
+                                "(with tls_key; both files are re-read when they change)")
+    tls_key: str = setting("", "PEM private key of tls_cert")
+    tls_client_ca: str = setting("", "mutual TLS: every edge must present a certificate this CA signed")
     credentials: str = setting("", "file of edge tokens and identities (hybridspec token add); every call then "
                                    "needs one. Empty: no tokens, callers are named by their address")
     client_tokens_per_s: float = setting(0.0, "target tokens per second per identity without a rate of its own; "
@@ -37,6 +41,12 @@ class AccessSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        self.tls  # ConfigError now for a certificate without its key, or a client CA without both
+
+    @property
+    def tls(self) -> ServerTLS:
+        """The endpoint's certificate, key and client CA (all empty: plaintext)."""
+        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 class Access:

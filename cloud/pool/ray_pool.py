@@ -29,7 +29,7 @@ from .cluster import join, last_line, start_local
 from .pool import Pool, ReplicaLost
 from .reaper import start_reaper
 from .replica import EndpointStarter, ReplicaReady, VerifierReplica
-from .specs import PoolSpec
+from .specs import PoolSettings, PoolSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +46,21 @@ def replica_env(niceness: int) -> dict[str, str]:
 
 
 def RayPool(spec: PoolSpec, endpoint: EndpointStarter | None = None) -> Pool:
-    """The pool of `spec.replicas` Ray actors (named as the class it replaced, so the CLI, the
+    """The pool of `spec.settings.replicas` Ray actors (named as the class it replaced, so the CLI, the
     benchmarks and the tests build it as before). `endpoint`: what each replica starts to take its
     sessions' rounds directly (None: none)."""
-    replicas = [RayReplica(f"{spec.name}-replica-{i}", spec, endpoint) for i in range(spec.replicas)]
-    return Pool(replicas, spec.max_sessions_per_client, spec.max_sessions_per_address, spec.replica_wait_s,
-                RayCluster(spec))
+    settings = spec.settings
+    replicas = [RayReplica(f"{spec.name}-replica-{i}", spec, endpoint) for i in range(settings.replicas)]
+    return Pool(replicas, settings.max_sessions_per_client, settings.max_sessions_per_address,
+                settings.replica_wait_s, RayCluster(settings))
 
 
 class RayCluster:
-    """The cluster the replicas run on: joined at `spec.ray_address`, or a local one of this process's
-    own (cloud/pool/cluster.py), unless Ray is already initialised here."""
+    """The cluster the replicas run on: joined at `settings.ray_address`, or a local one of this
+    process's own (cloud/pool/cluster.py), unless Ray is already initialised here."""
 
-    def __init__(self, spec: PoolSpec) -> None:
-        self.spec = spec
+    def __init__(self, settings: PoolSettings) -> None:
+        self.settings = settings
         self._started = False
 
     def start(self) -> None:
@@ -68,13 +69,13 @@ class RayCluster:
             return
         kwargs: dict = {"runtime_env": {"env_vars": WORKER_ENV}, "include_dashboard": False,
                         "log_to_driver": False, "logging_level": logging.WARNING}
-        if self.spec.ray_address:
-            join(self.spec.ray_address, self.spec.ray_join_timeout_s, **kwargs)
+        if self.settings.ray_address:
+            join(self.settings.ray_address, self.settings.ray_join_timeout_s, **kwargs)
         else:
             start_reaper()  # no Ray process outlives this one, however it ends
-            if self.spec.ray_num_cpus:
-                kwargs["num_cpus"] = self.spec.ray_num_cpus
-            start_local(local_only=self.spec.ray_local_only, **kwargs)
+            if self.settings.ray_num_cpus:
+                kwargs["num_cpus"] = self.settings.ray_num_cpus
+            start_local(local_only=self.settings.ray_local_only, **kwargs)
         self._started = True
 
     async def stop(self) -> None:
@@ -107,10 +108,11 @@ class RayReplica:
 
     async def start(self) -> ModelInfo:
         """Create the actor (on the running cluster) and wait until its model is loaded."""
+        settings = self.spec.settings
         options = ACTOR.options(
-            name=self.name, num_cpus=self.spec.num_cpus, num_gpus=self.spec.num_gpus, max_restarts=-1,
-            max_task_retries=0, max_concurrency=1024, lifetime=None,
-            runtime_env={"env_vars": replica_env(self.spec.niceness)})
+            name=self.name, num_cpus=settings.replica_num_cpus, num_gpus=settings.replica_num_gpus,
+            max_restarts=-1, max_task_retries=0, max_concurrency=1024, lifetime=None,
+            runtime_env={"env_vars": replica_env(settings.replica_niceness)})
         self.handle = options.remote(self.spec.replica, self.endpoint)
         try:
             ready: ReplicaReady = await self.handle.ready.remote()

@@ -56,16 +56,26 @@ class ReplicaReady:
     verify_address: str  # HOST:PORT; "" without a direct endpoint
 
 
+def load_verifier(spec: ReplicaSpec) -> Verifier:
+    """A replica's verifier: its target loaded on the engine its settings pick, its pass costs measured
+    (a Ray replica's, and `cloud serve --backend inprocess`'s one)."""
+    settings = spec.settings
+    target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
+                                 settings.torch_threads, spec.limits)
+    verifier = Verifier(target, spec.limits, engine)
+    verifier.measure_pass_costs(settings.pass_cost_tokens)
+    return verifier
+
+
 class VerifierReplica:
     """Ray actor class (the pool applies ray.remote with its resources)."""
 
     def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None) -> None:
         """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
         come through the front door only)."""
-        target, engine = load_engine(spec.target, spec.engine, spec.device, spec.dtype, spec.torch_threads, spec.limits)
-        verifier = Verifier(target, spec.limits, engine)
-        verifier.measure_pass_costs(spec.pass_cost_tokens)
-        self.scheduler = Scheduler(verifier, spec.max_batch, spec.max_wait_ms, spec.prefill_budget_ms)
+        settings = spec.settings
+        self.scheduler = Scheduler(load_verifier(spec), settings.max_batch_size, settings.max_wait_ms,
+                                   settings.prefill_budget_ms)
         self._starter = endpoint
         self._endpoint: Endpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
