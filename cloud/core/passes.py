@@ -55,7 +55,8 @@ def plan_pass(blocks: Sequence[DraftBlock], openings: Iterable[Session], prefill
 
     1. One round per session (a session's rounds are scored one after the other, never together),
        the first `max_rounds` of them.
-    2. The prompt tokens the pass may carry beside those rounds: `prefill(round tokens)`.
+    2. The prompt tokens the pass may carry beside those rounds: `prefill(round tokens)` (not asked
+       when no opening is prefilling).
     3. How many openings get a chunk, within the engine's sessions per pass (`opening_sessions`).
     4. The rounds the engine can take beside them (`split_rounds`); the rest go to the next pass.
     """
@@ -65,7 +66,7 @@ def plan_pass(blocks: Sequence[DraftBlock], openings: Iterable[Session], prefill
         first, later = first[:max_rounds], first[max_rounds:] + later
     feeding = tuple(s for s in openings if s.phase is Phase.PREFILLING)
     budget = min(prefill(sum(len(block.draft_ids) + 1 for _, block in first)),
-                 sum(s.remaining for s in feeding))
+                 sum(s.remaining for s in feeding)) if feeding else 0
     limit = caps.max_sequences_per_pass or len(first) + len(feeding)
     streams = opening_sessions(feeding, budget, len(first), limit)
     now, split = split_rounds(first, caps, limit - streams)
