@@ -16,7 +16,7 @@ from hybridspec.cloud.pool.backend import InProcessBackend
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.security.credentials import anonymous
-from hybridspec.common.protocol.errors import Internal
+from hybridspec.common.protocol.errors import FailedPrecondition, Internal
 from hybridspec.common.models.loading import LoadedModel
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
@@ -268,6 +268,16 @@ def test_oversized_session_ids_are_refused_unread(server, stub_of):
                           (stub.CloseSession, pb.CloseSessionRequest(session_id=huge))):
         code, text = details(call, request)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "xxxx" not in text and len(text) < 100
+
+
+def test_a_direct_callers_block_of_no_session_is_refused_by_the_lookup_before_validation(target):
+    """The servicer checks a session id's length; a caller driving the verifier directly gets an id no
+    session has refused by the session lookup that comes before `DraftBlock.validate`, unechoed."""
+    verifier = Verifier(target, LIMITS)
+    for session_id in ("", "x" * 9000):
+        with pytest.raises(FailedPrecondition) as info:
+            verifier.verify(DraftBlock(session_id, 0, 1, ()))
+        assert "xxxx" not in str(info.value)
 
 
 # ---- 8. undecodable bodies get UNKNOWN --------------------------------------------------------------

@@ -30,6 +30,10 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
     # Every steady round sends a block and commits a verdict, once ...
     calls = {**result["calls_per_round"]["cloud"], **result["calls_per_round"]["edge"]}
     assert calls["edge/rounds.py:VerifyRound.__call__"] == 1 == calls["cloud/core/verifier.py:Verifier.step"]
+    # ... derives what a block is once in the cloud: its shape (chain or tree) and its session id's check ...
+    cloud_calls = result["calls_per_round"]["cloud"]
+    assert cloud_calls.get("common/protocol/wire.py:DraftBlock.is_tree", 0) <= 1
+    assert cloud_calls["common/protocol/wire.py:check_session_id"] == 1
     # ... and opens, closes and builds nothing: that is setup and teardown.
     once = ("CloudSession.open", "OpenSession", "CloseSession", "build_drafting", "GenerationRun.__init__")
     assert not [name for name in calls if name.endswith(once)]

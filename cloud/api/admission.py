@@ -20,7 +20,7 @@ from ...common.security.credentials import Identity
 from ...common.protocol.errors import HybridSpecError
 from .access import Access
 from .metrics import EndpointTally, Metrics
-from .service import SERVICE_NAME, authorization_of, peer_of
+from .service import SERVICE_NAME, identify
 
 _PREFIX = f"/{SERVICE_NAME}/"
 
@@ -83,7 +83,7 @@ class Admission(grpc.aio.ServerInterceptor):
     async def _enter(self, context: grpc.aio.ServicerContext) -> Identity:
         """The caller, now counted; the call is aborted (and the refusal counted) otherwise."""
         try:
-            caller = self.access.identify(authorization_of(context), peer_of(context))
+            caller = identify(self.access, context)
             self.access.enter_call(caller)
             return caller
         except HybridSpecError as exc:

@@ -53,18 +53,16 @@ def _lenient(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     return parse
 
 
-def peer_of(context: grpc.aio.ServicerContext) -> str:
-    """The caller's address without its port (how callers are told apart on a server without credentials)."""
-    peer = context.peer() or "unknown"
-    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
-
-
-def authorization_of(context: grpc.aio.ServicerContext) -> str | None:
-    """The call's `authorization` metadata value, if it sent one."""
+def identify(access: Access, context: grpc.aio.ServicerContext) -> Identity:
+    """The call's caller (access.identify): from its `authorization` metadata value, if it sent one,
+    and its address without the port (how callers are told apart on a server without credentials)."""
+    authorization = None
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            return value if isinstance(value, str) else None
-    return None
+            authorization = value if isinstance(value, str) else None
+            break
+    peer = context.peer() or "unknown"
+    return access.identify(authorization, peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer)
 
 
 class VerifierService:
@@ -103,7 +101,7 @@ class VerifierService:
 
     async def GetModelInfo(self, request, context):
         async def work() -> pb.ModelInfo:
-            self._caller(context)
+            identify(self.access, context)
             await self._decoded(request)
             return codec.model_info_to_pb(self.backend.model_info())
 
@@ -111,7 +109,7 @@ class VerifierService:
 
     async def OpenSession(self, request, context):
         async def work() -> pb.OpenSessionReply:
-            caller = self._caller(context)
+            caller = identify(self.access, context)
             message = await self._decoded(request)
             check_session_id(message.session_id, allow_empty=True)
             spec = codec.session_from_pb(message)
@@ -133,7 +131,7 @@ class VerifierService:
 
     async def CloseSession(self, request, context):
         async def work() -> pb.CloseSessionReply:
-            caller = self._caller(context)
+            caller = identify(self.access, context)
             message = await self._decoded(request)
             check_session_id(message.session_id)
             return pb.CloseSessionReply(existed=await self.backend.close_session(message.session_id, caller))
@@ -142,7 +140,7 @@ class VerifierService:
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateReply]:
         async def start() -> tuple[Identity, AsyncIterator[int]]:
-            caller = self._caller(context)
+            caller = identify(self.access, context)
             spec = codec.generate_from_pb(await self._decoded(request))
             await self._pace(caller, len(spec.prompt_ids))
             self.metrics.observe_opened(len(spec.prompt_ids))
@@ -153,7 +151,7 @@ class VerifierService:
 
     async def Decode(self, request, context) -> AsyncIterator[pb.GenerateReply]:
         async def start() -> tuple[Identity, AsyncIterator[int]]:
-            caller = self._caller(context)
+            caller = identify(self.access, context)
             spec = codec.decode_from_pb(await self._decoded(request))
             check_session_id(spec.session_id)
             return caller, decode_tokens(self.backend, spec, caller)
@@ -179,7 +177,7 @@ class VerifierService:
             await tokens.aclose()  # a Generate closes its session when the client leaves early
 
     async def _verify(self, request, context: grpc.aio.ServicerContext) -> pb.VerifyReply:
-        caller = self._caller(context)
+        caller = identify(self.access, context)
         block = codec.block_from_pb(await self._decoded(request))
         check_session_id(block.session_id)
         start = time.perf_counter()
@@ -191,9 +189,6 @@ class VerifierService:
     async def _next_token(self, caller: Identity, tokens: AsyncIterator[int]) -> int | None:
         await self._pace(caller, 1)
         return await anext(tokens, None)
-
-    def _caller(self, context: grpc.aio.ServicerContext) -> Identity:
-        return self.access.identify(authorization_of(context), peer_of(context))
 
     async def _pace(self, caller: Identity, tokens: int) -> None:
         delay = self.access.pace(caller, tokens)

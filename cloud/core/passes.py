@@ -55,21 +55,24 @@ def plan_pass(blocks: Sequence[DraftBlock], openings: Iterable[Session], prefill
 
     1. One round per session (a session's rounds are scored one after the other, never together),
        the first `max_rounds` of them.
-    2. The prompt tokens the pass may carry beside those rounds: `prefill(round tokens)`.
+    2. The prompt tokens the pass may carry beside those rounds: `prefill(round tokens)` (not asked
+       when no opening is prefilling).
     3. How many openings get a chunk, within the engine's sessions per pass (`opening_sessions`).
     4. The rounds the engine can take beside them (`split_rounds`); the rest go to the next pass.
     """
-    indexed = list(enumerate(blocks))
-    first, later = one_per_session(indexed, lambda item: item[1].session_id)
+    first, later, seen = [], [], set()  # (index, block) pairs; seen: every offered block's session
+    for i, block in enumerate(blocks):
+        (later if block.session_id in seen else first).append((i, block))
+        seen.add(block.session_id)
     if max_rounds is not None:
         first, later = first[:max_rounds], first[max_rounds:] + later
     feeding = tuple(s for s in openings if s.phase is Phase.PREFILLING)
     budget = min(prefill(sum(len(block.draft_ids) + 1 for _, block in first)),
-                 sum(s.remaining for s in feeding))
+                 sum(s.remaining for s in feeding)) if feeding else 0
     limit = caps.max_sequences_per_pass or len(first) + len(feeding)
     streams = opening_sessions(feeding, budget, len(first), limit)
     now, split = split_rounds(first, caps, limit - streams)
-    keep = frozenset({block.session_id for block in blocks} | {s.spec.session_id for s in feeding} | set(busy))
+    keep = frozenset(seen | {s.spec.session_id for s in feeding} | set(busy))
     work = Pass(tuple(block for _, block in now), feeding, max(0, budget), streams, keep)
     return Plan(work, [i for i, _ in now], [i for i, _ in split], sorted(i for i, _ in later))
 
@@ -83,17 +86,6 @@ def check_pass(work: Pass, caps: Capabilities) -> None:
     _, split = split_rounds(list(enumerate(work.rounds)), caps, len(work.rounds))
     if split:
         raise ValueError(f"the pass's trees exceed the {caps.name} engine's limits")
-
-
-def one_per_session(items: Iterable, session_of: Callable[[object], str]) -> tuple[list, list]:
-    """Split work into what may share a pass (the first item of each session, in order) and what
-    must wait for a later one: a session's rounds are scored one after the other, never together."""
-    now, later, seen = [], [], set()
-    for item in items:
-        sid = session_of(item)
-        (later if sid in seen else now).append(item)
-        seen.add(sid)
-    return now, later
 
 
 def split_rounds(items: list[tuple[int, DraftBlock]], caps: Capabilities,

@@ -161,8 +161,8 @@ class Scheduler:
         return await _wait("OpenSession", self.submit_open(spec))
 
     async def verify(self, block: DraftBlock) -> VerifyResult:
-        """Verify one round in the next step."""
-        return await _wait("Verify", self.submit_round(block))
+        """Verify one round in the next step (queued as `submit_round` queues it)."""
+        return await _wait("Verify", self._put(self._rounds, _Round(block, Future(), time.perf_counter())))
 
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding of up to `max_tokens` tokens from the empty block `block`, each the next
@@ -223,7 +223,8 @@ class Scheduler:
             for fn, future in step.calls:
                 _resolve(future, _call(fn))
             if not step.rounds and not step.work.openings:
-                self._settle_opens(step.opens)  # opens refused at admission leave the queue
+                if step.opens:
+                    self._settle_opens(step.opens)  # opens refused at admission leave the queue
                 continue
             # 3. One step: exactly the pass the schedule made.
             work = step.work
@@ -248,7 +249,8 @@ class Scheduler:
                 if item.stream is not None:
                     self._continue(item.stream, item.stream.answered(item.block, result), done)
                 _resolve(item.future, result)
-            self._settle_opens(step.opens)
+            if step.opens:
+                self._settle_opens(step.opens)
 
     def _continue(self, stream: DecodeStream, follow: DraftBlock | None, now: float) -> None:
         """Queue a decode stream's next round (model thread), or end the stream if the scheduler stops."""
@@ -275,12 +277,11 @@ class Scheduler:
         calls, opens = list(self._calls), list(self._opens)
         self._calls.clear()
         live = [r for r in self._rounds if not r.future.cancelled()]
-        feeding = self._admit_opens(opens)
-        others = self._others_active(feeding)
-        chunk = self.verifier.limits.prefill_chunk
+        feeding = self._admit_opens(opens) if opens else []
 
-        def prompt(round_tokens: int) -> int:
-            return prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, round_tokens, chunk, others,
+        def prompt(round_tokens: int) -> int:  # asked only when there is a prompt to feed
+            return prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, round_tokens,
+                                  self.verifier.limits.prefill_chunk, self._others_active(feeding),
                                   self._fed_last_step)
 
         plan = plan_pass([r.block for r in live], feeding, prompt, self.verifier.engine.capabilities,

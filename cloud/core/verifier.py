@@ -183,9 +183,10 @@ class Verifier:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self, work: Pass) -> list[VerifyResult | HybridSpecError]:
-        """Run exactly `work` in one forward pass: its rounds and prompt chunks of up to `work.streams`
-        of its openings, `work.prefill_tokens` tokens in all. Nothing is re-selected or deferred: a pass
-        beyond what the engine may carry is a planning bug (ValueError, before any state changes).
+        """Run exactly `work` in one forward pass: its rounds (of distinct sessions) and prompt chunks of
+        up to `work.streams` of its openings, `work.prefill_tokens` tokens in all. Nothing is re-selected
+        or deferred: a pass beyond what the engine may carry is a planning bug (ValueError, before any
+        state changes).
 
         Returns, per round and in order, its result or the error it earned; one bad round never fails
         the others. An opening's progress is in its phase.
@@ -193,41 +194,35 @@ class Verifier:
         check_pass(work, self.engine.capabilities)
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(work.rounds)
         openings = [s for s in work.openings if s.phase is Phase.PREFILLING]
+        keep = set(work.keep)
         with self._lock:
-            self._run_pass(list(enumerate(work.rounds)), openings, results, work.prefill_tokens, work.streams,
-                           set(work.keep))
+            # 1. Admit: identical replays are answered from memory, bad blocks get their error.
+            rounds = self._admit(list(enumerate(work.rounds)), results)
+            # 2. Room in the cache for every feed; a feed that cannot get it fails alone. A new session
+            #    first starts from the longest prefix of its prompt already cached.
+            feeds, rounds, chunks = self._plan(rounds, openings, results, work.prefill_tokens, work.streams, keep)
+            # 3. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
+            scores = self._forward(feeds, rounds, openings, results)
+            if scores is not None:
+                # 4. Each round's rule; its session commits the accepted drafts and the new token.
+                answered = time.monotonic()
+                try:
+                    bests = greedy_argmaxes([session.spec for _, _, session in rounds],
+                                            [s.logits for s in scores[:len(rounds)]])
+                except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
+                    log.warning("batched argmax failed (%s); rules take their own", exc)
+                    bests = [None] * len(rounds)
+                for (i, block, session), round_scores, best in zip(rounds, scores, bests):
+                    results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
+                # 5. Prompt chunks keep the features their session asked for.
+                for (session, position), chunk_scores in zip(chunks, scores[len(rounds):]):
+                    self._keep_prefill_features(session, chunk_scores, position)
+            # 6. Sessions whose prompt is now cached go live. Only now: a re-open replaces (and frees)
+            #    the session of its id, whose cache a round of this very pass may have read.
+            for session in openings:
+                if session.phase is Phase.PREFILLING and session.remaining == 0:
+                    self._sessions.go_live(session)
         return results  # type: ignore[return-value]
-
-    def _run_pass(self, items: list[tuple[int, DraftBlock]], openings: list[Session], results: list,
-                  prefill_tokens: int, streams: int, keep: set[str]) -> None:
-        """One verify round for blocks of distinct sessions, plus prompt chunks of up to `streams`
-        openings, in one pass (lock held)."""
-        # 1. Admit: identical replays are answered from memory, bad blocks get their error.
-        rounds = self._admit(items, results)
-        # 2. Room in the cache for every feed; a feed that cannot get it fails alone. A new session
-        #    first starts from the longest prefix of its prompt already cached.
-        feeds, rounds, chunks = self._plan(rounds, openings, results, prefill_tokens, streams, keep)
-        # 3. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-        scores = self._forward(feeds, rounds, openings, results)
-        if scores is not None:
-            # 4. Each round's rule; its session commits the accepted drafts and the new token.
-            answered = time.monotonic()
-            try:
-                bests = greedy_argmaxes([session.spec for _, _, session in rounds],
-                                        [s.logits for s in scores[:len(rounds)]])
-            except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
-                log.warning("batched argmax failed (%s); rules take their own", exc)
-                bests = [None] * len(rounds)
-            for (i, block, session), round_scores, best in zip(rounds, scores, bests):
-                results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
-            # 5. Prompt chunks keep the features their session asked for.
-            for (session, position), chunk_scores in zip(chunks, scores[len(rounds):]):
-                self._keep_prefill_features(session, chunk_scores, position)
-        # 6. Sessions whose prompt is now cached go live. Only now: a re-open replaces (and frees) the
-        #    session of its id, whose cache a round of this very pass may have read.
-        for session in openings:
-            if session.phase is Phase.PREFILLING and session.remaining == 0:
-                self._sessions.go_live(session)
 
     def _admit(self, items: list[tuple[int, DraftBlock]], results: list) -> list[Round]:
         """The rounds to score; replays get their stored answer, bad blocks their error."""

@@ -59,7 +59,7 @@ class HostPass:
         return max(len(t) for t in self.tables)
 
 
-def plan_pass(feeds: Sequence[Feed], page_tokens: int) -> HostPass:
+def lay_out(feeds: Sequence[Feed], page_tokens: int) -> HostPass:
     """Lay `feeds` out (their sequences already have room for their tokens)."""
     ids: list[int] = []
     positions, write_rows = [], []

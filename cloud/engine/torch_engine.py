@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .base import Capabilities, Feed, Scores
-from .batch import ROWS, GroupTensors, HostPass, plan_pass, stage
+from .batch import ROWS, GroupTensors, HostPass, lay_out, stage
 from .kvpool import PAGE_TOKENS, KVPool, PageTable
 from .llama import LlamaWeights, PassInputs, forward, from_model
 
@@ -195,7 +195,7 @@ class TorchEngine:
     def forward(self, feeds: Sequence[Feed]) -> list[Scores]:
         """Append every feed's tokens to its session in one pass (see engine.base.Engine.forward)."""
         # 1. Lay the pass out on the host.
-        host = plan_pass(feeds, PAGE_TOKENS)
+        host = lay_out(feeds, PAGE_TOKENS)
         # 2. Run it: a captured graph when one is large enough (logits of every row), else the same
         #    kernels eagerly (logits of the scored rows only: on a CPU the output head is costly).
         graph = self._graph_for(host)

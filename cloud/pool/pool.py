@@ -192,8 +192,9 @@ class Pool:
             raise
 
     async def verify(self, block: DraftBlock, caller: Identity) -> VerifyResult:
-        """Verify one round, sent by `caller`, on the replica that holds the session."""
-        replica = self._route(block.session_id, caller)
+        """Verify one round, sent by `caller`, on the replica that holds the session (the table's `get`:
+        FailedPrecondition for a session it does not route, PermissionDenied for another identity's)."""
+        replica = self.replicas[self.table.get(block.session_id, caller).replica]
         with self._noticing_loss(replica):
             return await replica.verify(replace(block, owner=caller.owner))
 
@@ -201,7 +202,7 @@ class Pool:
                      caller: Identity) -> AsyncIterator[int]:
         """Cloud-only decoding on the replica that holds the session: up to `max_tokens` tokens from
         the empty block `block`, streamed as the replica decodes them (cloud/core/decoding.py)."""
-        replica = self._route(block.session_id, caller)
+        replica = self.replicas[self.table.get(block.session_id, caller).replica]
         with self._noticing_loss(replica):
             async for token in replica.decode(replace(block, owner=caller.owner), max_tokens, eos):
                 yield token
@@ -248,10 +249,6 @@ class Pool:
         return list(await asyncio.gather(*(one(r) for r in self.replicas.values())))
 
     # ---- helpers ------------------------------------------------------------------------------
-
-    def _route(self, session_id: str, caller: Identity) -> Replica:
-        """The replica holding a live session of `caller`'s (FailedPrecondition, PermissionDenied)."""
-        return self.replicas[self.table.get(session_id, caller).replica]
 
     async def _place(self) -> str:
         """The name of the live replica a new session goes to: the one with the fewest sessions (ties:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from .errors import FailedPrecondition, InvalidArgument
 from .tree import check_tree, children, is_chain
@@ -261,7 +262,7 @@ class DraftBlock:
     # ("" on a server without credentials); the session's owner must match.
     owner: str = ""
 
-    @property
+    @cached_property  # asked at every step of a round's way (plan, validation, rule, KV kept): derived once
     def is_tree(self) -> bool:
         """True when `parents` makes the draft anything but a chain."""
         return bool(self.parents) and not is_chain(self.parents)
@@ -269,8 +270,8 @@ class DraftBlock:
     def validate(self, vocab_size: int, max_draft: int, needs_probs: bool, max_tree_nodes: int = 0,
                  trees: bool = True) -> None:
         """Raise InvalidArgument naming the first bad field. max_tree_nodes: the server's node limit
-        for trees (0: chains only); trees: whether the session's rule verifies trees."""
-        check_session_id(self.session_id)
+        for trees (0: chains only); trees: whether the session's rule verifies trees. Not the session
+        id: the servicer checks it before any lookup, and a block is validated once its session is found."""
         gamma = len(self.draft_ids)
         if self.parents:
             check_tree(self.parents, self.draft_ids, max(max_tree_nodes, max_draft), max_draft)
