@@ -18,6 +18,10 @@ uncounted warm-up generation. The round reported is the typical one: each functi
 of its frames over those rounds (`summarise`). A side is the process that runs the code: the edge's
 threads, or the in-process cloud's.
 
+Not every one of those files is read to follow the round: the path (`reading_path`) is the files whose
+code hands the round on to another of the package's files; the rest are only looked up (a wire
+dataclass, a maths rule, a metric, a layer of the model).
+
     python bench/round_path.py [--tokens 101] [--gamma 4] [--drafter-seed 0] [--out FILE]
 """
 from __future__ import annotations
@@ -38,6 +42,7 @@ PACKAGES = ("edge", "cloud", "common")  # the folders a round crosses; anything 
 # (edge/client.py); every other thread here is the in-process cloud's (server loop, scheduler, gRPC).
 EDGE_THREADS = ("MainThread", "verify-stream")
 ROUND_START = ("edge/hybrid.py", "hybrid_round")
+WRAPPERS = ("contextlib.py",)  # library frames between a caller and its callee: decorators (and torch's own)
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
@@ -50,6 +55,8 @@ class PathCounter:
         self.round = 0
         # round -> (side, file, function) -> new frames; side: "edge" or "cloud", by the thread
         self.calls: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        # round -> (side, caller's file, callee's file) -> calls from one of the package's files into another
+        self.handoffs: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         self.threads: set[str] = set()
         self._lock = threading.Lock()
         self._where: dict[object, tuple[str, str] | None] = {}  # code object -> (file, function) or None
@@ -100,11 +107,23 @@ class PathCounter:
             return
         thread = threading.current_thread().name
         side = "edge" if thread in EDGE_THREADS else "cloud"
+        caller = self._caller(frame)
         with self._lock:
             if site == ROUND_START:
                 self.round += 1
             self.calls[self.round][(side, *site)] += 1
+            if caller is not None and caller[0] != site[0]:
+                self.handoffs[self.round][(side, caller[0], site[0])] += 1
             self.threads.add(thread.rstrip("0123456789_-"))
+
+    def _caller(self, frame) -> tuple[str, str] | None:
+        """The package's code that called `frame`: its immediate caller, seen through decorators
+        (torch.no_grad, contextlib). A frame entered from other library code (grpc, asyncio, threading)
+        was handed nothing by the package's own code."""
+        back = frame.f_back
+        while back is not None and back.f_code.co_filename.endswith(WRAPPERS):
+            back = back.f_back
+        return self._site(back) if back is not None else None
 
     def start(self) -> None:
         threading.setprofile(self)
@@ -126,6 +145,21 @@ def part(calls: dict[tuple[str, str], float]) -> dict:
     files = sorted({path for path, _ in calls})
     return {"frames_per_round": round(sum(calls.values()), 2), "functions": len(calls), "file_count": len(files),
             "files": files}
+
+
+def reading_path(handoffs: dict[int, collections.Counter], rounds: list[int], files: list[str]) -> dict:
+    """The files a round passes through, apart from those it only looks things up in: a file is on the
+    path when, in the typical round (median over `rounds`), its code calls into another of the
+    package's files; the others among `files` (wire dataclasses, maths, metrics, the model's layers)
+    are only called. Per side, with the hand-offs (caller's file -> callee's file) that make the path."""
+    keys = {key for r in rounds for key in handoffs.get(r, {})}
+    typical = {key for key in keys if median([handoffs.get(r, {}).get(key, 0) for r in rounds])}
+    sides = {}
+    for side in sorted({side for side, _, _ in typical}):
+        edges = sorted((a, b) for s, a, b in typical if s == side)
+        sides[side] = {"files": sorted({a for a, _ in edges}), "handoffs": [f"{a} -> {b}" for a, b in edges]}
+    path = sorted({f for part in sides.values() for f in part["files"]})
+    return {"path_files": len(path), "path": path, "looked_up": sorted(set(files) - set(path)), "path_by_side": sides}
 
 
 def summarise(calls: dict[int, collections.Counter], rounds: list[int]) -> dict:
@@ -191,6 +225,7 @@ def count(tokens: int, gamma: int, prompt: list[int], drafter_seed: int = 0) -> 
                 worker.generate(prompt)  # warm-up: imports, first passes, caches
                 counter.round = 0
                 counter.calls.clear()
+                counter.handoffs.clear()
                 generation = worker.generate(prompt)
         finally:
             server.stop()
@@ -200,9 +235,13 @@ def count(tokens: int, gamma: int, prompt: list[int], drafter_seed: int = 0) -> 
     if counter.round != rounds or rounds < 3:
         raise SystemExit(f"counted {counter.round} round starts for {rounds} rounds: need 3 or more, "
                          "all hybrid (raise --tokens)")
+    steady = list(range(2, rounds))
+    summary = summarise(counter.calls, steady)
     return {"rounds": rounds, "tokens": len(generation.token_ids),
             "accepted_per_round": round(generation.stats.accepted / rounds, 2),
-            "threads": sorted(counter.threads), "token_ids": generation.token_ids, **summarise(counter.calls, list(range(2, rounds)))}
+            "threads": sorted(counter.threads), "token_ids": generation.token_ids, **summary,
+            **reading_path(counter.handoffs, steady, sorted({f for side in summary["by_side"].values()
+                                                              for f in side["files"]}))}
 
 
 def main() -> None:

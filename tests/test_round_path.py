@@ -34,6 +34,13 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
     cloud_calls = result["calls_per_round"]["cloud"]
     assert cloud_calls.get("common/protocol/wire.py:DraftBlock.is_tree", 0) <= 1
     assert cloud_calls["common/protocol/wire.py:check_session_id"] == 1
+    # The reading path: files that hand the round on, apart from those only looked up.
+    assert result["path_files"] == len(result["path"]) and not set(result["path"]) & set(result["looked_up"])
+    assert set(result["path"]) | set(result["looked_up"]) >= set(edge["files"]) | set(cloud["files"])
+    assert {"edge/hybrid.py", "edge/rounds.py", "cloud/api/service.py", "cloud/core/verifier.py"} <= set(result["path"])
+    assert "common/protocol/wire.py" in result["looked_up"]  # dataclasses: called, calling nothing of ours
+    assert "edge/rounds.py -> edge/session.py" in result["path_by_side"]["edge"]["handoffs"]
+    assert "cloud/core/scheduler.py -> cloud/core/verifier.py" in result["path_by_side"]["cloud"]["handoffs"]
     # ... and opens, closes and builds nothing: that is setup and teardown.
     once = ("CloudSession.open", "OpenSession", "CloseSession", "build_drafting", "GenerationRun.__init__")
     assert not [name for name in calls if name.endswith(once)]
