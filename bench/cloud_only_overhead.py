@@ -19,7 +19,8 @@ chat prompts through each layer in turn, repeated and interleaved so that drift 
                    shadow drafting on the edge's core with the llama.cpp drafter `edge generate` loads)
 
 Milliseconds per token (prompt prefill included, as a user waits for it) and tokens/s relative to
-llama.cpp alone. Prints one JSON object.
+llama.cpp alone: of the medians, and paired (each generation against llama.cpp alone on the same prompt
+a few seconds before; geometric mean, with its 95 % bootstrap interval). Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from hybridspec.cli.edge_options import build_worker
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.common.models.loading import load_model
+from hybridspec.lab.stats import bootstrap_ci
 from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report, start_cloud, stop_cloud
 
 
@@ -90,6 +92,13 @@ def verifier_alone(verifier: Verifier, prompt: list[int], n: int, eos: set[int])
         return out
     finally:
         verifier.close_session(sid)
+
+
+def paired_interval(base: list[float], layer: list[float]) -> list[float]:
+    """The 95 % bootstrap interval of the geometric mean of base / layer over the generations' pairs."""
+    ratios = [a / b for a, b in zip(base, layer)]
+    estimate = bootstrap_ci(ratios, statistics.geometric_mean)
+    return [round(estimate.lo, 3), round(estimate.hi, 3)]
 
 
 def main() -> None:
@@ -185,6 +194,8 @@ def main() -> None:
                # each generation against llama.cpp alone on the same prompt a few seconds before
                "vs_llamacpp_alone_paired": round(statistics.geometric_mean(
                    [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
+               # its 95 % percentile-bootstrap interval over the generations
+               "vs_llamacpp_alone_paired_ci": paired_interval(ms["llamacpp_alone"], v),
                "same_text_as_engine": sum(a == b for a, b in zip(texts[name], texts["engine"]))}
         for name, v in ms.items()}}
     report(result, args.out)
