@@ -23,7 +23,7 @@ from hybridspec.common.models.gguf import find_gguf
 from hybridspec.common.models.loading import load_model
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.prompt import encode_prompt
-from harness import CLOUD_CORE, EDGE_CORE, arguments, header, pin, report
+from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report
 
 SHARES = (0.0, 0.25, 1.0)  # of the edge core's time spent drafting
 
@@ -96,7 +96,7 @@ def main() -> None:
             "cloud_core": CLOUD_CORE, "edge_core": EDGE_CORE, "prompts": len(prompts), "new_tokens": args.new_tokens,
             "repeats": args.repeats, "shares": {
                 str(share): {"ms_per_token_mean": round(statistics.mean(v), 3),
-                             "ms_per_token_median": round(statistics.median(v), 3),
+                             "ms_per_token_median": round(median(v), 3),
                              "vs_idle_edge_core": round(statistics.mean(v) / idle, 3),
                              "ms_per_token_all": [round(x, 3) for x in v]}
                 for share, v in ms.items()}}, args.out)
