@@ -49,7 +49,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
     try:
         ping = _ping_in_background(ctx)
         loading = ctl.reconsiders  # no guesses, no decisions until the drafter is there (never: --cloud-only)
-        can_shadow = shadow = False
+        can_shadow, to_guess = False, 0  # to_guess: shadow guesses left in this window
         streak = 0  # consecutive shadow agreements: the position a block would have reached
         guessed_at = -1  # the committed length at the last guess (-1: none in this phase)
         last = None
@@ -70,9 +70,11 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
                 break  # a stop string ends the generation before the stream does
             guess_s = estimates.draft_s.value
             since_guess = len(state.committed) - guessed_at if guessed_at >= 0 else SHADOW_UNAFFORDABLE_EVERY
-            if shadow and guess_s is not None and waited < guess_s and since_guess < SHADOW_UNAFFORDABLE_EVERY:
-                streak = 0  # the position a block would reach is unknown now
-            elif shadow:
+            affordable = guess_s is None or waited >= guess_s or since_guess >= SHADOW_UNAFFORDABLE_EVERY
+            if to_guess and affordable:
+                to_guess -= 1
+                if guessed_at != len(state.committed) - 1:
+                    streak = 0  # after a gap, the position a block would have reached is unknown
                 started = time.perf_counter()
                 proposal = kit.drafter.propose(state.committed[:-1], 1, fallback=False)
                 if guessed_at == len(state.committed) - 1:
@@ -93,7 +95,8 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
                 if kit is None and shadow_rule(cfg):
                     kit = build_drafting(ctx)
                 loading, can_shadow = False, kit is not None and kit.can_shadow
-                shadow, next_check, since_check = ctl.shadow_worthwhile(can_shadow), ctl.first_check_after(can_shadow), 0
+                next_check, since_check = ctl.first_check_after(can_shadow), 0
+                to_guess = ctl.shadow_guesses(can_shadow, next_check)
             # 3. Decide, every so often.
             since_check += 1
             if not ctl.reconsiders or since_check < next_check:
@@ -105,7 +108,7 @@ def run_cloud_only(ctx: RunContext, kit: Drafting | None) -> Generator[Event, No
                 break
             if ctl.end_warmup():
                 yield ctx.notice("staying with cloud-only decoding: predicted faster than hybrid here")
-            shadow = ctl.shadow_worthwhile(can_shadow)
+            to_guess = ctl.shadow_guesses(can_shadow, next_check)
     except Unavailable as exc:
         return Lost(exc), kit
     finally:

@@ -32,9 +32,12 @@ OPTIMISTIC_ALPHA = 0.9
 # speed while it runs on every token, docs/measurements.md), and it costs a real edge energy. Once
 # enough guesses were checked, it runs only while hybrid could win with α_1 at most SHADOW_MARGIN
 # above what they showed; otherwise one window in SHADOW_RECHECK still guesses, since texts change.
+# Such a recheck guesses only its first SHADOW_RECHECK_GUESSES tokens: enough to see α move (a text
+# that got easy then has every window shadowed again), a quarter of a window's share of the memory.
 SHADOW_MIN_CHECKS = 16
 SHADOW_MARGIN = 0.15
 SHADOW_RECHECK = 4
+SHADOW_RECHECK_GUESSES = 8
 # A generation starts hybrid only when hybrid is predicted this much faster (a fraction) with the α
 # measured so far, which earlier texts gave: acceptance belongs to the text. Below it, the generation
 # starts cloud-only and its own shadow guesses decide after `probe_tokens`; that switch costs one
@@ -205,17 +208,21 @@ class Controller:
             return self.policy.settings.probe_tokens
         return WARMUP_CLOUD_TOKENS if can_shadow else WARMUP_CLOUD_TOKENS_UNSHADOWED
 
-    def shadow_worthwhile(self, can_shadow: bool) -> bool:
-        """Shadow-draft the next window of cloud tokens? Only if the guesses can be checked and hybrid
-        could win (while warming up T is not known yet, so always); a window that is not shadowed is
-        counted, and every SHADOW_RECHECK-th is shadowed anyway so that α follows a changing text."""
+    def shadow_guesses(self, can_shadow: bool, window: int) -> int:
+        """How many of the next `window` cloud tokens to shadow-draft: all of them if the guesses can be
+        checked and hybrid could win (while warming up T is not known yet, so always); else none, but
+        every SHADOW_RECHECK-th window still guesses its first SHADOW_RECHECK_GUESSES so that α follows
+        a changing text."""
         if not (can_shadow and self.reconsiders):
-            return False
-        if self.warming_up or self.hybrid_could_win() or self.estimates.unshadowed_windows + 1 >= SHADOW_RECHECK:
+            return 0
+        if self.warming_up or self.hybrid_could_win():
             self.estimates.unshadowed_windows = 0
-            return True
+            return window
+        if self.estimates.unshadowed_windows + 1 >= SHADOW_RECHECK:
+            self.estimates.unshadowed_windows = 0
+            return min(window, SHADOW_RECHECK_GUESSES)
         self.estimates.unshadowed_windows += 1
-        return False
+        return 0
 
     def hybrid_looks_better(self, can_shadow: bool, remaining_tokens: int, context_tokens: int) -> bool:
         """Leave cloud-only decoding? While warming up without shadow acceptance (sampling), judged

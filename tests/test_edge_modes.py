@@ -10,6 +10,7 @@ from hybridspec.edge import cloud_only, context
 from hybridspec.edge import worker as worker_module
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.controller import WARMUP_CLOUD_TOKENS, Controller
 from hybridspec.edge.drafter import Lookahead
 from hybridspec.edge.state import EventKind, Origin
 from hybridspec.edge.worker import EdgeWorker
@@ -282,6 +283,23 @@ def test_shadow_guesses_never_hold_back_tokens_that_are_already_waiting(server, 
     assert 0 < gen.stats.shadow_guesses <= 1 + NEW // cloud_only.SHADOW_UNAFFORDABLE_EVERY, gen.stats.shadow_guesses
 
 
+def test_a_cloud_only_stream_guesses_no_more_of_a_window_than_the_controller_allows(server, target, monkeypatch):
+    """Regression: a window shadowed only to recheck α guessed every token of it (about 30 per
+    generation in never_slower, 2026-11-27e); the controller now says how many guesses a window gets,
+    and the stream stops guessing once they are made."""
+    allowed = 3
+    monkeypatch.setattr(Controller, "shadow_guesses", lambda self, can_shadow, window: min(window, allowed) * can_shadow)
+    config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, probe_tokens=8)
+    with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
+        worker = EdgeWorker(target, client, config)
+        monkeypatch.setattr(Controller, "hybrid_looks_better", lambda self, *args: False)  # stay cloud-only
+        gen = worker.generate(PROMPT)
+    assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == NEW
+    windows = 1 + -(-(NEW - WARMUP_CLOUD_TOKENS) // 8)  # the warm-up's, then one per 8 tokens
+    assert 0 < gen.stats.shadow_guesses <= allowed * windows, (gen.stats.shadow_guesses, windows)
+
+
 def test_shadow_guesses_time_the_drafter_only_on_one_token_steps(server, target, monkeypatch):
     """Regression: t_d was also taken from guesses that first fed the drafter the prompt or the tokens
     it had not guessed; one prompt's feed made the next tokens' guesses look unaffordable, and each
@@ -311,7 +329,7 @@ def test_a_cloud_only_stream_hands_over_to_hybrid_when_hybrid_looks_better(serve
     """Regression: the cloud-only phase's hand-over to hybrid read a setting the controller's resolved
     `Policy` no longer carried once the config was split into sections (AttributeError, seen only where
     the tiny models made hybrid look faster by chance). Forced here: hybrid always looks better."""
-    from hybridspec.edge.controller import Controller
+    from hybridspec.edge.controller import WARMUP_CLOUD_TOKENS, Controller
 
     monkeypatch.setattr(Controller, "hybrid_looks_better", lambda self, *args: True)
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4)  # a new worker warms up cloud-only
