@@ -89,6 +89,10 @@ class LinkEmulator:
         except OSError:
             client_w.transport.abort()
             return
+        if self._down:  # cut while this connection was being made: the cut never saw it
+            client_w.transport.abort()
+            up_w.transport.abort()
+            return
         self.counters.connections += 1
         self._writers |= {client_w, up_w}
         up = _Pipe(Shaper(self.spec.up, random.Random(self._rng.random()), self._origin))

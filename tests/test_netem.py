@@ -163,6 +163,28 @@ def test_outage_cuts_connections_and_recovery_lets_new_ones_through(echo):
         assert _median_rtt_ms(link.address, n=3) < 50
 
 
+def test_a_connection_accepted_while_the_link_is_cut_is_cut_too(echo, monkeypatch):
+    """Regression: the relay accepted a connection, then cut the link while it was still connecting
+    upstream; the cut closed only the connections it knew, and this one went on relaying through the
+    outage."""
+    from hybridspec.netem import relay
+    with BackgroundLink(LinkSpec(), echo) as link:
+        connect = relay.asyncio.open_connection
+
+        async def cut_meanwhile(*args, **kwargs):
+            streams = await connect(*args, **kwargs)
+            link.link.set_down(True)  # on the relay's loop, as the cut lands between accept and relay
+            return streams
+
+        monkeypatch.setattr(relay.asyncio, "open_connection", cut_meanwhile)
+        sock = _connect(link.address)
+        with pytest.raises(OSError):
+            sock.sendall(b"ping")
+            if not sock.recv(16):
+                raise ConnectionResetError("closed by the link")
+        sock.close()
+
+
 @contextlib.contextmanager
 def _cli_relay(*flags: str):
     """`hybridspec netem` as a subprocess on a free port: (its address, the process). On leaving,
