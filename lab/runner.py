@@ -85,6 +85,8 @@ class Lab:
                                 **spec.cloud, "direct_verify": False}
                 proc, address, log = start_cloud_process(cloud_config, self.cloud_cores if self.pin else None)
                 try:
+                    first = linked[0][0]
+                    self._warm_up(first, [s for p, s in linked if p == first], address)
                     for point in spec.points():
                         jobs = [s for p, s in linked if p == point]
                         if jobs:
@@ -157,6 +159,23 @@ class Lab:
                 for slot in slots:
                     slot.close()
         return ran
+
+    def _warm_up(self, point: GridPoint, strategies: list[Strategy], address: str) -> None:
+        """One untimed generation of each strategy before the first timed one. A new cloud's first
+        session and this process's first edge pay one-time costs (connections, the replica's first
+        passes: the first generation of each never_slower run of 2026-11-27 waited 260-320 ms longer for
+        its first token than the cloud-only one beside it), which would land on whichever strategy the
+        rotation puts first: always the same one."""
+        with self._link(point, address) as link:
+            slot = Slot(self, strategies, point, link.address)
+            try:
+                for strategy in strategies:
+                    try:
+                        slot.generate(strategy.name, self.prompts[0], 0, None)
+                    except Exception as exc:  # the timed generations will record it, if it lasts
+                        tqdm.write(f"warm-up generation of {strategy.name} failed: {type(exc).__name__}: {exc}")
+            finally:
+                slot.close()
 
     def _slots(self, point: GridPoint, strategies: list[Strategy], address: str) -> list:
         """The point's concurrent edge slots: in this process, or each in its own (edge_processes)."""

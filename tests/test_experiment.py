@@ -334,3 +334,29 @@ def test_direct_verify_in_an_experiment_is_refused(tmp_path):
     path.write_text("cloud: {direct_verify: true}\nstrategies: [{name: a, kind: cloud_only}]\n")
     with pytest.raises(ConfigError, match="direct_verify.*bypass"):
         load_spec(path)
+
+
+def test_each_strategy_generates_once_untimed_before_the_first_timed_generation(model_dirs, tmp_path, monkeypatch):
+    """Regression: the first generation after the cloud started paid its one-time costs (the first
+    generation of each never_slower run of 2026-11-27 waited 260-320 ms longer for its first token than
+    the cloud-only one beside it), and the rotation always put the same strategy first."""
+    from hybridspec.lab import runner
+
+    calls: list[str] = []
+    generate = runner.Slot.generate
+
+    def recording(self, strategy, *args, **kwargs):
+        calls.append(strategy)
+        return generate(self, strategy, *args, **kwargs)
+
+    monkeypatch.setattr(runner.Slot, "generate", recording)
+    spec = {"target": str(model_dirs["target"]), "drafter": str(model_dirs["target"]), "chat": False,
+            "prompts": ["w5 w17 w33 w80"], "max_new_tokens": 6, "repeats": 1, "pin": False,
+            "cloud": {"backend": "inprocess"}, "grid": {"rtt_ms": [0, 20]},
+            "strategies": [{"name": "cloud-only", "kind": "cloud_only"}, {"name": "hybrid", "kind": "hybrid"}]}
+    path = tmp_path / "warm.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rows = read_rows(run_experiment(load_spec(path), tmp_path / "out"))
+    assert len(rows) == 4 and not [r for r in rows if "error" in r]
+    assert sorted(calls[:2]) == ["cloud-only", "hybrid"]  # the warm-up: each strategy once, not recorded
+    assert len(calls) == len(rows) + 2  # once per run, not per grid point
