@@ -1,16 +1,21 @@
 """The edges of an experiment: one per concurrent slot and strategy, over the emulated link.
 
-A slot runs its edges in the experiment's own process (threads: cheap, but they share one
-interpreter) or, with `edge_processes: true`, in a process of its own, as N devices would (each
-with its own interpreter, drafter and connection; spawned, so no forked gRPC or llama.cpp state).
+A slot runs its edges in the experiment's own process (`Slot`; threads: cheap, but they share one
+interpreter) or, with `edge_processes: true`, in a process of its own (`ProcessSlot`), as N devices
+would (each with its own interpreter, drafter and connection; spawned, so no forked gRPC or llama.cpp
+state).
 """
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
+
+import torch
 
 from ..common.models.loading import LoadedModel
 from ..common.protocol.wire import DecodeSpec, Mode, SessionSpec
@@ -31,6 +36,8 @@ class EdgeHost(Protocol):
     """What an edge takes from the experiment it runs in (lab/runner.py's Lab)."""
 
     spec: ExperimentSpec
+    pin: bool  # edges on edge_cores, one torch thread (a process slot applies it to itself)
+    edge_cores: set[int]
 
     def edge_config(self, strategy: Strategy, point: GridPoint, address: str, repeat: int) -> EdgeConfig: ...
 
@@ -109,3 +116,60 @@ class Edge:
     def close(self) -> None:
         """Close the connection."""
         self.client.close()
+
+
+class ProcessSlot:
+    """A slot whose edges live in a process of their own; `generate` and `close` as Slot's. `host`: the
+    experiment's class (lab/runner.py's Lab), which the process builds for its configs and drafters."""
+
+    def __init__(self, host: Callable[[ExperimentSpec, Path], EdgeHost], spec: ExperimentSpec, out: Path,
+                 strategies: list[Strategy], point: GridPoint, address: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_slot, args=(child, host, spec, out, strategies, point, address),
+                                        daemon=True, name="edge-slot")
+        self._process.start()
+
+    def wait_ready(self) -> None:
+        """Wait until the process has loaded its drafter and connected; its error, if it could not."""
+        reply = self._conn.recv()
+        if reply != "ready":
+            raise RuntimeError(f"an edge process did not start: {reply}")
+
+    def generate(self, strategy: str, prompt: list[int], repeat: int, trace: Path | None) -> dict:
+        """One generation in the process: the raw row fields."""
+        self._conn.send((strategy, prompt, repeat, trace))
+        return self._conn.recv()
+
+    def close(self) -> None:
+        """Let the process close its connections and exit."""
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass  # it is gone already
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _serve_slot(conn, host: Callable[[ExperimentSpec, Path], EdgeHost], spec: ExperimentSpec, out: Path,
+                strategies: list[Strategy], point: GridPoint, address: str) -> None:
+    """A slot process: its own experiment host for configs and drafters, on the edge cores, one torch thread."""
+    try:
+        lab = host(spec, out)
+        if lab.pin:
+            os.sched_setaffinity(0, lab.edge_cores)
+            torch.set_num_threads(1)
+        slot = Slot(lab, strategies, point, address)
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    conn.send("ready")
+    try:
+        while (job := conn.recv()) is not None:
+            try:
+                conn.send(slot.generate(*job))
+            except Exception as exc:  # a row with its error, as for an edge in this process
+                conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        slot.close()

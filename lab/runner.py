@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import platform
 import subprocess
@@ -28,7 +27,7 @@ from ..edge.prompt import encode_prompt
 from ..netem.relay import BackgroundLink
 from ..netem.tc import TcError, TcLink, probe
 from . import baselines
-from .edges import Slot
+from .edges import ProcessSlot, Slot
 from .references import load_references, served_verifier
 from .rows import done_keys, row_key, write_csv
 from .spec import LINKED, ExperimentSpec, GridPoint, Strategy, link_spec
@@ -135,18 +134,19 @@ class Lab:
 
     def _run_linked(self, point: GridPoint, strategies: list[Strategy], address: str, bar) -> int:
         """Every strategy on each prompt (group) in turn, the order rotating, so that the machine's drift
-        lands on all strategies alike and a prompt's speed-up compares runs seconds apart."""
+        lands on all strategies alike and a prompt's speed-up compares runs seconds apart. The rotation
+        counts repeats as well as prompts: by prompts alone, an even number of prompts gave each prompt
+        the same order in every repeat, so a drift between a prompt's two runs always fell the same way."""
         ran = 0
         with self._link(point, address) as link:
             # One edge per concurrent slot and strategy, kept across prompts: like a device serving many
             # requests, it keeps its connection and its measured rates from one generation to the next.
             slots = self._slots(point, strategies, link.address)
             try:
-                turn = 0
                 for repeat in range(self.spec.repeats):
-                    for first in range(0, len(self.prompts), point.edges):
-                        turn += 1
-                        for strategy in strategies[turn % len(strategies):] + strategies[:turn % len(strategies)]:
+                    for group, first in enumerate(range(0, len(self.prompts), point.edges), start=1):
+                        turn = (group + repeat) % len(strategies)
+                        for strategy in strategies[turn:] + strategies[:turn]:
                             keys = [row_key(strategy.name, point, first, repeat, e) for e in range(point.edges)]
                             if all(k in self.done for k in keys):
                                 continue
@@ -161,17 +161,19 @@ class Lab:
         return ran
 
     def _warm_up(self, point: GridPoint, strategies: list[Strategy], address: str) -> None:
-        """One untimed generation of each strategy before the first timed one. A new cloud's first
-        session and this process's first edge pay one-time costs (connections, the replica's first
-        passes: the first generation of each never_slower run of 2026-11-27 waited 260-320 ms longer for
-        its first token than the cloud-only one beside it), which would land on whichever strategy the
-        rotation puts first: always the same one."""
+        """Untimed generations before the first timed one: each strategy once, then every other prompt
+        once. A new cloud's first session and this process's first edge pay one-time costs (the first
+        generation of each never_slower run of 2026-11-27 waited 260-320 ms longer for its first token
+        than the cloud-only one beside it), and the first run of a prompt prefills what the replica's
+        prefix cache then holds for the next (120 ms against 41 ms to the first token); both would land
+        on whichever strategy the rotation puts first."""
         with self._link(point, address) as link:
             slot = Slot(self, strategies, point, link.address)
             try:
-                for strategy in strategies:
+                runs = [(s, self.prompts[0]) for s in strategies] + [(strategies[0], p) for p in self.prompts[1:]]
+                for strategy, prompt in runs:
                     try:
-                        slot.generate(strategy.name, self.prompts[0], 0, None)
+                        slot.generate(strategy.name, prompt, 0, None)
                     except Exception as exc:  # the timed generations will record it, if it lasts
                         tqdm.write(f"warm-up generation of {strategy.name} failed: {type(exc).__name__}: {exc}")
             finally:
@@ -181,7 +183,7 @@ class Lab:
         """The point's concurrent edge slots: in this process, or each in its own (edge_processes)."""
         if not self.spec.edge_processes:
             return [Slot(self, strategies, point, address) for _ in range(point.edges)]
-        slots = [_ProcessSlot(self.spec, self.out, strategies, point, address) for _ in range(point.edges)]
+        slots = [ProcessSlot(Lab, self.spec, self.out, strategies, point, address) for _ in range(point.edges)]
         for slot in slots:
             slot.wait_ready()  # started together: their imports and model loads overlap
         return slots
@@ -340,62 +342,6 @@ class Lab:
                              "grpcio": grpc.__version__},
                 "git": _git_commit()}
         (self.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-class _ProcessSlot:
-    """A slot whose edges live in a process of their own (lab/edges.py); `generate` and `close` as Slot's."""
-
-    def __init__(self, spec: ExperimentSpec, out: Path, strategies: list[Strategy], point: GridPoint,
-                 address: str) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_serve_slot, args=(child, spec, out, strategies, point, address),
-                                        daemon=True, name="edge-slot")
-        self._process.start()
-
-    def wait_ready(self) -> None:
-        """Wait until the process has loaded its drafter and connected; its error, if it could not."""
-        reply = self._conn.recv()
-        if reply != "ready":
-            raise RuntimeError(f"an edge process did not start: {reply}")
-
-    def generate(self, strategy: str, prompt: list[int], repeat: int, trace: Path | None) -> dict:
-        """One generation in the process: the raw row fields."""
-        self._conn.send((strategy, prompt, repeat, trace))
-        return self._conn.recv()
-
-    def close(self) -> None:
-        """Let the process close its connections and exit."""
-        try:
-            self._conn.send(None)
-        except OSError:
-            pass  # it is gone already
-        self._process.join(timeout=30)
-        if self._process.is_alive():
-            self._process.kill()
-
-
-def _serve_slot(conn, spec: ExperimentSpec, out: Path, strategies: list[Strategy], point: GridPoint,
-                address: str) -> None:
-    """A slot process: its own Lab for configs and drafters, on the edge cores, one torch thread."""
-    try:
-        lab = Lab(spec, out)
-        if lab.pin:
-            os.sched_setaffinity(0, lab.edge_cores)
-            torch.set_num_threads(1)
-        slot = Slot(lab, strategies, point, address)
-    except Exception as exc:
-        conn.send(f"{type(exc).__name__}: {exc}")
-        return
-    conn.send("ready")
-    try:
-        while (job := conn.recv()) is not None:
-            try:
-                conn.send(slot.generate(*job))
-            except Exception as exc:  # a row with its error, as for an edge in this process
-                conn.send({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        slot.close()
 
 
 def run_experiment(spec: ExperimentSpec, out: Path, fresh: bool = False) -> Path:

@@ -336,27 +336,39 @@ def test_direct_verify_in_an_experiment_is_refused(tmp_path):
         load_spec(path)
 
 
-def test_each_strategy_generates_once_untimed_before_the_first_timed_generation(model_dirs, tmp_path, monkeypatch):
+def test_the_cloud_and_every_prompt_are_warm_before_the_first_timed_generation_and_orders_rotate(
+        model_dirs, tmp_path, monkeypatch):
     """Regression: the first generation after the cloud started paid its one-time costs (the first
     generation of each never_slower run of 2026-11-27 waited 260-320 ms longer for its first token than
-    the cloud-only one beside it), and the rotation always put the same strategy first."""
+    the cloud-only one beside it), a prompt's first run paid the prefill its second then found cached,
+    and with an even number of prompts every prompt ran its strategies in the same order in every
+    repeat: all of it fell on the same strategy each time."""
     from hybridspec.lab import runner
 
-    calls: list[str] = []
+    calls: list[tuple[str, tuple[int, ...], int]] = []
     generate = runner.Slot.generate
 
-    def recording(self, strategy, *args, **kwargs):
-        calls.append(strategy)
-        return generate(self, strategy, *args, **kwargs)
+    def recording(self, strategy, prompt, repeat, trace):
+        calls.append((strategy, tuple(prompt), repeat))
+        return generate(self, strategy, prompt, repeat, trace)
 
     monkeypatch.setattr(runner.Slot, "generate", recording)
     spec = {"target": str(model_dirs["target"]), "drafter": str(model_dirs["target"]), "chat": False,
-            "prompts": ["w5 w17 w33 w80"], "max_new_tokens": 6, "repeats": 1, "pin": False,
+            "prompts": ["w5 w17 w33 w80", "w9 w200 w31 w64"], "max_new_tokens": 6, "repeats": 2, "pin": False,
             "cloud": {"backend": "inprocess"}, "grid": {"rtt_ms": [0, 20]},
             "strategies": [{"name": "cloud-only", "kind": "cloud_only"}, {"name": "hybrid", "kind": "hybrid"}]}
     path = tmp_path / "warm.yaml"
     path.write_text(yaml.safe_dump(spec))
     rows = read_rows(run_experiment(load_spec(path), tmp_path / "out"))
-    assert len(rows) == 4 and not [r for r in rows if "error" in r]
-    assert sorted(calls[:2]) == ["cloud-only", "hybrid"]  # the warm-up: each strategy once, not recorded
-    assert len(calls) == len(rows) + 2  # once per run, not per grid point
+    assert len(rows) == 16 and not [r for r in rows if "error" in r]
+    warm, timed = calls[:3], calls[3:]
+    assert len(timed) == len(rows)  # warmed once per run, not per grid point
+    assert sorted(c[0] for c in warm[:2]) == ["cloud-only", "hybrid"] and warm[0][1] == warm[1][1]
+    assert {c[1] for c in warm} == {c[1] for c in timed}  # every prompt ran once, untimed
+    firsts: dict[tuple, set[str]] = {}
+    for point in range(2):
+        runs = timed[8 * point:8 * point + 8]  # 2 prompts x 2 repeats x 2 strategies
+        for (a, prompt, _), (b, *_) in zip(runs[::2], runs[1::2]):
+            assert a != b  # a prompt's runs of the two strategies are adjacent
+            firsts.setdefault((point, prompt), set()).add(a)
+    assert all(len(first) == 2 for first in firsts.values()), firsts  # each went first in one of the repeats
