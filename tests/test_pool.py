@@ -170,6 +170,18 @@ def test_a_local_cluster_keeps_no_idle_workers_beside_the_replicas(pool_server):
     assert not [name for name in names if name.startswith("ray::IDLE")]
 
 
+def test_a_local_clusters_log_monitor_lists_the_log_directory_rarely(pool_server):
+    """The log monitor forwards output to drivers that ask for it, which the pool never does; by default
+    it would list the log directory ten times a second on the replicas' host."""
+    monitors = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(part.endswith("log_monitor.py") for part in child.cmdline()):
+                monitors.append(child.environ())
+    assert monitors
+    assert all(env.get("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD") == "0" for env in monitors)
+
+
 def test_replicas_report_their_pass_costs(pool_server):
     server, pool = pool_server
     with VerifierClient(server.address) as client:

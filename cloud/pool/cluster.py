@@ -42,6 +42,12 @@ LOCAL = "local"  # ray.init's own word for "start a new local cluster": it ignor
 # beside them, each polling for about 1 % of a core (measured on a one-core cloud host, where a
 # replica then decodes that much slower). Ray starts an actor's worker when it is created either way.
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+# Read by Ray's log monitor, which a local cluster inherits this process's environment for. It forwards
+# workers' output to drivers that ask for it (log_to_driver), which the pool never does, yet under this
+# many log files it lists the log directory every 0.1 s: about 1 % of a one-core cloud host's core,
+# half of that with the listing every 0.5 s instead (Ray's LOG_NAME_UPDATE_INTERVAL_S). An operator's
+# own setting wins.
+LOCAL_ENV = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 TOKEN_ENV = "RAY_AUTH_TOKEN"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 CONNECT_TIMEOUT_S = 5.0  # a TCP connection to the head's port: anything alive there answers at once
@@ -67,6 +73,8 @@ def start_local(attempts: int = 2, local_only: bool = True, **init_kwargs) -> No
         log.warning("ignoring RAY_ADDRESS=%s: with no ray_address this server starts its own local Ray cluster "
                     "(set ray_address / --ray-address to join one)", inherited)
     _local_token_auth()
+    for name, value in LOCAL_ENV.items():
+        os.environ.setdefault(name, value)
     if local_only:
         os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
         ray_constants.ENABLE_RAY_CLUSTER = False
