@@ -6,10 +6,11 @@
 Greedy decoding of the embedded target's GGUF on core 1 (one thread), the client on core 0, the same
 chat prompts through each layer in turn, repeated and interleaved so that drift hits every layer; the
 order of the layers rotates from one prompt to the next. The two clouds (`cloud serve` in-process and
-with its Ray pool) live on core 1 throughout, so while a layer that stands for a host of its own runs
-(llamacpp_alone, engine, verifier) every process of theirs is stopped (SIGSTOP, then SIGCONT): idle,
-Ray's processes take about 4 % of that core (bench/ray_idle.py), which llama.cpp on its own host
-never pays. `--layers` picks some (llamacpp_alone, the base of every ratio, always runs):
+with its Ray pool) live on core 1 throughout, so while a layer runs, every process of each cloud it
+does not talk to is stopped (SIGSTOP, then SIGCONT; outside the timed part): each layer has the core
+as a host of its own would give it. Idle, Ray's processes take about 4 % of that core
+(bench/ray_idle.py), which llama.cpp on its own host never pays. `--layers` picks some (llamacpp_alone,
+the base of every ratio, always runs):
 
   llamacpp_alone   llama-cpp-python's own `Llama.generate` (the peer a CPU user would run instead)
   engine           our LlamaCppEngine, one scored token per pass, argmax in numpy
@@ -103,9 +104,6 @@ def verifier_alone(verifier: Verifier, prompt: list[int], n: int, eos: set[int])
         verifier.close_session(sid)
 
 
-ALONE = ("llamacpp_alone", "engine", "verifier")  # layers that stand for a host with nothing else on it
-
-
 @contextmanager
 def frozen(clouds) -> Iterator[None]:
     """Every process of the clouds (the servers and all they spawned, Ray's included) stopped for the block."""
@@ -190,8 +188,7 @@ def main() -> None:
     def local(fn):
         def run(prompt):
             pin(CLOUD_CORE)
-            with frozen([inproc, ray]):
-                return fn(prompt)
+            return fn(prompt)
         return run
 
     layers = {
@@ -211,6 +208,9 @@ def main() -> None:
     if chosen:
         layers = {name: fn for name, fn in layers.items() if name in chosen or name == "llamacpp_alone"}
     names = list(layers)
+    # The cloud each layer talks to; every other one is stopped while it runs.
+    serving = {"grpc_inprocess": inproc, **{name: ray for name in ("grpc_ray", "decode_ray", "edge_ray",
+                                                                    "edge_default_ray")}}
     try:
         for fn in layers.values():  # warm every path once
             fn(prompts[0][:16])
@@ -220,10 +220,10 @@ def main() -> None:
             for i, prompt in enumerate(prompts):
                 turn = (r * len(prompts) + i) % len(names)
                 for name in names[turn:] + names[:turn]:
-                    fn = layers[name]
-                    t0 = time.perf_counter()
-                    out = fn(prompt)
-                    ms[name].append((time.perf_counter() - t0) * 1e3 / len(out))
+                    with frozen([c for c in (inproc, ray) if c is not serving.get(name)]):
+                        t0 = time.perf_counter()
+                        out = layers[name](prompt)
+                        ms[name].append((time.perf_counter() - t0) * 1e3 / len(out))
                     if r == 0:
                         texts[name].append(out)
     finally:
@@ -236,7 +236,7 @@ def main() -> None:
     base = median(ms["llamacpp_alone"])
     result = {**header(weights=served_weights(paths["target"])),
               "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats,
-              "clouds_stopped_during": [name for name in ALONE if name in layers], "layers": {
+              "other_clouds_stopped": True, "layers": {
         name: {"ms_per_token": round(median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
                "vs_llamacpp_alone": round(base / median(v), 3),
                # each generation against llama.cpp alone on the same prompt a few seconds before
