@@ -239,7 +239,7 @@ def main() -> None:
               "other_clouds_stopped": True, "layers": {
         name: {"ms_per_token": round(median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
                "vs_llamacpp_alone": round(base / median(v), 3),
-               # each generation against llama.cpp alone on the same prompt a few seconds before
+               # each generation against llama.cpp alone on the same prompt, moments before or after
                "vs_llamacpp_alone_paired": round(statistics.geometric_mean(
                    [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
                # its 95 % percentile-bootstrap interval over the generations

@@ -16,6 +16,8 @@ import os
 import statistics
 import time
 
+import psutil
+
 from harness import CLOUD_CORE, arguments, header, pin, report
 
 SETTINGS = {"ray_default": {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "1000"}, "local": {}}
@@ -29,18 +31,16 @@ def _role(cmdline: str) -> str:
     return next((role for part, role in ROLES if part in cmdline), "other")
 
 
-def _cpu_by_process(pids: list[int]) -> dict[int, tuple[float, str]]:
-    tick = os.sysconf("SC_CLK_TCK")
+def _cpu_by_process(processes: list) -> dict[int, tuple[float, str]]:
+    """CPU seconds (user + system) and command line of each psutil process still running."""
     out = {}
-    for pid in pids:
+    for proc in processes:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/cmdline") as f:
-                cmdline = f.read().replace("\0", " ")
-        except OSError:  # ended meanwhile
+            with proc.oneshot():
+                times = proc.cpu_times()
+                out[proc.pid] = (times.user + times.system, " ".join(proc.cmdline()))
+        except psutil.Error:  # ended meanwhile
             continue
-        out[pid] = ((int(fields[11]) + int(fields[12])) / tick, cmdline)
     return out
 
 
@@ -48,7 +48,6 @@ def measure(env: dict[str, str], window: float, result) -> None:
     """In a fresh process: start a local cluster with one idle actor; CPU % of a core per role."""
     pin(CLOUD_CORE)
     os.environ.update(env)
-    import psutil
     import ray
 
     from hybridspec.cloud.pool.cluster import start_local
@@ -64,10 +63,10 @@ def measure(env: dict[str, str], window: float, result) -> None:
     actor = Idle.remote()
     ray.get(actor.pid.remote())
     time.sleep(SETTLE_S)
-    pids = [p.pid for p in psutil.Process().children(recursive=True)] + [os.getpid()]
-    before = _cpu_by_process(pids)
+    processes = [*psutil.Process().children(recursive=True), psutil.Process()]
+    before = _cpu_by_process(processes)
     time.sleep(window)
-    after = _cpu_by_process(pids)
+    after = _cpu_by_process(processes)
     shares: dict[str, float] = {}
     for pid, (seconds, cmdline) in after.items():
         if pid in before:
