@@ -13,6 +13,8 @@ as a host of its own would give it. Idle, Ray's processes take about 4 % of that
 the base of every ratio, always runs):
 
   llamacpp_alone   llama-cpp-python's own `Llama.generate` (the peer a CPU user would run instead)
+  llamacpp_beside_ray  the same, with the default Ray cloud awake and idle on its core: the ceiling of
+                   any serving code that shares one core with a local Ray cluster
   engine           our LlamaCppEngine, one scored token per pass, argmax in numpy
   verifier         Verifier.verify of empty blocks (validation, the rule, committing)
   grpc_inprocess   `cloud serve --backend inprocess` + VerifierClient.generate (scheduler thread,
@@ -193,6 +195,7 @@ def main() -> None:
 
     layers = {
         "llamacpp_alone": local(lambda p: llamacpp_alone(llm, p, n)),
+        "llamacpp_beside_ray": local(lambda p: llamacpp_alone(llm, p, n)),
         "engine": local(lambda p: engine_alone(engine, p, n, eos)),
         "verifier": local(lambda p: verifier_alone(verifier, p, n, eos)),
         "grpc_inprocess": lambda p: grpc("grpc_inprocess", p),
@@ -209,8 +212,8 @@ def main() -> None:
         layers = {name: fn for name, fn in layers.items() if name in chosen or name == "llamacpp_alone"}
     names = list(layers)
     # The cloud each layer talks to; every other one is stopped while it runs.
-    serving = {"grpc_inprocess": inproc, **{name: ray for name in ("grpc_ray", "decode_ray", "edge_ray",
-                                                                    "edge_default_ray")}}
+    serving = {"grpc_inprocess": inproc, **{name: ray for name in ("llamacpp_beside_ray", "grpc_ray", "decode_ray",
+                                                                    "edge_ray", "edge_default_ray")}}
     try:
         for fn in layers.values():  # warm every path once
             fn(prompts[0][:16])
