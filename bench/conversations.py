@@ -118,8 +118,9 @@ STRATEGIES = {"cloud-only": {"cloud_only": True}, "default-edge": {},
 
 
 def generate(drafter, address: str, prompt: list[int], new_tokens: int, settings: dict) -> dict:
-    """One generation by a fresh edge worker: its tokens, time to first token and wall time."""
-    config = EdgeConfig.of(cloud=address, max_new_tokens=new_tokens, timeout_s=300, **settings)
+    """One generation by a fresh edge worker with the edge's defaults (its timeout included, as a user
+    runs it): its tokens, time to first token and wall time."""
+    config = EdgeConfig.of(cloud=address, max_new_tokens=new_tokens, **settings)
     with VerifierClient(address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(drafter, client, config)
         start, first = time.perf_counter(), None

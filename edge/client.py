@@ -49,6 +49,11 @@ AVOID_UNREACHABLE_S = 60.0  # a replica endpoint that failed is not dialled agai
 # How long closing a client waits for the session closes it sent without waiting: a close is a soft
 # cache release (the verifier expires idle sessions itself), so a dead link must not hold an exit up.
 CLOSE_FLUSH_S = 1.0
+# A call's deadline adds the work it asks for to the timeout. A prompt is prefilled at 10 tokens/s at
+# the least (the embedded target on one CPU core: about 46/s at 2,300 tokens, where attention over the
+# long cache dominates), a cloud-only token comes within a second.
+PREFILL_S_PER_TOKEN = 0.1
+DECODE_S_PER_TOKEN = 1.0
 
 
 class ReplicaUnreachable(FailedPrecondition):
@@ -209,7 +214,8 @@ class VerifierClient:
         self._end_stream()
         request = codec.session_to_pb(spec)
         self._count(up=request.ByteSize())
-        future = self._front.stub.OpenSession.future(request, timeout=self.timeout_s, metadata=self.metadata)
+        future = self._front.stub.OpenSession.future(request, timeout=self._deadline(prompt=len(spec.committed_ids)),
+                                                     metadata=self.metadata)
 
         def reply() -> SessionOpened:
             try:
@@ -278,8 +284,8 @@ class VerifierClient:
         lets the caller's own set-up overlap the cloud's prefill and the round trip."""
         request = codec.generate_to_pb(spec)
         self._count(up=request.ByteSize())
-        # The whole stream's deadline: the usual timeout plus a generous second per token.
-        call = self._front.stub.Generate(request, timeout=self.timeout_s + spec.max_new_tokens, metadata=self.metadata)
+        call = self._front.stub.Generate(request, timeout=self._deadline(len(spec.prompt_ids), spec.max_new_tokens),
+                                         metadata=self.metadata)
         return TokenStream(call, self, self.address)
 
     def decode(self, spec: DecodeSpec) -> TokenStream:
@@ -289,8 +295,13 @@ class VerifierClient:
         request = codec.decode_to_pb(spec)
         self._count(up=request.ByteSize())
         endpoint = self._direct or self._front
-        call = endpoint.stub.Decode(request, timeout=self.timeout_s + spec.max_new_tokens, metadata=self.metadata)
+        call = endpoint.stub.Decode(request, timeout=self._deadline(new=spec.max_new_tokens), metadata=self.metadata)
         return TokenStream(call, self, endpoint.address, direct=endpoint is self._direct)
+
+    def _deadline(self, prompt: int = 0, new: int = 0) -> float:
+        """Seconds a call that prefills `prompt` tokens and streams `new` may take: the timeout, which
+        says when a silent cloud counts as unreachable, plus the time of the work itself, generously."""
+        return self.timeout_s + PREFILL_S_PER_TOKEN * prompt + DECODE_S_PER_TOKEN * new
 
     def _unary(self, method, request, timeout_s: float | None = None):
         self._count(up=request.ByteSize())

@@ -9,7 +9,7 @@ import pytest
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.protocol.errors import HybridSpecError
-from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
+from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.edge.client import VerifierClient
 
 TIMEOUT_S = 4.0
@@ -78,5 +78,27 @@ def test_a_session_closed_without_waiting_is_freed_before_the_client_goes(target
                 opened = client.open_session(SessionSpec("", (5, 6, 7)))
                 client.close_session_later(opened.session_id)
         assert verifier.stats().sessions == 0
+    finally:
+        srv.stop()
+
+
+def test_a_prompt_whose_prefill_outlasts_the_timeout_still_opens_and_generates(target):
+    """The client's timeout says when a silent cloud counts as unreachable; a cloud prefilling a long
+    prompt is not silent, it is working. Found as a new user: a 2,700-token chat prompt through the
+    default pool (prefill about 50 s on one CPU core) failed with DEADLINE_EXCEEDED at the edge's
+    30 s. Here one prompt token per pass makes a 600-token prefill take far longer than a 0.25 s
+    timeout, and both calls that prefill must still be answered."""
+    prompt = tuple(4 + (i * 37) % 250 for i in range(600))
+    limits = VerifierLimits(max_context=1024, prefill_chunk=1)
+    srv = BackgroundServer(Verifier(target, limits))
+    try:
+        with VerifierClient(srv.address, timeout_s=0.25) as client:
+            started = time.perf_counter()
+            opened = client.open_session(SessionSpec("", prompt))
+            took = time.perf_counter() - started
+            assert opened.committed_len == len(prompt)
+            assert took > 0.25  # the prefill did outlast the timeout (else this test shows nothing)
+            client.close_session_later(opened.session_id)
+            assert len(list(client.generate(GenerateSpec(prompt_ids=prompt, max_new_tokens=1)))) == 1
     finally:
         srv.stop()
