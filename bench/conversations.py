@@ -148,7 +148,7 @@ def prefix_run(prompts: list[list[int]], new_tokens: int, scope: str) -> dict:
     metrics = free_port()
     ttft, tokens = [], []
     with cloud({"prefix_scope": scope, "metrics_port": metrics}) as (_, address):
-        with VerifierClient(address, timeout_s=120) as client:
+        with VerifierClient(address) as client:
             for prompt in prompts:
                 start = time.perf_counter()
                 stream = client.generate(GenerateSpec(prompt_ids=tuple(prompt), max_new_tokens=new_tokens))
