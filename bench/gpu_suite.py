@@ -132,11 +132,12 @@ def _exactness(results: dict, plan: dict, device: str, dtype, limits) -> None:
 
 def _capacity(results: dict, plan: dict, args, dtype, limits) -> None:
     from hybridspec.cloud.api.server import BackgroundServer
-    from hybridspec.cloud.pool.backend import InProcessBackend
+    from hybridspec.cloud.core.verifier import Verifier
 
     bench = models.build(plan["capacity_shape"], args.device, dtype, limits)
-    bench.verifier.measure_pass_costs(8)
-    server = BackgroundServer(InProcessBackend(bench.verifier, max_batch=max(plan["edges"]), max_wait_ms=1.0))
+    verifier = Verifier(bench.verifier.target, limits, bench.engine, max_batch=max(plan["edges"]), max_wait_ms=1.0)
+    verifier.measure_pass_costs(8)
+    server = BackgroundServer(verifier)
     fleet = capacity.EdgeFleet(plan["processes"])
     results["capacity"] = {"shape": plan["capacity_shape"], "gamma": args.gamma, "draft_ms_per_token": args.draft_ms,
                            "new_tokens": plan["new_tokens"], "rows": []}

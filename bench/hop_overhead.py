@@ -12,7 +12,7 @@ forward pass is short and the hop dominates.
 Paths (the default), three in one run:
     front-door  the front door routes each round to a 1-replica Ray pool (direct_verify off)
     direct      the edge streams to the replica's own endpoint, named in OpenSessionReply (direct_verify on)
-    in-process  the front door runs the verifier itself (InProcessBackend, no Ray): the floor
+    in-process  the front door runs the verifier itself (inprocess_pool, no Ray): the floor
 overhead = client round trip (submit → reply) − the replica's step (VerifyResult.verify_ms − queue_ms,
 both set by cloud/core/scheduler.py: the forward pass with its round's admission and rule), with the
 configured batching wait (a lone session's round never waits for company): what is left is gRPC, the
@@ -41,9 +41,9 @@ import torch
 import trustme
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
-from hybridspec.cloud.core.scheduler import DEFAULT_MAX_WAIT_MS
+from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
@@ -174,8 +174,8 @@ def paths(args) -> dict:
         servers[name] = BackgroundServer(pool)
     if pinned:
         pin(cores[0])  # the front doors' loops, the in-process verifier and the edges
-    verifier = Verifier(load_model(target, device="cpu"), LIMITS)
-    servers["in-process"] = BackgroundServer(InProcessBackend(verifier, max_wait_ms=args.max_wait_ms))
+    verifier = Verifier(load_model(target, device="cpu"), LIMITS, max_wait_ms=args.max_wait_ms)
+    servers["in-process"] = BackgroundServer(inprocess_pool(verifier))
     lanes = [Lane(name, VerifierClient(server.address)) for name, server in servers.items()]
     draft = tuple(range(10, 10 + args.gamma))
     try:

@@ -12,6 +12,7 @@ case for both sides: a real edge drafts between rounds, and the prompt advances 
 from __future__ import annotations
 
 import json
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -20,7 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from hybridspec.cloud.core.scheduler import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, Scheduler
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
@@ -31,12 +31,12 @@ VICTIM_PROMPT = tuple(range(1000, 1200))  # 200 tokens of context
 DRAFT = (30, 31, 32, 33)
 
 
-def victim_rounds(scheduler: Scheduler, state: dict, until) -> list[float]:
+def victim_rounds(verifier: Verifier, state: dict, until) -> list[float]:
     """Rounds of the victim session, back to back, until `until()`; their latencies in ms."""
     latencies = []
     while not until():
         t0 = time.perf_counter()
-        result = scheduler.submit_round(DraftBlock("victim", state["round"], state["length"], DRAFT)).result(600)
+        result = verifier.submit_round(DraftBlock("victim", state["round"], state["length"], DRAFT)).result(600)
         latencies.append(1e3 * (time.perf_counter() - t0))
         state["round"] += 1
         state["length"] = result.committed_len
@@ -44,20 +44,21 @@ def victim_rounds(scheduler: Scheduler, state: dict, until) -> list[float]:
 
 
 def measure(target, prompt_tokens: int, budget_ms: float) -> dict:
-    verifier = Verifier(target, VerifierLimits(max_context=prompt_tokens + 4096, prefill_chunk=128))
-    scheduler = Scheduler(verifier, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, budget_ms)
+    verifier = Verifier(target, VerifierLimits(max_context=prompt_tokens + 4096, prefill_chunk=128),
+                        prefill_budget_ms=budget_ms)
+    asyncio.run(verifier.start())  # the model thread, as a replica serves
     try:
-        scheduler.submit_open(SessionSpec("victim", VICTIM_PROMPT)).result(600)
+        verifier.submit_open(SessionSpec("victim", VICTIM_PROMPT)).result(600)
         state = {"round": 0, "length": len(VICTIM_PROMPT)}
         deadline = time.perf_counter() + 3.0
-        alone = victim_rounds(scheduler, state, lambda: time.perf_counter() > deadline)
+        alone = victim_rounds(verifier, state, lambda: time.perf_counter() > deadline)
         t0 = time.perf_counter()
-        long_open = scheduler.submit_open(SessionSpec("long", tuple(4 + i % 40000 for i in range(prompt_tokens))))
-        during = victim_rounds(scheduler, state, long_open.done)
+        long_open = verifier.submit_open(SessionSpec("long", tuple(4 + i % 40000 for i in range(prompt_tokens))))
+        during = victim_rounds(verifier, state, long_open.done)
         long_open.result()
         prefill_s = time.perf_counter() - t0
     finally:
-        scheduler.stop()
+        asyncio.run(verifier.stop())
 
     def stats(xs: list[float]) -> dict:
         return {"p50": round(median(xs), 1), "p90": round(percentile(xs, 90), 1), "max": round(max(xs), 1)}

@@ -95,10 +95,9 @@ def _backend(config):
 
         pool = RayPool(config.pool_spec(target), config.replica_endpoint())
         return pool, f"{target}, {kind} engine, {config.pool.replicas} Ray replica(s)"
-    from ..cloud.pool.backend import InProcessBackend
+    from ..cloud.pool.pool import inprocess_pool
     from ..cloud.pool.replica import load_verifier
 
-    backend = InProcessBackend(load_verifier(config.replica_spec(target)), replica.max_batch_size, replica.max_wait_ms,
-                               config.pool.max_sessions_per_client, config.pool.max_sessions_per_address,
-                               replica.prefill_budget_ms)
+    backend = inprocess_pool(load_verifier(config.replica_spec(target)), config.pool.max_sessions_per_client,
+                             config.pool.max_sessions_per_address)
     return backend, f"{target}, {kind} engine, in-process"

@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random models on disk and a real gRPC verifier on localhost."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,6 +71,16 @@ def server(verifier):
     srv = BackgroundServer(verifier)
     yield srv
     srv.stop()
+
+
+@contextlib.contextmanager
+def started(verifier: Verifier):
+    """The verifier's model thread running for the block's duration, as a pool starts and stops it."""
+    asyncio.run(verifier.start())
+    try:
+        yield verifier
+    finally:
+        asyncio.run(verifier.stop())
 
 
 def require_embedded() -> None:

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from hybridspec.cloud.api.access import AccessSpec
-from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.api.server import MAX_CONCURRENT_RPCS, BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.security.credentials import add_identity
@@ -160,7 +160,7 @@ def test_anonymous_callers_have_their_own_limits_per_address(target, tokens):
     """Without a token every caller of one address is one client: its limits are the address's,
     set apart from the per-token ones."""
     access = AccessSpec(max_calls_per_address=4, max_calls_per_client=100)
-    backend = InProcessBackend(Verifier(target, LIMITS), max_sessions_per_client=100, max_sessions_per_address=2)
+    backend = inprocess_pool(Verifier(target, LIMITS), max_sessions_per_client=100, max_sessions_per_address=2)
     srv = BackgroundServer(backend, access=access)
     flood = IdleStreams(srv.address, 6)
     try:

@@ -1,6 +1,6 @@
-"""Batched verification: many sessions in one pass give exactly the unbatched answers; the scheduler;
-the KV pool's bounds (LRU eviction, RESOURCE_EXHAUSTED)."""
-import asyncio
+"""Batched verification: many sessions in one pass give exactly the unbatched answers; batching on the
+model thread (waiting for company, pacing prompts); the KV pool's bounds (LRU eviction,
+RESOURCE_EXHAUSTED)."""
 import random
 import threading
 from concurrent.futures import wait
@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from hybridspec.cloud.core.scheduler import (ACTIVE_WINDOW_S, COST_SMOOTHING, MIN_PREFILL_CHUNK, Scheduler, StepCost,
-                                        prefill_tokens)
-from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from conftest import started
+from hybridspec.cloud.core.passes import COST_SMOOTHING, MIN_PREFILL_CHUNK, StepCost, prefill_tokens
+from hybridspec.cloud.core.verifier import ACTIVE_WINDOW_S, Verifier, VerifierLimits
+from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.common.protocol.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from hybridspec.common.protocol.wire import DraftBlock, Mode, SamplingParams, SessionSpec, VerifyResult
 
@@ -75,101 +76,89 @@ def test_prompt_chunks_in_a_round_step_change_no_round(target):
     verifier = Verifier(target, limits)
     committed = {s.session_id: verifier.open_session(s).committed_len for s in specs}
     rng, history = random.Random(9), []
-    opening = verifier.begin_open(SessionSpec("long", tuple(range(4, 200))))
+    opening = verifier.submit_open(SessionSpec("long", tuple(range(4, 200))))
+    fed = verifier.telemetry.iteration_tokens
+    before, round_tokens = fed.snapshot().total, 0
     for r in range(4):
         blocks = [DraftBlock(s.session_id, r, committed[s.session_id],
                              tuple(rng.randrange(4, 256) for _ in range(rng.randint(0, 6)))) for s in specs]
-        for block, result in zip(blocks, verifier.run(blocks, [opening])):
+        for block, result in zip(blocks, verifier.verify_batch(blocks)):
             committed[block.session_id] = result.committed_len
             history.append((result.num_accepted, result.next_token, result.committed_len))
+        round_tokens += sum(len(block.draft_ids) + 1 for block in blocks)
     assert history == alone
-    assert opening.remaining == 195 - 4 * 7  # one chunk rode along with each step
+    assert fed.snapshot().total - before == round_tokens + 4 * 7  # one chunk rode along with each step
+    assert not opening.done() and verifier.wait(opening).committed_len == 196
 
 
-def scheduler_of(target, **limits) -> Scheduler:
-    return Scheduler(Verifier(target, VerifierLimits(max_context=512, **limits)), max_batch=8, max_wait_ms=200)
+def served(target, **limits) -> Verifier:
+    """A verifier for the model thread's batching (start it with `started`)."""
+    return Verifier(target, VerifierLimits(max_context=512, **limits), max_batch=8, max_wait_ms=200)
 
 
-def test_scheduler_groups_rounds_of_active_sessions(target):
-    scheduler = scheduler_of(target)
-    try:
+def test_the_model_thread_groups_rounds_of_active_sessions(target):
+    with started(served(target)) as verifier:
         for i in range(8):
-            assert scheduler.submit_open(SessionSpec(f"c{i}", (5, 6 + i))).result(30).committed_len == 2
+            assert verifier.submit_open(SessionSpec(f"c{i}", (5, 6 + i))).result(30).committed_len == 2
         # A first round each makes all eight sessions active...
-        firsts = [scheduler.submit_round(DraftBlock(f"c{i}", 0, 2, (9,))) for i in range(8)]
+        firsts = [verifier.submit_round(DraftBlock(f"c{i}", 0, 2, (9,))) for i in range(8)]
         lengths = [f.result(30).committed_len for f in firsts]
         # ...so the next rounds wait (up to max_wait) for each other and share one pass.
-        seconds = [scheduler.submit_round(DraftBlock(f"c{i}", 1, lengths[i], (9, 9))) for i in range(8)]
+        seconds = [verifier.submit_round(DraftBlock(f"c{i}", 1, lengths[i], (9, 9))) for i in range(8)]
         results = [f.result(30) for f in seconds]
         assert [r.batch_size for r in results] == [8] * 8
         assert all(r.verify_ms >= r.queue_ms >= 0 for r in results)
-    finally:
-        scheduler.stop()
 
 
 def test_a_lone_round_does_not_wait_for_company(target):
-    scheduler = scheduler_of(target)
-    try:
-        scheduler.submit_open(SessionSpec("solo", (5, 6))).result(30)
-        result = scheduler.submit_round(DraftBlock("solo", 0, 2, ())).result(30)
+    with started(served(target)) as verifier:
+        verifier.submit_open(SessionSpec("solo", (5, 6))).result(30)
+        result = verifier.submit_round(DraftBlock("solo", 0, 2, ())).result(30)
         assert result.queue_ms < 100  # max_wait is 200 ms: it did not wait for it
-    finally:
-        scheduler.stop()
 
 
 def test_a_closed_session_is_no_company_to_wait_for(target):
     """Regression: a closed session stayed 'recently active' for half a second, so the rounds of the
     session after it (a cloud-only stream after the last, an edge's next generation) each waited
     max_wait for a round that would never come."""
-    scheduler = scheduler_of(target)
-    try:
+    with started(served(target)) as verifier:
         for sid in ("before", "after"):
-            scheduler.submit_open(SessionSpec(sid, (5, 6))).result(30)
-        scheduler.submit_round(DraftBlock("before", 0, 2, ())).result(30)
-        assert asyncio.run(scheduler.close_session("before"))
-        result = scheduler.submit_round(DraftBlock("after", 0, 2, ())).result(30)
+            verifier.submit_open(SessionSpec(sid, (5, 6))).result(30)
+        verifier.submit_round(DraftBlock("before", 0, 2, ())).result(30)
+        assert verifier.close_session("before")
+        result = verifier.submit_round(DraftBlock("after", 0, 2, ())).result(30)
         assert result.queue_ms < 100  # max_wait is 200 ms: it did not wait for the closed session
-    finally:
-        scheduler.stop()
 
 
-def test_scheduler_answers_the_domain_error(target):
-    scheduler = scheduler_of(target)
-    try:
-        result = scheduler.submit_round(DraftBlock("ghost", 0, 1, ())).result(30)
+def test_the_model_thread_answers_the_domain_error(target):
+    with started(served(target)) as verifier:
+        result = verifier.submit_round(DraftBlock("ghost", 0, 1, ())).result(30)
         assert isinstance(result, FailedPrecondition) and "unknown" in str(result)
-    finally:
-        scheduler.stop()
 
 
 def test_rounds_run_between_the_chunks_of_a_long_prefill(target):
-    scheduler = scheduler_of(target, max_draft=16, prefill_chunk=4)
-    try:
-        scheduler.submit_open(SessionSpec("short", (5, 6))).result(30)
-        long_open = scheduler.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens, 125 chunks
+    with started(served(target, max_draft=16, prefill_chunk=4)) as verifier:
+        verifier.submit_open(SessionSpec("short", (5, 6))).result(30)
+        long_open = verifier.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens, 125 chunks
         time.sleep(0.02)
         for r in range(3):
-            result = scheduler.submit_round(DraftBlock("short", r, 2 + r, ())).result(30)
+            result = verifier.submit_round(DraftBlock("short", r, 2 + r, ())).result(30)
             assert isinstance(result, VerifyResult) and result.committed_len == 3 + r
         assert not long_open.done()  # with one lock for the whole prefill the rounds came after it
         assert long_open.result(60).committed_len == 500
-    finally:
-        scheduler.stop()
 
 
 def test_an_abandoned_open_gives_its_pages_back(target):
-    scheduler = scheduler_of(target, prefill_chunk=1, kv_cache_tokens=1024)
-    pool = scheduler.verifier.engine.pool
-    try:
-        opening = scheduler.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))
+    verifier = served(target, prefill_chunk=1, kv_cache_tokens=1024)
+    pool = verifier.engine.pool
+    with started(verifier):
+        opening = verifier.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))
         time.sleep(0.05)
         assert opening.cancel()
         deadline = time.monotonic() + 10
         while pool.free_tokens < pool.capacity_tokens and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pool.free_tokens == pool.capacity_tokens
-    finally:
-        scheduler.stop()
 
 
 def test_lru_session_is_evicted_when_the_kv_pool_is_full(target):
@@ -198,69 +187,70 @@ def test_memory_never_grows_past_the_pool(target):
     assert stats.cached_tokens <= stats.kv_capacity_tokens == 256 and stats.evictions >= 36
 
 
-def test_a_refused_open_leaves_the_scheduler_idle(target):
+def test_a_refused_open_leaves_the_model_thread_idle(target):
     """Found while building the scheduler: an open refused at admission stayed queued and the model
     thread spun on it forever."""
-    scheduler = scheduler_of(target, max_sessions=1)
-    try:
-        scheduler.submit_open(SessionSpec("a", (5, 6))).result(30)
-        refused = scheduler.submit_open(SessionSpec("b", (5, 6))).result(30)
+    verifier = served(target, max_sessions=1)
+    with started(verifier):
+        verifier.submit_open(SessionSpec("a", (5, 6))).result(30)
+        refused = verifier.submit_open(SessionSpec("b", (5, 6))).result(30)
         assert isinstance(refused, ResourceExhausted)
-        clock = time.pthread_getcpuclockid(scheduler._thread.ident)
+        clock = time.pthread_getcpuclockid(verifier._thread.ident)
         before = time.clock_gettime(clock)
         time.sleep(0.3)
         assert time.clock_gettime(clock) - before < 0.05  # the model thread sleeps when there is no work
-    finally:
-        scheduler.stop()
 
 
-class SlowSteps(Verifier):
-    """A verifier whose steps take 150 ms, as a big target's would: the scheduler's timing is under test."""
+def slow_engine(target, seconds: float):
+    """The real torch engine, each pass taking `seconds` longer, as a big target's would: the model
+    thread's timing is under test."""
+    engine = engine_for(target.model, VerifierLimits().kv_cache_tokens, 512)
+    forward = engine.forward
 
-    def step(self, work):
-        time.sleep(0.15)
-        return super().step(work)
+    def slow(feeds):
+        time.sleep(seconds)
+        return forward(feeds)
+
+    engine.forward = slow
+    return engine
 
 
 def test_sessions_answered_by_a_step_rejoin_the_next_one(target):
     """Found by bench/pool_throughput.py: a round queued during a step made the next step start at
     once, without the sessions that step had just answered, so unsynchronised edges split into small
     batches (8 edges: 107 instead of 138 verified tokens/s)."""
-    scheduler = Scheduler(SlowSteps(target, VerifierLimits(max_context=512)), max_batch=8, max_wait_ms=60)
-    try:
+    verifier = Verifier(target, VerifierLimits(max_context=512), slow_engine(target, 0.15), max_batch=8,
+                        max_wait_ms=60)
+    with started(verifier):
         for sid in "abc":
-            scheduler.submit_open(SessionSpec(sid, (5, 6))).result(30)
-        first = [scheduler.submit_round(DraftBlock(sid, 0, 2, ())) for sid in "ab"]
+            verifier.submit_open(SessionSpec(sid, (5, 6))).result(30)
+        first = [verifier.submit_round(DraftBlock(sid, 0, 2, ())) for sid in "ab"]
         time.sleep(0.01)
-        late = scheduler.submit_round(DraftBlock("c", 0, 2, ()))  # queued while the a+b step runs
+        late = verifier.submit_round(DraftBlock("c", 0, 2, ()))  # queued while the a+b step runs
         lengths = [f.result(30).committed_len for f in first]
         time.sleep(0.005)  # the edges' round trip before their next rounds
-        again = [scheduler.submit_round(DraftBlock(sid, 1, n, ())) for sid, n in zip("ab", lengths)]
+        again = [verifier.submit_round(DraftBlock(sid, 1, n, ())) for sid, n in zip("ab", lengths)]
         assert late.result(30).batch_size == 3
         assert [f.result(30).batch_size for f in again] == [3, 3]
-    finally:
-        scheduler.stop()
 
 
 def test_while_others_wait_a_long_prompt_is_fed_by_the_time_budget(target):
     """Found by a prober: with 128-token chunks a 4,000-token prompt held every other session's round
     for a whole chunk (1.6 s on a slow core). While others send rounds, a step now carries what the
     time budget allows (here the floor, MIN_PREFILL_CHUNK); with nobody else, whole chunks."""
-    verifier = Verifier(target, VerifierLimits(max_context=1024, prefill_chunk=128))
-    scheduler = Scheduler(verifier, max_batch=8, max_wait_ms=0, prefill_budget_ms=1e-6)
-    try:
-        scheduler.submit_open(SessionSpec("short", (5, 6))).result(30)
-        long_open = scheduler.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens
+    verifier = Verifier(target, VerifierLimits(max_context=1024, prefill_chunk=128), max_batch=8, max_wait_ms=0,
+                        prefill_budget_ms=1e-6)
+    with started(verifier):
+        verifier.submit_open(SessionSpec("short", (5, 6))).result(30)
+        long_open = verifier.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))  # 500 tokens
         for r in range(5):  # a few floor-sized steps of prompt between the rounds
-            assert scheduler.submit_round(DraftBlock("short", r, 2 + r, ())).result(30).committed_len == 3 + r
+            assert verifier.submit_round(DraftBlock("short", r, 2 + r, ())).result(30).committed_len == 3 + r
         assert not long_open.done()  # 5 steps of 128 tokens would have fed it whole
         assert long_open.result(60).committed_len == 500
-        started = time.perf_counter()
-        alone = scheduler.submit_open(SessionSpec("alone", tuple(range(4, 254)) * 2))
+        started_at = time.perf_counter()
+        alone = verifier.submit_open(SessionSpec("alone", tuple(range(4, 254)) * 2))
         time.sleep(ACTIVE_WINDOW_S)  # "short" is no longer active: whole chunks again
-        assert alone.result(60).committed_len == 500 and time.perf_counter() - started < 60
-    finally:
-        scheduler.stop()
+        assert alone.result(60).committed_len == 500 and time.perf_counter() - started_at < 60
 
 
 @pytest.mark.parametrize("budget_ms,ms_per_token,rounds,others,fed_last,want", [
@@ -287,18 +277,17 @@ def test_step_cost_is_a_running_mean_per_token():
     assert cost.ms_per_token == pytest.approx(2.0 + COST_SMOOTHING * 2.0)
 
 
-def test_no_submission_is_lost_while_the_scheduler_takes_its_queues(target):
+def test_no_submission_is_lost_while_the_model_thread_takes_its_queues(target):
     """Found by `bench/stalls.py refusals` (a prober's one 30 s stall in 1,248 calls): `_put` was handed the
     queue object before taking the lock, so a submission that waited for the lock while the model
     thread swapped that queue for a new one went into the old queue and was never answered."""
-    scheduler = scheduler_of(target)
-    try:
-        scheduler.submit_open(SessionSpec("s", (5, 6))).result(30)
+    with started(served(target)) as verifier:
+        verifier.submit_open(SessionSpec("s", (5, 6))).result(30)
         futures: list = []
         lock = threading.Lock()
 
         def submit(n: int) -> None:
-            mine = [scheduler.submit_call(lambda: 1) for _ in range(n)]
+            mine = [verifier.submit_call(lambda: 1) for _ in range(n)]
             with lock:
                 futures.extend(mine)
 
@@ -306,13 +295,37 @@ def test_no_submission_is_lost_while_the_scheduler_takes_its_queues(target):
         for t in threads:
             t.start()
         for r in range(30):  # rounds and closes swap the other queues meanwhile
-            assert scheduler.submit_round(DraftBlock("s", r, 2 + r, ())).result(30).round == r
+            assert verifier.submit_round(DraftBlock("s", r, 2 + r, ())).result(30).round == r
         for t in threads:
             t.join()
         done, lost = wait(futures, timeout=30)
         assert len(lost) == 0 and all(f.result() == 1 for f in done)
-    finally:
-        scheduler.stop()
+
+
+def test_blocking_callers_on_many_threads_step_one_at_a_time(target):
+    """Without a model thread, each blocking caller steps for itself; callers on several threads take
+    turns (one steps, the others wait for it or for their answer), and every answer is the one a
+    caller alone would get."""
+    limits = VerifierLimits(max_context=512)
+    alone = Verifier(target, limits)
+    shared = Verifier(target, limits)
+    prompts = {f"t{i}": (5 + i, 6, 7) for i in range(4)}
+    expected = {}
+    for sid, prompt in prompts.items():
+        alone.open_session(SessionSpec(sid, prompt))
+        expected[sid] = [alone.verify(DraftBlock(sid, r, 3 + r, ())).next_token for r in range(6)]
+    got: dict[str, list[int]] = {}
+
+    def generate(sid: str) -> None:
+        shared.open_session(SessionSpec(sid, prompts[sid]))
+        got[sid] = [shared.verify(DraftBlock(sid, r, 3 + r, ())).next_token for r in range(6)]
+
+    threads = [threading.Thread(target=generate, args=(sid,)) for sid in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == expected and shared._driver is None
 
 
 def test_a_one_token_reopen_in_a_round_step_fails_no_round(target):
@@ -326,10 +339,10 @@ def test_a_one_token_reopen_in_a_round_step_fails_no_round(target):
     alone = Verifier(target, VerifierLimits(max_context=512))
     alone.open_session(SessionSpec("victim", (6, 7, 8)))
     expected = alone.verify(DraftBlock("victim", 0, 3, (10,)))
-    reopen = verifier.begin_open(SessionSpec("x", (5,)))
-    x_round, victim_round = verifier.run([DraftBlock("x", 0, 1, (9,)), DraftBlock("victim", 0, 3, (10,))], [reopen])
+    reopen = verifier.submit_open(SessionSpec("x", (5,)))  # admitted in the same step as the rounds
+    x_round, victim_round = verifier.verify_batch([DraftBlock("x", 0, 1, (9,)), DraftBlock("victim", 0, 3, (10,))])
     assert isinstance(x_round, VerifyResult), x_round
     assert (victim_round.num_accepted, victim_round.next_token) == (expected.num_accepted, expected.next_token)
-    assert verifier.stats().sessions == 2
+    assert verifier.wait(reopen).committed_len == 1 and verifier.stats().sessions == 2
     # The re-open replaced x: its next round is round 0 again, on the one-token prompt.
     assert verifier.verify(DraftBlock("x", 0, 1, ())).committed_len == 2

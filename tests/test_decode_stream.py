@@ -1,6 +1,6 @@
-"""Cloud-only decoding as a stream the model thread drives (cloud/core/decoding.py): the target's
-output, decoded ahead of its consumer, batched with other sessions, stopped by a close, a shutdown or
-a lost replica, over the scheduler, the in-process front door and the Ray pool."""
+"""Cloud-only decoding as a stream the model thread drives (cloud/core/verifier.py `DecodeStream`): the
+target's output, decoded ahead of its consumer, batched with other sessions, stopped by a close, a
+shutdown or a lost replica, on a verifier, the in-process front door and the Ray pool."""
 import asyncio
 import time
 
@@ -8,7 +8,6 @@ import pytest
 import ray
 
 from hybridspec.cloud.api.server import BackgroundServer
-from hybridspec.cloud.core.scheduler import Scheduler
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.ray_pool import RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
@@ -26,18 +25,23 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def opened(scheduler: Scheduler, sid: str, prompt=PROMPT) -> DraftBlock:
-    await scheduler.open_session(SessionSpec(session_id=sid, committed_ids=tuple(prompt)))
+async def opened(verifier: Verifier, sid: str, prompt=PROMPT) -> DraftBlock:
+    await verifier.aopen_session(SessionSpec(session_id=sid, committed_ids=tuple(prompt)))
     return DraftBlock(sid, 0, len(prompt), ())
+
+
+async def running(verifier: Verifier) -> Verifier:
+    await verifier.start()
+    return verifier
 
 
 def test_a_stream_gives_the_targets_greedy_tokens(target):
     async def main():
-        scheduler = Scheduler(Verifier(target, LIMITS))
+        verifier = await running(Verifier(target, LIMITS))
         try:
-            return [t async for t in scheduler.decode(await opened(scheduler, "a"), 12, frozenset())]
+            return [t async for t in verifier.adecode(await opened(verifier, "a"), 12, frozenset())]
         finally:
-            await scheduler.aclose()
+            await verifier.stop()
 
     assert run(main()) == greedy_reference(target, PROMPT, 12)
 
@@ -45,18 +49,17 @@ def test_a_stream_gives_the_targets_greedy_tokens(target):
 def test_the_model_thread_decodes_ahead_of_a_slow_consumer(target):
     """The point of the stream: the engine does not wait for the consumer to ask for the next token."""
     async def main():
-        verifier = Verifier(target, LIMITS)
-        scheduler = Scheduler(verifier)
+        verifier = await running(Verifier(target, LIMITS))
         try:
-            tokens = scheduler.decode(await opened(scheduler, "a"), 10, frozenset())
+            tokens = verifier.adecode(await opened(verifier, "a"), 10, frozenset())
             first = await tokens.__anext__()
             deadline = time.monotonic() + 10
-            while (await scheduler.stats()).cached_tokens < len(PROMPT) + 10:
+            while (await verifier.astats()).cached_tokens < len(PROMPT) + 10:
                 assert time.monotonic() < deadline, "the stream waited for its consumer"
                 await asyncio.sleep(0.02)
             return [first] + [t async for t in tokens]
         finally:
-            await scheduler.aclose()
+            await verifier.stop()
 
     assert run(main()) == greedy_reference(target, PROMPT, 10)
 
@@ -67,42 +70,44 @@ def test_streams_stop_at_end_of_sequence_and_batch_with_each_other(target):
     expected = reference[: reference.index(stop) + 1]
 
     async def main():
-        scheduler = Scheduler(Verifier(target, LIMITS), max_wait_ms=20.0)
+        verifier = await running(Verifier(target, LIMITS, max_wait_ms=20.0))
         try:
             async def one(sid):
-                return [t async for t in scheduler.decode(await opened(scheduler, sid), 8, frozenset({stop}))]
+                return [t async for t in verifier.adecode(await opened(verifier, sid), 8, frozenset({stop}))]
             return await asyncio.gather(*(one(f"s{i}") for i in range(3)))
         finally:
-            await scheduler.aclose()
+            await verifier.stop()
 
     assert run(main()) == [expected] * 3
 
 
 def test_closing_the_session_ends_its_stream_with_failed_precondition(target):
     async def main():
-        scheduler = Scheduler(Verifier(target, LIMITS))
+        verifier = await running(Verifier(target, LIMITS))
         try:
-            tokens = scheduler.decode(await opened(scheduler, "a"), 400, frozenset())
+            tokens = verifier.adecode(await opened(verifier, "a"), 400, frozenset())
             await tokens.__anext__()
-            await scheduler.close_session("a")
+            await verifier.aclose_session("a")
             with pytest.raises(FailedPrecondition):
                 async for _ in tokens:
                     pass
         finally:
-            await scheduler.aclose()
+            await verifier.stop()
 
     run(main())
 
 
 def test_a_shutdown_ends_every_stream_with_unavailable(target):
     async def main():
-        scheduler = Scheduler(Verifier(target, LIMITS))
-        tokens = scheduler.decode(await opened(scheduler, "a"), 400, frozenset())
+        verifier = await running(Verifier(target, LIMITS))
+        tokens = verifier.adecode(await opened(verifier, "a"), 400, frozenset())
         await tokens.__anext__()
-        await scheduler.aclose()
+        await verifier.stop()
         with pytest.raises(Unavailable):
             async for _ in tokens:
                 pass
+        with pytest.raises(Unavailable, match="not started"):  # an event loop never steps it itself
+            await verifier.averify(DraftBlock("a", 0, len(PROMPT), ()))
 
     run(main())
 

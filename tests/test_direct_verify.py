@@ -37,16 +37,16 @@ def direct_pool(ray_cluster, model_dirs):
 
 
 def count_front_door_rounds(pool):
-    """Wrap the pool's verify (what the front door's Verify RPCs call) to count the rounds it routes."""
+    """Wrap the pool's averify (what the front door's Verify RPCs call) to count the rounds it routes."""
     calls = {"n": 0}
-    original = pool.verify
+    original = pool.averify
 
-    async def counted(block, caller):
+    async def counted(block):
         calls["n"] += 1
-        return await original(block, caller)
+        return await original(block)
 
-    pool.verify = counted
-    return calls, lambda: vars(pool).pop("verify")
+    pool.averify = counted
+    return calls, lambda: vars(pool).pop("averify")
 
 
 def edge_config(address):
@@ -172,16 +172,16 @@ def test_the_in_process_backend_names_no_replica_endpoint(server):
 
 
 def count_front_door_decodes(pool):
-    """Wrap the pool's decode (what the front door's Generate and Decode RPCs stream from) to count calls."""
+    """Wrap the pool's adecode (what the front door's Generate and Decode RPCs stream from) to count calls."""
     calls = {"n": 0}
-    original = pool.decode
+    original = pool.adecode
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    pool.decode = counted
-    return calls, lambda: vars(pool).pop("decode")
+    pool.adecode = counted
+    return calls, lambda: vars(pool).pop("adecode")
 
 
 def test_cloud_only_tokens_come_straight_from_the_replica(direct_pool, target):

@@ -199,17 +199,17 @@ def test_features_are_each_sessions_own_in_a_shared_pass(target):
     verifier.open_session(SessionSpec("plain", tuple(prompts["plain"])))
     opened = verifier.open_session(SessionSpec("eagle", tuple(prompts["eagle"]), features=FeatureFormat.FP16))
     blocks = [opened.features]
-    late = verifier.begin_open(SessionSpec("late", tuple(range(60, 70)), features=FeatureFormat.FP16))
+    late = verifier.submit_open(SessionSpec("late", tuple(range(60, 70)), features=FeatureFormat.FP16))
     committed = {sid: list(p) for sid, p in prompts.items()}
     for r in range(4):
         rounds = [DraftBlock(sid, r, len(committed[sid]), (9, 10)) for sid in committed]
-        results = verifier.run(rounds, [late])
+        results = verifier.verify_batch(rounds)  # the first pass carries late's prompt too
         for block, result in zip(rounds, results):
             committed[block.session_id] += [*block.draft_ids[:result.num_accepted], result.next_token]
         assert results[0].features is None
         blocks.append(results[1].features)
-    assert late.phase.value == "live" and late.opened().features.count == 9
-    for ids, block in ((committed["eagle"], join_blocks(blocks)), (list(range(60, 70)), late.opened().features)):
+    assert late.done() and late.result().features.count == 9
+    for ids, block in ((committed["eagle"], join_blocks(blocks)), (list(range(60, 70)), late.result().features)):
         torch.testing.assert_close(decode_features(block), teacher_forced(target, ids)[:-1], rtol=2e-3, atol=2e-3)
 
 

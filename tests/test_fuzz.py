@@ -8,7 +8,7 @@ import threading
 import grpc
 from hypothesis import HealthCheck, given, settings
 
-from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.edge.client import VerifierClient
@@ -23,8 +23,8 @@ NEW_TOKENS = 16
 
 
 def test_every_rpc_survives_fuzzing_beside_an_honest_edge(target):
-    backend = InProcessBackend(Verifier(target, VerifierLimits(max_context=512, max_draft=16, max_sessions=48)),
-                               max_batch=16, max_wait_ms=5.0)
+    backend = inprocess_pool(Verifier(target, VerifierLimits(max_context=512, max_draft=16, max_sessions=48),
+                                      max_batch=16, max_wait_ms=5.0))
     server = BackgroundServer(backend)
     channel = grpc.insecure_channel(server.address)
     fuzzer = Fuzzer(channel)

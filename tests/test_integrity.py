@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.security.credentials import anonymous
@@ -113,7 +113,7 @@ def test_failed_rounds_leave_the_cache_at_the_committed_length(broken_target):
 
 
 def test_internal_errors_reach_the_client_as_an_incident_id_only(broken_target, stub_of):
-    srv = BackgroundServer(InProcessBackend(Verifier(broken_target, LIMITS)), metrics_port=0)
+    srv = BackgroundServer(inprocess_pool(Verifier(broken_target, LIMITS)), metrics_port=0)
     try:
         stub = stub_of(srv)
         sid = stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6], sampling=pb.SamplingParams(
@@ -130,7 +130,7 @@ def test_internal_errors_reach_the_client_as_an_incident_id_only(broken_target, 
 
 def test_an_edge_beside_a_hostile_client_gets_the_target_output(target, stub_of):
     """Over real gRPC with batching: a client sending poison next to an honest edge changes nothing."""
-    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS), max_batch=16, max_wait_ms=20.0))
+    srv = BackgroundServer(inprocess_pool(Verifier(target, LIMITS, max_batch=16, max_wait_ms=20.0)))
     stop = threading.Event()
 
     def hostile() -> None:
@@ -207,7 +207,7 @@ def test_a_replay_is_answered_only_for_the_identical_request(server, stub_of):
 
 
 def test_one_client_cannot_take_every_session_slot(target, stub_of):
-    backend = InProcessBackend(Verifier(target, LIMITS), max_sessions_per_address=3)
+    backend = inprocess_pool(Verifier(target, LIMITS), max_sessions_per_address=3)
     srv = BackgroundServer(backend)
     try:
         stub = stub_of(srv)
@@ -226,7 +226,7 @@ def test_one_client_cannot_take_every_session_slot(target, stub_of):
 def test_an_open_that_times_out_gives_the_client_its_slot_back(target, stub_of):
     """Found in review: a deadline (or a client gone) cancelled the open and kept its slot for good."""
     verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=16, prefill_chunk=1))
-    srv = BackgroundServer(InProcessBackend(verifier, max_sessions_per_address=1))
+    srv = BackgroundServer(inprocess_pool(verifier, max_sessions_per_address=1))
     try:
         stub = stub_of(srv)
         long_prompt = pb.OpenSessionRequest(committed_ids=list(range(4, 254)) * 2)  # 500 one-token chunks
@@ -242,8 +242,8 @@ def test_an_open_that_times_out_gives_the_client_its_slot_back(target, stub_of):
 # ---- 7. the routing table leaks; unbounded ids --------------------------------------------------------
 
 def test_routes_of_sessions_a_replica_expired_are_dropped(target):
-    backend = InProcessBackend(Verifier(target, VerifierLimits(max_context=512, idle_timeout_s=1)),
-                               max_sessions_per_address=4)
+    backend = inprocess_pool(Verifier(target, VerifierLimits(max_context=512, idle_timeout_s=1)),
+                             max_sessions_per_address=4)
     srv = BackgroundServer(backend)
     try:
         with grpc.insecure_channel(srv.address) as channel:

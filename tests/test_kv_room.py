@@ -15,17 +15,22 @@ from hybridspec.common.protocol.wire import DraftBlock, SessionSpec, VerifyResul
 
 def test_a_busy_session_is_never_evicted_for_a_new_one(target):
     """Three pages of 16: "a" holds two; "b" needs two more. With a's round in the same step, or queued
-    for a later one, "b" is refused and "a" keeps its cache; once "a" is idle it is the one evicted."""
+    for a later one (the pass takes one round: x's), "b" is refused and "a" keeps its cache; once "a"
+    is idle it is the one evicted."""
     limits = VerifierLimits(max_context=512, kv_cache_tokens=48, prefix_scope=PrefixScope.OFF)
     for busy in ("in the step", "queued"):
-        verifier = Verifier(target, limits)
+        verifier = Verifier(target, limits, max_batch=1)
         verifier.open_session(SessionSpec("a", tuple([5] * 30)))
-        opening = verifier.begin_open(SessionSpec("b", tuple([6] * 30)))
-        blocks = [DraftBlock("a", 0, 30, ())] if busy == "in the step" else []
-        results = verifier.run(blocks, [opening], busy=() if blocks else ("a",))
-        assert isinstance(opening.error, ResourceExhausted), busy
+        blocks = [DraftBlock("a", 0, 30, ())]
+        if busy == "queued":  # x's round takes the pass's one place (and the last page); a's waits its turn
+            verifier.open_session(SessionSpec("x", (7,)))
+            blocks.insert(0, DraftBlock("x", 0, 1, ()))
+        opening = verifier.submit_open(SessionSpec("b", tuple([6] * 30)))
+        results = verifier.verify_batch(blocks)
+        assert isinstance(opening.result(0), ResourceExhausted), busy
         assert all(isinstance(r, VerifyResult) for r in results)
-        assert verifier.stats().evictions == 0 and verifier.stats().session_ids == ("a",)
+        stats = verifier.stats()
+        assert stats.evictions == 0 and set(stats.session_ids) == {block.session_id for block in blocks}
     verifier.open_session(SessionSpec("b", tuple([6] * 30)))  # "a" is idle now: evicted for it
     with pytest.raises(FailedPrecondition, match="evicted"):
         verifier.verify(DraftBlock("a", 1, 31, ()))
@@ -76,6 +81,6 @@ def test_llamacpp_sessions_beyond_the_streams_are_served_and_parked_exactly():
     got = {sid: [] for sid in prompts}
     for r in range(4):
         blocks = [DraftBlock(sid, r, len(prompt) + r, ()) for sid, prompt in prompts.items()]
-        for block, result in zip(blocks, shared.run(blocks, [])):
+        for block, result in zip(blocks, shared.verify_batch(blocks)):
             got[block.session_id].append(result.next_token)
     assert got == alone and engine.restores >= 4

@@ -1,14 +1,14 @@
-"""The pool over the `Replica` protocol (cloud/pool/pool.py), without Ray: both adapters match the
-protocol member for member, and one `Pool` over two in-process replicas places, routes, reconciles
-and closes sessions and runs cloud-only generation (cloud/core/decoding.py) across them."""
+"""The pool over the `Replica` protocol (cloud/pool/pool.py), without Ray: both kinds of replica (a
+Verifier in this process, a Ray actor's stand-in) match the protocol member for member, and one `Pool`
+over two in-process verifiers places, routes, reconciles and closes sessions and runs cloud-only
+generation (cloud/api/service.py `generate_tokens`) across them."""
 import asyncio
 import inspect
 
 import pytest
 
-from hybridspec.cloud.core.decoding import generate_tokens
+from hybridspec.cloud.api.service import generate_tokens
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-from hybridspec.cloud.pool.backend import InProcessReplica, ReplicaEndpointBackend
 from hybridspec.cloud.pool.pool import Pool, Replica
 from hybridspec.cloud.pool.ray_pool import RayReplica
 from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
@@ -34,32 +34,25 @@ def parameters(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-def test_both_adapters_have_every_member_of_the_replica_protocol(verifier):
+def test_both_kinds_of_replica_have_every_member_of_the_replica_protocol(verifier):
     """A member added to the protocol, or a call's parameters changed, on one side only fails here."""
-    adapters = [InProcessReplica(verifier, 1, 0.0, 50.0),
-                RayReplica("r", PoolSpec(replica=ReplicaSpec(target="unused")), None)]  # no Ray call until start
+    adapters = [verifier, RayReplica("r", PoolSpec(replica=ReplicaSpec(target="unused")), None)]  # no Ray call until start
     members = protocol_members()
-    assert {"open_session", "verify", "decode", "close_session", "stats", "alive", "name"} <= set(members)
+    assert {"aopen_session", "averify", "adecode", "aclose_session", "astats", "alive", "name"} <= set(members)
     for adapter in adapters:
         for name, declared in members.items():
             assert hasattr(adapter, name), f"{type(adapter).__name__} lacks {name}"
             if inspect.isfunction(declared):
                 assert parameters(getattr(type(adapter), name)) == parameters(declared), (type(adapter), name)
                 # Awaited calls stay awaited; the one stream stays an async generator.
-                kind = inspect.isasyncgenfunction if name == "decode" else inspect.iscoroutinefunction
+                kind = inspect.isasyncgenfunction if name == "adecode" else inspect.iscoroutinefunction
                 assert kind(getattr(type(adapter), name)), (type(adapter).__name__, name)
-
-
-def test_the_replica_endpoint_is_no_pool():
-    """A replica's endpoint keeps no routing table: it inherits nothing, and serves verify and decode only."""
-    assert ReplicaEndpointBackend.__mro__ == (ReplicaEndpointBackend, object)
-    assert not hasattr(ReplicaEndpointBackend, "open_session") and not hasattr(ReplicaEndpointBackend, "table")
 
 
 @pytest.fixture
 def two_replicas(target) -> Pool:
-    return Pool([InProcessReplica(Verifier(target, LIMITS), 4, 0.0, 50.0, name=f"r{i}") for i in range(2)],
-                max_sessions_per_client=8, max_sessions_per_address=8, replica_wait_s=0.0)
+    return Pool([Verifier(target, LIMITS, max_batch=4, max_wait_ms=0.0, prefill_budget_ms=50.0, name=f"r{i}")
+                 for i in range(2)], max_sessions_per_client=8, max_sessions_per_address=8, replica_wait_s=0.0)
 
 
 def test_a_pool_of_two_in_process_replicas_spreads_routes_and_reconciles_sessions(two_replicas):
@@ -72,16 +65,16 @@ def test_a_pool_of_two_in_process_replicas_spreads_routes_and_reconciles_session
             placed = [pool.table.get(sid).replica for sid in ids]
             assert sorted(placed) == ["r0", "r0", "r1", "r1"]  # the replica with the fewest sessions
             for sid, name in zip(ids, placed):  # each round reaches the replica holding its cache
-                result = await pool.verify(DraftBlock(sid, 0, len(PROMPT), (9,)), CALLER)
+                result = await pool.averify(DraftBlock(sid, 0, len(PROMPT), (9,), owner=CALLER.owner))
                 assert result.num_accepted in (0, 1)
                 other = pool.replicas["r1" if name == "r0" else "r0"]
                 with pytest.raises(FailedPrecondition):  # the other replica has never heard of it
-                    await other.verify(DraftBlock(sid, 1, len(PROMPT) + 1 + result.num_accepted, ()))
+                    await other.averify(DraftBlock(sid, 1, len(PROMPT) + 1 + result.num_accepted, ()))
             with pytest.raises(PermissionDenied):
-                await pool.verify(DraftBlock(ids[0], 1, 0, ()), Identity("mallory", authenticated=True))
+                await pool.averify(DraftBlock(ids[0], 1, 0, (), owner=Identity("mallory", authenticated=True).owner))
             assert [s.sessions for s in await pool.status()] == [2, 2]
             # A session its replica dropped on its own leaves the table at the next status.
-            assert await pool.replicas[placed[0]].close_session(ids[0])
+            assert await pool.replicas[placed[0]].aclose_session(ids[0])
             status = await pool.status()
             assert pool.table.lookup(ids[0]) is None and len(pool.table) == 3
             assert sorted(s.sessions for s in status) == [1, 2] and sum(s.routed_total for s in status) == 4

@@ -60,8 +60,8 @@ def test_the_limit_counts_from_the_claim_and_is_freed_by_removal():
 def test_an_authenticated_session_belongs_to_its_identity():
     table = SessionTable(max_per_client=8, max_per_address=8)
     sid, route = table.claim("", ALICE)
-    assert table.claim(sid, ALICE) == (sid, route) and table.get(sid, ALICE) is route
-    for attempt in (lambda: table.claim(sid, BOB), lambda: table.get(sid, BOB)):
+    assert table.claim(sid, ALICE) == (sid, route) and table.get(sid, ALICE.owner) is route
+    for attempt in (lambda: table.claim(sid, BOB), lambda: table.get(sid, BOB.owner)):
         with pytest.raises(PermissionDenied):
             attempt()
     assert table.lookup(sid) is route  # a refused caller changes nothing

@@ -1,37 +1,39 @@
-"""What a pass carries is decided once, by the scheduler: the verifier runs exactly the pass it is
-given (cloud/core/passes.py, cloud/core/scheduler.py `schedule`, cloud/core/verifier.py `step`)."""
+"""What a pass carries is decided once, by a pure function (cloud/core/passes.py `plan_pass`), in the
+step that runs it (cloud/core/verifier.py `Verifier.step`, its step 2), for the model thread and for a
+blocking caller stepping on its own alike."""
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from dataclasses import replace
 
 import pytest
 
+from conftest import started
 from hybridspec.cloud.core.passes import Pass, plan_pass
-from hybridspec.cloud.core.scheduler import Scheduler
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+from hybridspec.cloud.engine.base import Capabilities
 from hybridspec.cloud.engine.torch_engine import engine_for
+from hybridspec.common.protocol.tree import leaves
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
 
 LIMITS = VerifierLimits(max_context=512, max_draft=8, max_sessions=8, max_tree_nodes=16, kv_cache_tokens=4096)
 
 
-class Recording(Verifier):
-    """The real verifier, keeping every pass it is asked to run."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.passes: list[Pass] = []
-
-    def step(self, work: Pass):
-        self.passes.append(work)
-        return super().step(work)
-
-
-def limited_engine(target, **caps):
+def recording_engine(target, **caps):
+    """The real torch engine with `caps` changed, and the number of feeds each of its passes carried."""
     engine = engine_for(target.model, 4096)
     engine.capabilities = replace(engine.capabilities, **caps)
-    return engine
+    passes: list[int] = []
+    forward = engine.forward
+
+    def recorded(feeds):
+        passes.append(len(feeds))
+        return forward(feeds)
+
+    engine.forward = recorded
+    return engine, passes
 
 
 def trees(n: int) -> list[DraftBlock]:
@@ -43,25 +45,23 @@ def open_all(verifier: Verifier, n: int) -> None:
         verifier.open_session(SessionSpec(f"s{i}", tuple(range(10 + i, 30 + i))))
 
 
-def test_the_schedulers_pass_is_what_the_verifier_runs(target):
-    """Four tree rounds queued at once on an engine that takes two trees a pass: `schedule` splits
-    them, the verifier receives two passes of two trees (never more than fits), and every round is
-    answered as it would be alone."""
-    verifier = Recording(target, LIMITS, engine=limited_engine(target, max_trees=2))
+def test_the_planned_pass_is_what_the_engine_runs(target):
+    """Four tree rounds queued at once on an engine that takes two trees a pass: the plan splits them,
+    the engine runs two passes of two trees (never more than fits), and every round is answered as it
+    would be alone."""
+    engine, passes = recording_engine(target, max_trees=2)
+    verifier = Verifier(target, LIMITS, engine=engine, max_batch=8, max_wait_ms=2000)
     alone = Verifier(target, LIMITS)
     open_all(verifier, 4)
     open_all(alone, 4)
     blocks = trees(4)
     expected = [alone.verify(b) for b in blocks]
-    verifier.passes.clear()
-    scheduler = Scheduler(verifier, max_batch=8, max_wait_ms=2000)
-    try:
-        scheduler.submit_call(lambda: time.sleep(0.3))  # holds the model thread while all four queue
-        futures = [scheduler.submit_round(b) for b in blocks]
+    passes.clear()
+    with started(verifier):
+        verifier.submit_call(lambda: time.sleep(0.3))  # holds the model thread while all four queue
+        futures = [verifier.submit_round(b) for b in blocks]
         got = [f.result(30) for f in futures]
-    finally:
-        scheduler.stop()
-    assert [[b.session_id for b in p.rounds] for p in verifier.passes] == [["s0", "s1"], ["s2", "s3"]]
+    assert passes == [2, 2]
     assert all(isinstance(g, VerifyResult) for g in got)
     assert [(g.accepted_path, g.next_token) for g in got] == [(e.accepted_path, e.next_token) for e in expected]
     assert [g.batch_size for g in got] == [2, 2, 2, 2]
@@ -69,16 +69,15 @@ def test_the_schedulers_pass_is_what_the_verifier_runs(target):
     assert got[2].queue_ms - got[0].queue_ms < 1000
 
 
-def test_a_pass_beyond_the_engines_limits_is_refused_whole(target):
-    """The verifier never re-splits: a pass with more trees than the engine takes is a planning bug,
-    refused before any session changes (the same rounds then run when planned)."""
-    verifier = Verifier(target, LIMITS, engine=limited_engine(target, max_trees=2))
+def test_a_blocking_caller_gets_the_same_planned_passes(target):
+    """No second planner: blocks handed to `verify_batch` on a verifier without a model thread are
+    planned by the same step, within the engine's limits."""
+    engine, passes = recording_engine(target, max_trees=2)
+    verifier = Verifier(target, LIMITS, engine=engine)
     open_all(verifier, 3)
-    blocks = trees(3)
-    with pytest.raises(ValueError, match="limits"):
-        verifier.step(Pass(tuple(blocks)))
-    results = verifier.verify_batch(blocks)  # planned: two passes
-    assert [r.batch_size for r in results] == [2, 2, 1]
+    passes.clear()
+    results = verifier.verify_batch(trees(3))
+    assert passes == [2, 1] and [r.batch_size for r in results] == [2, 2, 1]
 
 
 def test_a_pass_carries_one_round_per_session():
@@ -100,14 +99,38 @@ def test_plan_pass_fits_the_engine_and_keeps_the_rest_in_order(target):
     assert (capped.taken, capped.split, capped.waiting) == ([0, 2], [], [1, 3, 4])
 
 
-def test_verify_ms_is_the_schedulers(target):
-    """The verifier leaves timing to the scheduler, which times a round from its arrival to its answer."""
-    verifier = Verifier(target, LIMITS)
+@pytest.mark.parametrize("seed", range(20))
+def test_a_planned_pass_never_asks_more_than_the_engine_may_carry(seed):
+    """The step runs the plan as it is, so the planner alone keeps a pass within the engine's limits:
+    sessions per pass, trees per pass and leaves per pass; every block offered is placed exactly once."""
+    rng = random.Random(seed)
+    caps = Capabilities("x", "cpu", "f32", 0, tree_masks=True, max_sequences_per_pass=rng.choice([0, 2, 3, 8]),
+                        max_trees=rng.choice([0, 1, 2]), max_tree_leaves=rng.choice([0, 4, 6]))
+    blocks = []
+    for i in range(rng.randint(0, 12)):
+        parents = rng.choice([(), (-1, -1, 0), (-1, 0, 0, -1)])
+        blocks.append(DraftBlock(f"s{rng.randint(0, 5)}", i, 2, tuple(range(len(parents) or 2)), parents=parents))
+    plan = plan_pass(blocks, [], lambda tokens: 0, caps, max_rounds=rng.randint(1, 10))
+    rounds = plan.work.rounds
+    if caps.max_sequences_per_pass:
+        assert len(rounds) <= caps.max_sequences_per_pass
+    tree_rounds = [b for b in rounds if b.is_tree]
+    if caps.max_trees and len(tree_rounds) > 1:
+        assert len(tree_rounds) <= caps.max_trees
+    if caps.max_tree_leaves and len(tree_rounds) > 1:
+        assert sum(leaves(b.parents) for b in tree_rounds) <= caps.max_tree_leaves
+    placed = sorted(itertools.chain(plan.taken, plan.split, plan.waiting))
+    assert placed == list(range(len(blocks))) and [blocks[i] for i in plan.taken] == list(rounds)
+    assert bool(blocks) <= bool(rounds)  # something always runs: the queue drains
+
+
+def test_verify_ms_is_set_where_a_round_is_answered(target):
+    """A round is timed by the step that answers it, from its arrival: for a blocking caller stepping on
+    its own and on the model thread alike."""
+    verifier = Verifier(target, LIMITS, max_wait_ms=0)
     open_all(verifier, 2)
-    assert verifier.verify(DraftBlock("s0", 0, 20, (7,))).verify_ms == 0.0
-    scheduler = Scheduler(verifier, max_wait_ms=0)
-    try:
-        result = scheduler.submit_round(DraftBlock("s1", 0, 20, (7,))).result(30)
-    finally:
-        scheduler.stop()
-    assert result.verify_ms > 0 and result.verify_ms >= result.queue_ms >= 0
+    direct = verifier.verify(DraftBlock("s0", 0, 20, (7,)))
+    with started(verifier):
+        served = verifier.submit_round(DraftBlock("s1", 0, 20, (7,))).result(30)
+    for result in (direct, served):
+        assert result.verify_ms > 0 and result.verify_ms >= result.queue_ms >= 0

@@ -14,7 +14,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hybridspec.cloud.api.access import AccessSpec
-from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.pool.ray_pool import RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
@@ -80,7 +80,7 @@ def edge_access(pki, token, ca="ca", **tls) -> CloudAccess:
 @pytest.fixture(scope="module")
 def secure_server(target, pki, tokens):
     """A front door with TLS and tokens, in front of one in-process verifier."""
-    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS), max_sessions_per_client=4),
+    srv = BackgroundServer(inprocess_pool(Verifier(target, LIMITS), max_sessions_per_client=4),
                            access=access(pki, tokens))
     yield srv
     srv.stop()
@@ -133,7 +133,7 @@ def test_a_wrong_server_name_and_a_plaintext_client_are_refused(secure_server, p
 
 
 def test_mutual_tls_needs_a_client_certificate_from_the_client_ca(target, pki, tokens):
-    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)), access=access(pki, tokens, mutual=True))
+    srv = BackgroundServer(inprocess_pool(Verifier(target, LIMITS)), access=access(pki, tokens, mutual=True))
     try:
         token = tokens[1]["alice"]
         with pytest.raises(Unavailable):
@@ -149,7 +149,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(target, pki, tokens, 
     shutil.copy(pki["cert"], cert)
     shutil.copy(pki["key"], key)
     spec = AccessSpec(tls_cert=str(cert), tls_key=str(key), credentials=tokens[0])
-    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)), access=spec)
+    srv = BackgroundServer(inprocess_pool(Verifier(target, LIMITS)), access=spec)
     try:
         new_ca = trustme.CA()
         renewed = new_ca.issue_cert(SERVER_NAME, "127.0.0.1")
@@ -252,7 +252,7 @@ def test_a_paced_identity_is_slowed_not_refused(secure_server, pki, tokens):
 def test_a_revoked_token_stops_working_without_a_restart(target, pki, tmp_path):
     path = tmp_path / "credentials.yaml"
     token = add_identity(path, "temp")
-    srv = BackgroundServer(InProcessBackend(Verifier(target, LIMITS)),
+    srv = BackgroundServer(inprocess_pool(Verifier(target, LIMITS)),
                            access=AccessSpec(tls_cert=pki["cert"], tls_key=pki["key"], credentials=str(path)))
     channel, stub = secure_stub(srv.address, pki)
     try:

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from hybridspec.cloud.pool.backend import InProcessBackend
+from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.api.ports import PortUnavailable
 from hybridspec.cloud.api.server import BackgroundServer, start_server
 
@@ -63,7 +63,7 @@ def test_the_real_binds_fail_cleanly_and_a_grpc_port_is_never_shared(verifier, b
         for port, metrics_port, what in [(busy_port, None, "gRPC front door"),
                                          (first.running.port, None, "gRPC front door"),
                                          (0, busy_port, "metrics HTTP server")]:
-            backend = InProcessBackend(verifier)
+            backend = inprocess_pool(verifier)
             with pytest.raises(PortUnavailable, match=f"port {port or metrics_port} on 127.0.0.1 is already "
                                                       f"in use \\({what}\\)"):
                 asyncio.run(start_server(backend, "127.0.0.1", port, metrics_port))

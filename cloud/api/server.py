@@ -26,8 +26,7 @@ from ...common.protocol.channel import DEFAULT_HOST, SHARED_OPTIONS
 from ...common.security.tls import ServerTLS
 from .access import Access, AccessSpec
 from .admission import Admission
-from ..pool.backend import InProcessBackend, ReplicaEndpointBackend
-from ..pool.pool import Pool
+from ..pool.pool import Pool, inprocess_pool
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .ports import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
@@ -162,21 +161,23 @@ class ReplicaEndpoint:
     host: str  # the front door's interface
     access: AccessSpec = AccessSpec()  # TLS and credentials (the files are read on the replica's node)
 
-    async def start(self, backend: ReplicaEndpointBackend, advertised_host: str) -> VerifyEndpoint:
-        """Serve `backend` on a free port of `host`; clients dial `advertised_host`."""
-        return await start_verify_endpoint(backend, self.host, advertised_host, self.access)
+    async def start(self, verifier: Verifier, advertised_host: str) -> VerifyEndpoint:
+        """Serve `verifier`'s sessions' rounds on a free port of `host`; clients dial `advertised_host`."""
+        return await start_verify_endpoint(verifier, self.host, advertised_host, self.access)
 
 
-async def start_verify_endpoint(backend: ReplicaEndpointBackend, host: str, advertised_host: str,
+async def start_verify_endpoint(verifier: Verifier, host: str, advertised_host: str,
                                 access: AccessSpec = AccessSpec()) -> VerifyEndpoint:
-    """Serve `backend`'s VerifyStream and Decode on a free port of `host` (the front door's interface), with the
-    front door's TLS, credentials, rates, limits, validation and error handling (the same
+    """Serve `verifier`'s VerifyStream and Decode on a free port of `host` (the front door's interface),
+    with the front door's TLS, credentials, rates, limits, validation and error handling (the same
     VerifierService); no other Verifier RPC: sessions are opened, closed and counted against their
-    client only at the front door."""
+    client only at the front door. No routing table either: the verifier is the authority, answering
+    FAILED_PRECONDITION for any id it does not hold, whoever presents it, and checking that a session
+    is the caller's."""
     tally = EndpointTally()
     gate = Access(access)
     server = _grpc_server(gate, tally)
-    VerifierService(backend, tally, gate).register(server, only=("VerifyStream", "Decode"))
+    VerifierService(verifier, tally, gate).register(server, only=("VerifyStream", "Decode"))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = _bind_grpc(server, host, 0, "a replica's verify endpoint", access.tls)
@@ -221,7 +222,7 @@ class BackgroundServer:
                  metrics_port: int | None = None, access: AccessSpec = AccessSpec()) -> None:
         """A bare Verifier is served in-process with default batching."""
         if isinstance(backend, Verifier):
-            backend = InProcessBackend(backend)
+            backend = inprocess_pool(backend)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="grpc-server")
         self._thread.start()

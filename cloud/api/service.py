@@ -1,5 +1,12 @@
 """gRPC servicer: decode -> call the backend -> encode. No tensors, no verification logic, no Ray.
 
+The backend is the front door's `Pool` (cloud/pool/pool.py), or, behind a replica's own endpoint
+(direct verify), that replica's `Verifier` (cloud/core/verifier.py), which serves rounds and decode
+steps only. Every round and decode step is stamped here with its sender (`DraftBlock.owner`): the
+pool checks it against the session's route, the verifier against the session itself. The two
+cloud-only RPC loops live here too, beside their only caller: `decode_tokens` (`Decode`, on a session
+the client opened) and `generate_tokens` (`Generate`, on a session of its own); neither touches a tensor.
+
 Every request is untrusted. Each call is first identified (cloud/api/access.py: its bearer token, or its
 address on a server without credentials; UNAUTHENTICATED before anything else is read), then paced
 by its identity's rate. Bodies are parsed by deserializers that never raise, so an undecodable one
@@ -14,21 +21,19 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
 from ...common.protocol import codec
 from ...common.security.credentials import Identity
-from ...common.protocol.errors import HybridSpecError, InvalidArgument, incident
+from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
 from ...common.protocol.proto import verifier_pb2 as pb
-from ...common.protocol.wire import check_session_id
+from ...common.protocol.wire import (DecodeSpec, DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened,
+                                     SessionSpec, VerifyResult, check_context, check_session_id)
 from .access import Access, AccessSpec
-from ..core.decoding import decode_tokens, generate_tokens
-from ..pool.backend import ReplicaEndpointBackend
-from ..pool.pool import Pool
 from .metrics import EndpointTally, Metrics
 
 log = logging.getLogger(__name__)
@@ -65,11 +70,35 @@ def identify(access: Access, context: grpc.aio.ServicerContext) -> Identity:
     return access.identify(authorization, peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer)
 
 
+class Decoder(Protocol):
+    """What a replica's own endpoint serves (a Verifier), and what the front door's pool serves too:
+    rounds and decode steps of sessions it holds, each stamped with its sender."""
+
+    def model_info(self) -> ModelInfo:
+        """What is served."""
+
+    async def averify(self, block: DraftBlock) -> VerifyResult:
+        """Verify one round."""
+
+    def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+        """Up to `max_tokens` tokens of the session from the empty block `block`, as they are decoded."""
+
+
+class Sessions(Decoder, Protocol):
+    """A decoder that also opens and closes sessions for their callers (the front door's pool)."""
+
+    async def open_session(self, spec: SessionSpec, caller: Identity) -> SessionOpened:
+        """Open a session for `caller`, or re-open the live one spec.session_id names."""
+
+    async def close_session(self, session_id: str, caller: Identity) -> bool:
+        """Free `caller`'s session."""
+
+
 class VerifierService:
     """Serves one backend: the front door's pool (of an in-process verifier or Ray replicas), or a
-    replica's own scheduler behind its direct endpoint (which registers VerifyStream and Decode only)."""
+    replica's own verifier behind its direct endpoint (which registers VerifyStream and Decode only)."""
 
-    def __init__(self, backend: Pool | ReplicaEndpointBackend, metrics: Metrics | EndpointTally,
+    def __init__(self, backend: Sessions | Decoder, metrics: Metrics | EndpointTally,
                  access: Access | None = None) -> None:
         """metrics: a replica endpoint passes an EndpointTally; it is only asked about rounds, tokens and errors.
         access: who may call (default: anyone, named by address, unpaced)."""
@@ -182,7 +211,7 @@ class VerifierService:
         check_session_id(block.session_id)
         start = time.perf_counter()
         await self._pace(caller, len(block.draft_ids) + 1)
-        result = await self.backend.verify(block, caller)
+        result = await self.backend.averify(replace(block, owner=caller.owner))
         self.metrics.observe_round(len(block.draft_ids), result, time.perf_counter() - start)
         return codec.result_to_pb(result)
 
@@ -217,3 +246,55 @@ class VerifierService:
         self.metrics.observe_error(code)
         await context.abort(getattr(grpc.StatusCode, code), message)
         raise AssertionError("context.abort returned")  # it always raises
+
+
+async def decode_tokens(decoder: Decoder, spec: DecodeSpec, caller: Identity) -> AsyncIterator[int]:
+    """Cloud-only decoding on a session the caller opened: its tokens as the replica decodes them.
+    Validated before anything is decoded."""
+    info = decoder.model_info()
+    spec.validate(info.max_context)
+    first = DraftBlock(spec.session_id, spec.round, spec.committed_len, (), owner=caller.owner)  # an empty round
+    async for token in decoder.adecode(first, spec.max_new_tokens, frozenset(info.eos_token_ids)):
+        yield token
+
+
+async def generate_tokens(sessions: Sessions, spec: GenerateSpec, caller: Identity) -> AsyncIterator[int]:
+    """Cloud-only decoding: the target alone, one token per round of an empty draft.
+
+    Every token is the 'bonus' of an empty block, so cloud-only streams are batched with the
+    verification rounds of other sessions, and a lost replica is recovered from the tokens so far.
+    The replica queues each next round itself (cloud/core/verifier.py `DecodeStream`), so no token
+    waits on this loop. Sampling draws as the coupled rule does, by (seed, absolute position): a seed
+    gives the same tokens however a generation is split between hybrid rounds and streams
+    (docs/design.md §2.2).
+    """
+    # 1. Validate, then open a session of the stream's own.
+    info = sessions.model_info()
+    spec.validate(info.vocab_size)
+    check_context(len(spec.prompt_ids), spec.max_new_tokens, info.max_context)
+    session = SessionSpec(session_id="", committed_ids=tuple(spec.prompt_ids), sampling=spec.sampling,
+                          mode=Mode.GREEDY if spec.sampling.greedy else Mode.COUPLED,
+                          seed=spec.seed, tokenizer_fingerprint=spec.tokenizer_fingerprint,
+                          prompt_len=spec.prompt_end)
+    committed = list(spec.prompt_ids)
+    session_id = (await sessions.open_session(session, caller)).session_id
+    eos = frozenset(info.eos_token_ids)
+    reopened_at = -1  # a session lost twice without a token in between is an error, not a retry
+    try:
+        while (generated := len(committed) - len(spec.prompt_ids)) < spec.max_new_tokens:
+            # 2. Decode the rest of the budget in one stream, up to an end-of-sequence token.
+            block = DraftBlock(session_id, generated, len(committed), (), owner=caller.owner)
+            try:
+                async for token in sessions.adecode(block, spec.max_new_tokens - generated, eos):
+                    committed.append(token)
+                    yield token
+                    if token in eos:
+                        return
+            except FailedPrecondition:  # 3. Evicted, or its replica was lost: re-open from the tokens so far.
+                if reopened_at == generated:
+                    raise
+                reopened_at = generated
+                reopen = replace(session, session_id=session_id, committed_ids=tuple(committed), next_round=generated)
+                session_id = (await sessions.open_session(reopen, caller)).session_id
+    finally:
+        await sessions.close_session(session_id, caller)

@@ -1,11 +1,43 @@
-"""The verifier core: the target model, its sessions' KV pages and the verification rules.
+"""One replica's serving core: the target on its engine, the sessions verified against it, and the step
+that runs every forward pass. No gRPC and no Ray: requests and replies are the plain dataclasses of
+common/protocol/wire.py, errors the domain errors of common/protocol/errors.py.
 
-No gRPC and no Ray here: requests and replies are the plain dataclasses of common/protocol/wire.py, errors
-are the domain errors of common/protocol/errors.py. Work happens in steps (`step`): one forward pass carries
-the rounds of many sessions and chunks of prompts being opened (cloud/engine/). The scheduler decides
-what a pass carries (cloud/core/passes.py `plan_pass`); `step` runs exactly that pass, failing items
-alone but never choosing, deferring or splitting work. `run` plans passes the same way for direct
-callers. Timing a round (`VerifyResult.verify_ms`) is the scheduler's; the verifier leaves it 0.
+A step (`Verifier.step`) reads top-down:
+  1. take what is queued: bookkeeping calls (run at once), opens (a new one is admitted here:
+     validated and given a session slot, since a pass is planned over sessions), rounds (verify
+     blocks and cloud-only decode steps alike);
+  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues and the
+     engine's capabilities; what it leaves goes first in the next step;
+  3. admit each round: its session, the block's validation, a replay answered from memory;
+  4. reserve KV for every feed, evicting what may be evicted; a new session first starts from a
+     cached prefix of its prompt;
+  5. one `engine.forward` over every feed;
+  6. each round's rule (cloud/core/rules.py) and commit; opened sessions whose prompt is cached go live;
+  7. answer: time each round, resolve its future, queue a decode stream's next round, settle opens.
+A failure in 3–6 is the item's own (its error is its answer; a session touched by a failed pass is
+cut back to its committed tokens), and the step goes on for the others.
+
+Threads. Any thread may queue work: `submit_round`, `submit_open`, `submit_call`, and the blocking and
+awaited calls built on them. One condition, `_cv`, guards the queues and who steps (`_driver`); it is
+held only to queue, to take and to hand work back. Everything else (the engine, the sessions, the
+prefix cache, telemetry, the batching state) belongs to the one thread that steps: the model thread
+while the verifier is started (`start`: a replica serving), else a blocking caller, which runs the
+steps itself until its answer is in (tests, benchmarks, a co-located baseline); never two at once.
+Answers reach event loops through their futures, and a decode stream's tokens through its loop.
+
+Two ways in. Blocking: `open_session`, `verify`, `verify_batch`, `close_session`, `stats`. Awaited:
+`aopen_session`, `averify`, `adecode`, `aclose_session`, `astats` (an `a` marks the awaited twin, as
+in the standard library's `aclose`), which with `start`, `stop` and the rest make a Verifier the
+pool's `Replica` in the front door's process (cloud/pool/pool.py) and what a replica's own endpoint
+serves (cloud/api/server.py). Awaited calls need the model thread: an event loop never steps.
+
+Batching, on the model thread only. A lone round runs at once. Only while other sessions that sent
+rounds recently have none queued does a round wait for their company, and then at most `max_wait_ms`
+from the moment the model is free: under load the batch grows while the previous step runs, the
+sessions that step answered get a moment to rejoin, and a single edge never pays a batching delay.
+Prompts are paced by time (cloud/core/passes.py `prefill_tokens`). A blocking caller stepping on its
+own has nobody to wait for: its steps take what is queued at once and feed prompts in whole chunks,
+so its answers never depend on timing.
 
 Integrity rules, enforced here for every caller:
 - Everything a request carries is validated before any state changes.
@@ -16,38 +48,54 @@ Integrity rules, enforced here for every caller:
 - A replayed round is answered from memory only when it is the very block that was answered.
 - On a server with credentials, a session's rounds are taken only from the identity that opened it.
 - An opening session becomes visible only once its whole prompt is cached.
+- Every item queued is answered: the queues are made once and changed only in place under `_cv` (a
+  submitter holds the queue object before it takes the lock, so a swapped queue would lose its item).
 
 Features (the target's final hidden states, for an edge's EAGLE drafter) go only to sessions that
 asked (`SessionSpec.features`): the open's reply carries those of every committed token but the last,
 each round's those of [last committed token, accepted drafts]; a replay returns the same ones.
+
+Cloud-only decoding. A cloud-only token is the bonus token of an empty round. A `DecodeStream` lives
+on the model thread: when a step answers one of its rounds, step 7 queues the next at once and the
+token goes to the consumer's event loop without anything waiting for it (sent one round at a time
+from an event loop, every token would wait for its answer to cross to the loop and the next round to
+cross back, while the engine idled). Its rounds are ordinary rounds: they batch with other sessions'
+and obey every rule a round does; the stream ends after its budget, at an end-of-sequence token, on
+an error, or when its consumer goes away.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
 
 from ...common.maths.features import encode_features
 from ...common.models.loading import tokenizer_fingerprint
-from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
+from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, Unavailable, incident
 from ...common.protocol.tree import feed_parents
-from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mode, ModelInfo, SessionOpened, SessionSpec,
+from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
-from .passes import Pass, check_pass, plan_pass, tree_nodes
+from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
+from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
 from .session import Phase, Session, SessionStore
-from .limits import VerifierLimits
-from .telemetry import ReplicaTelemetry, Telemetry
+from .telemetry import ReplicaTelemetry, Tally, Telemetry
 
 log = logging.getLogger(__name__)
+
+ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
+_END = object()  # a decode stream's last item
 
 
 @dataclass(frozen=True)
@@ -64,14 +112,87 @@ class VerifierStats:
     parked_tokens: int = 0  # tokens of idle sessions parked in host memory (an engine that parks)
 
 
-Round = tuple[int, DraftBlock, Session]  # (index in the step's blocks, the block, its session)
+class DecodeStream:
+    """One session's decode steps; `answered` runs on the model thread, `tokens` on the consumer's loop."""
+
+    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], loop: asyncio.AbstractEventLoop) -> None:
+        self.first = first  # an empty block at the session's current length
+        self._left = max_tokens
+        self._eos = eos
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._gone = False  # the consumer stopped listening
+
+    def answered(self, block: DraftBlock, result: VerifyResult | HybridSpecError) -> DraftBlock | None:
+        """Hand a step's answer to `block` to the consumer; returns the next round to queue, or None
+        when the stream is over (budget spent, end of sequence, an error, nobody listening)."""
+        if not isinstance(result, VerifyResult):
+            self._push(result)
+            return None
+        token = result.next_token
+        self._left -= 1
+        self._push(token)
+        if self._left > 0 and token not in self._eos and not self._gone:
+            return replace(block, round=block.round + 1, committed_len=block.committed_len + 1)
+        self._push(_END)
+        return None
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """The stream's tokens as they are decoded; raises the domain error that ended it, if any."""
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, HybridSpecError):
+                    raise item
+                yield item
+        finally:
+            self._gone = True
+
+    def _push(self, item: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            self._gone = True
+
+
+@dataclass
+class _Round:
+    block: DraftBlock
+    future: Future
+    arrived: float
+    stream: DecodeStream | None = None  # a cloud-only stream's round: its answer queues the next one
+
+
+@dataclass
+class _Open:
+    spec: SessionSpec
+    future: Future
+    session: Session | None = None  # set once a step has admitted it
+
+
+Round = tuple[int, DraftBlock, Session]  # (index among the pass's rounds, the block, its session)
 
 
 class Verifier:
-    """Owns one engine (the target and its KV cache) and the sessions verified against it."""
+    """Owns one engine (the target and its KV cache), the sessions verified against it, and the step
+    that serves them; in the front door's process it is also the pool's only replica."""
 
-    def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None) -> None:
-        """`engine` defaults to the torch engine over `target`'s model (a LoadedModel)."""
+    alive = True  # it never dies on its own
+    failures = 0
+    verify_address = ""  # no endpoint of its own: its rounds come through the front door
+
+    def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,
+                 max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, name: str = "in-process") -> None:
+        """`engine` defaults to the torch engine over `target`'s model (a LoadedModel). The batching
+        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`); `name` is the
+        replica's in a pool."""
+        if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
+            raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
+                             f"{max_wait_ms}, {prefill_budget_ms}")
+        self.name = name
         self.target = target
         self.limits = limits if limits is not None else VerifierLimits()
         self.engine: Engine = engine if engine is not None else engine_for(
@@ -89,145 +210,274 @@ class Verifier:
             idle_timeout_s=self.limits.idle_timeout_s, eos_token_ids=target.eos_token_ids,
             device=caps.device, dtype=caps.dtype, feature_dim=caps.feature_dim,
             max_tree_nodes=tree_nodes(self.limits.max_tree_nodes, caps))
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_ms / 1e3
+        self.prefill_budget_ms = prefill_budget_ms
+        # The stepping thread's state.
         self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
                                       self._retire)
         self.telemetry = Telemetry()
-        self._lock = threading.Lock()  # one step or bookkeeping call at a time
+        self.cost = StepCost()  # of the steps that fed a prompt
+        self._fed_last_step = False
+        self._split = False  # the last step left rounds for the engine's limits
+        self._recent: dict[str, float] = {}  # session -> when its last round arrived
+        # Under `_cv`: the queues (made once, changed only in place) and who steps.
+        self._cv = threading.Condition()
+        self._rounds: deque[_Round] = deque()
+        self._opens: deque[_Open] = deque()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+        self._thread: threading.Thread | None = None  # the model thread, while started
+        self._driver: threading.Thread | None = None  # the thread stepping now: the model thread, or a blocking caller
+        self._starts = 0  # starts not yet undone by a stop
+        self._stopping = False
+
+    # ---- queueing work (any thread) ------------------------------------------------------------
+
+    def submit_round(self, block: DraftBlock) -> Future:
+        """Verify one round in a coming step; resolves to a VerifyResult or a HybridSpecError."""
+        return self._put(self._rounds, _Round(block, Future(), time.perf_counter()))
+
+    def submit_open(self, spec: SessionSpec) -> Future:
+        """Open (or re-open, replacing) a session from its committed tokens; resolves to its
+        SessionOpened (length, asked-for features) or a HybridSpecError. Cancelling the future before
+        it resolves abandons the open and frees what it holds."""
+        return self._put(self._opens, _Open(spec, Future()))
+
+    def submit_call(self, fn: Callable[[], object]) -> Future:
+        """Run bookkeeping (close, stats) on the stepping thread, first thing in the next step."""
+        return self._put(self._calls, (fn, Future()))
+
+    def wait(self, future: Future) -> object:
+        """The answer to queued work, blocking. While no model thread runs, the caller steps itself
+        until the answer is in, one caller at a time."""
+        future.add_done_callback(self._wake)
+        while True:
+            with self._cv:
+                while not future.done() and self._driver is not None:
+                    self._cv.wait()
+                if future.done():
+                    return future.result()
+                self._driver = threading.current_thread()
+            try:
+                while not future.done():
+                    if not self.step():
+                        raise RuntimeError("queued work was never answered")  # a bug in the step, not a state
+            finally:
+                with self._cv:
+                    self._driver = None
+                    self._cv.notify_all()
+
+    # ---- blocking calls (direct callers: tests, benchmarks, a co-located baseline) -------------
+
+    def open_session(self, spec: SessionSpec) -> SessionOpened:
+        """Open (or re-open, replacing) a session; returns its length and the features it asked for."""
+        return _raised(self.wait(self.submit_open(spec)))
+
+    def verify(self, block: DraftBlock) -> VerifyResult:
+        """Score one block in one forward pass over its session's cached context."""
+        return _raised(self.wait(self.submit_round(block)))
+
+    def verify_batch(self, blocks: Sequence[DraftBlock]) -> list[VerifyResult | HybridSpecError]:
+        """Verify many sessions' rounds, as many in each pass as it may carry (a session's rounds in
+        order, one per pass). Returns, per block and in order, its result or its error; one bad block
+        never fails the others."""
+        futures = [self.submit_round(block) for block in blocks]
+        return [self.wait(future) for future in futures]  # type: ignore[misc]
+
+    def close_session(self, session_id: str) -> bool:
+        """End a session (its cache may be kept for new sessions to start from); True if it existed."""
+        return _raised(self.wait(self.submit_call(lambda: self._close(session_id))))
+
+    def stats(self) -> VerifierStats:
+        """Sessions held, their cached tokens, evictions so far, and the KV cache's size."""
+        return _raised(self.wait(self.submit_call(self._stats)))
 
     def measure_pass_costs(self, max_tokens: int) -> None:
         """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info`, for the
         edges' block sizing (cloud/core/costs.py). Run it before serving: it holds the engine meanwhile."""
-        with self._lock:
-            largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
-            points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, largest))
-            self.info = replace(self.info, pass_costs=points)
+        _raised(self.wait(self.submit_call(lambda: self._measure(max_tokens))))
 
-    # ---- bookkeeping ---------------------------------------------------------------------------
+    # ---- the pool's Replica (awaited; cloud/pool/pool.py) --------------------------------------
 
-    def stats(self) -> VerifierStats:
-        """Sessions held, their cached tokens, evictions so far, and the KV cache's size."""
-        with self._lock:
-            self._sessions.expire_idle()
-            return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
-                                 self._sessions.ids(), self.engine.capacity_tokens,
-                                 self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
-                                 getattr(self.engine, "parked_tokens", 0))
+    async def start(self) -> ModelInfo:
+        """Start the model thread (the model came loaded); returns what it serves. Each start is undone
+        by one `stop`: a verifier shared by several front doors steps until the last one stops."""
+        with self._cv:
+            self._starts += 1
+            if self._thread is None:
+                self._cv.wait_for(lambda: self._driver is None)  # a blocking caller's steps end first
+                self._thread = self._driver = threading.Thread(target=self._serve, name="verifier-steps", daemon=True)
+                self._thread.start()
+        return self.info
 
-    def close_session(self, session_id: str) -> bool:
-        """End a session (its cache may be kept for new sessions to start from); True if it existed."""
-        with self._lock:
-            return self._sessions.pop(session_id)
+    async def stop(self) -> None:
+        """Undo one `start`; the last stops the model thread after its current step, and what is still
+        queued fails with Unavailable. Blocking callers may step it themselves afterwards."""
+        await asyncio.to_thread(self._halt)
 
-    def begin_open(self, spec: SessionSpec) -> Session:
-        """Validate an open and check there is room; the new session (PREFILLING) is then fed by `step`."""
+    async def wait_alive(self) -> None:
+        """Always alive."""
+
+    def model_info(self) -> ModelInfo:
+        """What it serves."""
+        return self.info
+
+    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
+        """`open_session`, awaited; cancelling abandons the open."""
+        return await _awaited("OpenSession", self._put(self._opens, _Open(spec, Future()), awaited=True))
+
+    async def averify(self, block: DraftBlock) -> VerifyResult:
+        """`verify`, awaited."""
+        return await _awaited("Verify", self._put(self._rounds, _Round(block, Future(), time.perf_counter()),
+                                                  awaited=True))
+
+    async def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+        """Cloud-only decoding of up to `max_tokens` tokens from the empty block `block`, each the next
+        round's bonus token, queued by the model thread itself (`DecodeStream`)."""
+        stream = DecodeStream(block, max_tokens, eos, asyncio.get_running_loop())
+        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream), awaited=True)
+        async for token in stream.tokens():
+            yield token
+
+    async def aclose_session(self, session_id: str) -> bool:
+        """`close_session`, awaited."""
+        return await _awaited("CloseSession", self._put(self._calls, (lambda: self._close(session_id), Future()),
+                                                        awaited=True))
+
+    async def astats(self) -> VerifierStats:
+        """`stats`, awaited."""
+        return await _awaited("stats", self._put(self._calls, (self._stats, Future()), awaited=True))
+
+    async def take_tally(self) -> Tally:
+        """Nothing: no endpoint of its own."""
+        return Tally()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One turn of the stepping thread (the module's docstring lists its seven steps). Returns
+        False when nothing was queued."""
+        # 1. Take what is queued. Bookkeeping runs first, so a close or a stats call never waits
+        #    behind a long queue; a new open is admitted (validated, a session slot) so it can be planned.
+        with self._cv:
+            calls, opens = list(self._calls), list(self._opens)  # opens stay queued until settled (step 7)
+            rounds = [r for r in self._rounds if not r.future.cancelled()]
+            self._calls.clear()
+            self._rounds.clear()
+        if not (calls or opens or rounds):
+            return False
+        for fn, future in calls:
+            _resolve(future, _call(fn))
+        feeding = self._admit_opens(opens)
+        # 2. Plan the pass: one round per session, up to max_batch, as many as the engine may carry,
+        #    and the prompt tokens it may carry beside them. What it leaves goes first next time.
+        plan = plan_pass([r.block for r in rounds], feeding, self._prompt_tokens(feeding), self.engine.capabilities,
+                         self.max_batch)
+        with self._cv:
+            self._rounds.extendleft(reversed([rounds[i] for i in plan.split + plan.waiting]))
+        work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
+        for item in taken:
+            self._recent[item.block.session_id] = item.arrived
+        if not taken and not work.openings:
+            self._settle_opens(opens)  # opens refused at admission leave the queue
+            return True
+        started = time.perf_counter()
+        results: list[VerifyResult | HybridSpecError | None] = [None] * len(taken)
+        try:
+            # 3. Admit each round: identical replays are answered from memory, bad blocks get their error.
+            rounds_in = self._admit(work.rounds, results)
+            # 4. Room in the cache for every feed; a feed that cannot get it fails alone.
+            feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
+            # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
+            scores = self._forward(feeds, rounds_in, work.openings, results)
+            if scores is not None:
+                # 6. Each round's rule; its session commits the accepted drafts and the new token;
+                #    prompt chunks keep the features their session asked for.
+                self._conclude_all(rounds_in, scores[:len(rounds_in)], results)
+                for (session, position), chunk_scores in zip(chunks, scores[len(rounds_in):]):
+                    self._keep_prefill_features(session, chunk_scores, position)
+            # Sessions whose prompt is now cached go live. Only now: a re-open replaces (and frees)
+            # the session of its id, whose cache a round of this very pass may have read.
+            for session in work.openings:
+                if session.phase is Phase.PREFILLING and session.remaining == 0:
+                    self._sessions.go_live(session)
+            if work.prefill_tokens:
+                self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
+            self._fed_last_step = work.prefill_tokens > 0
+        except Exception as exc:  # a bug the step did not contain: fail this step's items, keep serving
+            error = incident(log, exc, "a verification step")
+            results = [error] * len(taken)
+            for session in work.openings:
+                session.fail(error, self.engine.release)
+        # 7. Answer, timing each round here, where it is answered (the one place `verify_ms` and
+        #    `queue_ms` are set): the wait before this step is its queueing.
+        done = time.perf_counter()
+        for item, result in zip(taken, results):
+            if isinstance(result, VerifyResult):
+                result = replace(result, verify_ms=(done - item.arrived) * 1e3,
+                                 queue_ms=max(0.0, started - item.arrived) * 1e3)
+            if item.stream is not None:
+                self._continue(item.stream, item.stream.answered(item.block, result), done)
+            _resolve(item.future, result)
+        self._settle_opens(opens)
+        return True
+
+    # ---- 1. taking work ------------------------------------------------------------------------
+
+    def _admit_opens(self, opens: list[_Open]) -> list[Session]:
+        """The sessions being opened, oldest first, admitting new opens: the spec checked against what
+        is served, a session slot; a refused open is answered with its error."""
+        feeding = []
+        for item in opens:
+            if item.future.done():  # cancelled: _settle_opens frees it
+                continue
+            if item.session is None:
+                try:
+                    item.session = self._begin_open(item.spec)
+                except HybridSpecError as exc:
+                    _resolve(item.future, exc)
+                    continue
+                except Exception as exc:
+                    _resolve(item.future, incident(log, exc, "an open"))
+                    continue
+            if item.session.phase is Phase.PREFILLING:
+                feeding.append(item.session)
+        return feeding
+
+    def _begin_open(self, spec: SessionSpec) -> Session:
         spec.check_against(self.info)
         if not isinstance(spec.features, FeatureFormat):
             raise InvalidArgument(f"features {spec.features!r} is not a FeatureFormat")
         if spec.features is not FeatureFormat.NONE and not self.engine.capabilities.feature_dim:
             raise InvalidArgument(f"the {self.engine.capabilities.name} engine cannot return features")
-        with self._lock:
-            self._sessions.reserve(spec.session_id)
+        self._sessions.reserve(spec.session_id)
         return Session(spec, self.engine.new_sequence())
 
-    def abandon(self, session: Session) -> None:
-        """The opener went away: free what the open holds."""
-        with self._lock:
-            if session.phase is Phase.PREFILLING:
-                session.fail(FailedPrecondition("the open was abandoned"), self.engine.release)
+    # ---- 2. what the planner is told -----------------------------------------------------------
 
-    # ---- driving steps directly ----------------------------------------------------------------
-
-    def open_session(self, spec: SessionSpec) -> SessionOpened:
-        """Open (or re-open, replacing) a session from its committed tokens; returns its length and
-        the features it asked for."""
-        session = self.begin_open(spec)
-        while session.phase is Phase.PREFILLING:
-            self.run([], [session])
-        if session.error is not None:
-            raise session.error
-        return session.opened()
-
-    def verify(self, block: DraftBlock) -> VerifyResult:
-        """Score one block in one forward pass over its session's cached context."""
-        (result,) = self.verify_batch([block])
-        if isinstance(result, HybridSpecError):
-            raise result
-        return result
-
-    def verify_batch(self, blocks: Sequence[DraftBlock]) -> list[VerifyResult | HybridSpecError]:
-        """Verify many sessions' rounds, scoring all valid ones in one forward pass."""
-        return self.run(blocks, [])
-
-    def run(self, blocks: Sequence[DraftBlock], openings: Sequence[Session], prefill_tokens: int | None = None,
-            busy: Collection[str] = ()) -> list[VerifyResult | HybridSpecError]:
-        """Rounds and up to `prefill_tokens` (default and at most `prefill_chunk`) prompt tokens of
-        `openings` (oldest first), in the passes `plan_pass` makes of them (only the first feeds
-        prompts). `busy`: sessions with work queued elsewhere, never evicted to make room, like these.
-        Returns, per block and in order, its result or its error; one bad block never fails the others.
-        """
+    def _prompt_tokens(self, feeding: list[Session]) -> Callable[[int], int]:
+        """How many prompt tokens a pass may carry beside its rounds' tokens (asked by `plan_pass` only
+        when there is a prompt to feed): the prefill policy on the model thread, whole chunks for a
+        blocking caller stepping on its own."""
         chunk = self.limits.prefill_chunk
-        budget = chunk if prefill_tokens is None else max(0, min(prefill_tokens, chunk))
-        keep = {b.session_id for b in blocks} | {s.spec.session_id for s in openings} | set(busy)
-        results: list[VerifyResult | HybridSpecError | None] = [None] * len(blocks)
-        pending, feeding = list(range(len(blocks))), list(openings)
-        while True:
-            plan = plan_pass([blocks[i] for i in pending], feeding, lambda _: budget, self.engine.capabilities,
-                             busy=keep)
-            for i, result in zip(plan.taken, self.step(plan.work)):
-                results[pending[i]] = result
-            pending, feeding = [pending[i] for i in plan.split + plan.waiting], []
-            if not pending:
-                return results  # type: ignore[return-value]
+        if threading.current_thread() is not self._thread:
+            return lambda round_tokens: chunk
+        return lambda round_tokens: prefill_tokens(self.prefill_budget_ms, self.cost.ms_per_token, round_tokens, chunk,
+                                                   self._others_active(feeding), self._fed_last_step)
 
-    # ---- one step ------------------------------------------------------------------------------
+    def _others_active(self, feeding: list[Session]) -> bool:
+        """True if a session that is not being opened sent a round within ACTIVE_WINDOW_S."""
+        now = time.perf_counter()
+        opening = {s.spec.session_id for s in feeding}
+        return any(now - t <= ACTIVE_WINDOW_S and sid not in opening for sid, t in self._recent.items())
 
-    def step(self, work: Pass) -> list[VerifyResult | HybridSpecError]:
-        """Run exactly `work` in one forward pass: its rounds (of distinct sessions) and prompt chunks of
-        up to `work.streams` of its openings, `work.prefill_tokens` tokens in all. Nothing is re-selected
-        or deferred: a pass beyond what the engine may carry is a planning bug (ValueError, before any
-        state changes).
+    # ---- 3. admitting rounds -------------------------------------------------------------------
 
-        Returns, per round and in order, its result or the error it earned; one bad round never fails
-        the others. An opening's progress is in its phase.
-        """
-        check_pass(work, self.engine.capabilities)
-        results: list[VerifyResult | HybridSpecError | None] = [None] * len(work.rounds)
-        openings = [s for s in work.openings if s.phase is Phase.PREFILLING]
-        keep = set(work.keep)
-        with self._lock:
-            # 1. Admit: identical replays are answered from memory, bad blocks get their error.
-            rounds = self._admit(list(enumerate(work.rounds)), results)
-            # 2. Room in the cache for every feed; a feed that cannot get it fails alone. A new session
-            #    first starts from the longest prefix of its prompt already cached.
-            feeds, rounds, chunks = self._plan(rounds, openings, results, work.prefill_tokens, work.streams, keep)
-            # 3. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-            scores = self._forward(feeds, rounds, openings, results)
-            if scores is not None:
-                # 4. Each round's rule; its session commits the accepted drafts and the new token.
-                answered = time.monotonic()
-                try:
-                    bests = greedy_argmaxes([session.spec for _, _, session in rounds],
-                                            [s.logits for s in scores[:len(rounds)]])
-                except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
-                    log.warning("batched argmax failed (%s); rules take their own", exc)
-                    bests = [None] * len(rounds)
-                for (i, block, session), round_scores, best in zip(rounds, scores, bests):
-                    results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
-                # 5. Prompt chunks keep the features their session asked for.
-                for (session, position), chunk_scores in zip(chunks, scores[len(rounds):]):
-                    self._keep_prefill_features(session, chunk_scores, position)
-            # 6. Sessions whose prompt is now cached go live. Only now: a re-open replaces (and frees)
-            #    the session of its id, whose cache a round of this very pass may have read.
-            for session in openings:
-                if session.phase is Phase.PREFILLING and session.remaining == 0:
-                    self._sessions.go_live(session)
-        return results  # type: ignore[return-value]
-
-    def _admit(self, items: list[tuple[int, DraftBlock]], results: list) -> list[Round]:
+    def _admit(self, blocks: Sequence[DraftBlock], results: list) -> list[Round]:
         """The rounds to score; replays get their stored answer, bad blocks their error."""
         admitted = []
-        for i, block in items:
+        for i, block in enumerate(blocks):
             try:
                 session = self._sessions.get(block.session_id)
                 block.validate(self.info.vocab_size, self.limits.max_draft,
@@ -241,34 +491,36 @@ class Verifier:
                 results[i] = exc
         return admitted
 
-    def _plan(self, admitted: list[Round], openings: list[Session], results: list, prefill_tokens: int,
-              streams: int, keep: set[str]) -> tuple[list[Feed], list[Round], list[tuple[Session, int]]]:
-        """The pass's feeds: every admitted round that gets room, then prompt chunks of up to `streams`
-        openings and `prefill_tokens` tokens (with, per chunk, its session and the position of its first
-        token)."""
+    # ---- 4. room in the KV cache ---------------------------------------------------------------
+
+    def _reserve_feeds(self, admitted: list[Round], work: Pass,
+                       results: list) -> tuple[list[Feed], list[Round], list[tuple[Session, int]]]:
+        """The pass's feeds: every admitted round that gets room, then prompt chunks of up to
+        `work.streams` openings and `work.prefill_tokens` tokens (with, per chunk, its session and the
+        position of its first token)."""
         feeds, rounds, chunks = [], [], []
         for i, block, session in admitted:
             tokens = session.round_tokens(block)
             try:
-                self._reserve(session.kv, len(tokens), keep)
+                self._room_for(session.kv, len(tokens), work.keep)
             except HybridSpecError as exc:
                 results[i] = exc
                 continue
             feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec),
                               parents=feed_parents(block.parents) if block.is_tree else None))
             rounds.append((i, block, session))
-        budget = prefill_tokens
-        for session in openings:
+        budget, streams = work.prefill_tokens, work.streams
+        for session in work.openings:
             if budget == 0 or streams == 0 or session.phase is not Phase.PREFILLING:
                 continue
             if not session.looked_for_prefix:
-                self._start_from_prefix(session, keep)
+                self._start_from_prefix(session, work.keep)
             if session.remaining == 0:  # a one-token prompt, or one cached whole by another session
                 streams -= session.kv.length > 0
                 continue
             start, chunk = session.kv.length, session.next_chunk(budget)
             try:
-                self._reserve(session.kv, len(chunk), keep)
+                self._room_for(session.kv, len(chunk), work.keep)
             except HybridSpecError as exc:
                 session.fail(exc, self.engine.release)
                 continue
@@ -278,7 +530,7 @@ class Verifier:
             streams -= 1
         return feeds, rounds, chunks
 
-    def _start_from_prefix(self, session: Session, keep: set[str]) -> None:
+    def _start_from_prefix(self, session: Session, keep: frozenset[str]) -> None:
         """Start a new session's cache from the longest prefix of its prompt that a session of its
         scope cached (cloud/core/prefixes.py), if there is one and room for it; else nothing changes."""
         session.looked_for_prefix = True
@@ -296,7 +548,23 @@ class Verifier:
             return  # no room now: the prompt is prefilled as usual, or refused as it would have been
         self.prefixes.hit(length)
 
-    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: list[Session],
+    def _room_for(self, kv: KVSequence, tokens: int, keep: frozenset[str]) -> None:
+        """Room for `tokens` more tokens of `kv`, made if the cache is full (`_make_room`)."""
+        self._make_room(kv, tokens, keep)
+        self.engine.reserve(kv, tokens)
+
+    def _make_room(self, kv: KVSequence, tokens: int, keep: frozenset[str], spare: KVSequence | None = None) -> None:
+        """Until `tokens` more tokens of `kv` fit: drop closed sessions' kept caches, then evict idle
+        sessions, least recently used first; never a session in `keep`, nor the cache `spare`."""
+        fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
+        while not fits() and self.prefixes.drop_oldest(spare):
+            pass
+        if not fits():
+            self._sessions.make_room(fits, keep, spare)
+
+    # ---- 5. the forward pass -------------------------------------------------------------------
+
+    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: Sequence[Session],
                  results: list) -> list[Scores] | None:
         """The engine's pass; on failure every fed session is left as it was and the pass's rounds and
         opens get the incident."""
@@ -315,6 +583,20 @@ class Verifier:
             return None
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
         return scores
+
+    # ---- 6. rules and commit -------------------------------------------------------------------
+
+    def _conclude_all(self, rounds: list[Round], scores: list[Scores], results: list) -> None:
+        """Every round's rule on its rows, the greedy ones' argmaxes taken together (one wait for the
+        device, not one per round)."""
+        answered = time.monotonic()
+        try:
+            bests = greedy_argmaxes([session.spec for _, _, session in rounds], [s.logits for s in scores])
+        except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
+            log.warning("batched argmax failed (%s); rules take their own", exc)
+            bests = [None] * len(rounds)
+        for (i, block, session), round_scores, best in zip(rounds, scores, bests):
+            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
 
     def _conclude(self, block: DraftBlock, session: Session, scores: Scores, batch_size: int, answered: float,
                   best: list[int] | None = None) -> VerifyResult | HybridSpecError:
@@ -360,23 +642,137 @@ class Verifier:
             self.telemetry.ttft.observe(now - session.opened_at)
         session.answered_at = now
 
-    def _reserve(self, kv: KVSequence, tokens: int, keep: set[str]) -> None:
-        """Room for `tokens` more tokens of `kv`, making it if the cache is full (`_make_room`)."""
-        self._make_room(kv, tokens, keep)
-        self.engine.reserve(kv, tokens)
+    # ---- 7. answers ----------------------------------------------------------------------------
 
-    def _make_room(self, kv: KVSequence, tokens: int, keep: set[str], spare: KVSequence | None = None) -> None:
-        """Until `tokens` more tokens of `kv` fit: drop closed sessions' kept caches, then evict idle
-        sessions, least recently used first; never a session in `keep`, nor the cache `spare`."""
-        fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
-        while not fits() and self.prefixes.drop_oldest(spare):
-            pass
-        if not fits():
-            self._sessions.make_room(fits, keep, spare)
+    def _continue(self, stream: DecodeStream, follow: DraftBlock | None, now: float) -> None:
+        """Queue a decode stream's next round, or end the stream if the verifier is stopping."""
+        if follow is None:
+            return
+        try:
+            self._put(self._rounds, _Round(follow, Future(), now, stream))
+        except Unavailable as exc:
+            stream.answered(follow, exc)
+
+    def _settle_opens(self, opens: list[_Open]) -> None:
+        """Answer the opens that finished or failed and drop them (and the cancelled) from the queue."""
+        finished = set()
+        for item in opens:
+            session = item.session
+            if item.future.cancelled() and session is not None:
+                if session.phase is Phase.PREFILLING:  # the opener went away: free what the open holds
+                    session.fail(FailedPrecondition("the open was abandoned"), self.engine.release)
+            elif session is not None and session.phase is Phase.LIVE:
+                _resolve(item.future, session.opened())
+            elif session is not None and session.phase is Phase.FAILED:
+                _resolve(item.future, session.error)
+            if item.future.done():
+                finished.add(id(item))
+        with self._cv:
+            kept = [i for i in self._opens if id(i) not in finished]
+            self._opens.clear()
+            self._opens.extend(kept)
+
+    # ---- bookkeeping (calls, on the stepping thread) -------------------------------------------
+
+    def _close(self, session_id: str) -> bool:
+        """Close a session: it is no longer company to wait for, nor a reason to cut another session's
+        prefill into small chunks."""
+        self._recent.pop(session_id, None)
+        return self._sessions.pop(session_id)
+
+    def _stats(self) -> VerifierStats:
+        self._sessions.expire_idle()
+        return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
+                             self._sessions.ids(), self.engine.capacity_tokens,
+                             self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
+                             getattr(self.engine, "parked_tokens", 0))
+
+    def _measure(self, max_tokens: int) -> None:
+        largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
+        points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, largest))
+        self.info = replace(self.info, pass_costs=points)
 
     def _retire(self, session: Session) -> None:
         """A closed session's cache: kept for new sessions to start from, or released."""
         self.prefixes.keep(session.committed, session.kv, session.spec.owner)
+
+    # ---- the queues and the model thread -------------------------------------------------------
+
+    def _put(self, queue: deque, item, awaited: bool = False) -> Future:
+        """Queue `item` and wake the model thread. Unavailable while stopping, and for an awaited call
+        without a model thread: an event loop never steps, so nothing would answer it."""
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("the verifier is shutting down")
+            if awaited and self._thread is None:
+                raise Unavailable("the verifier is not started")
+            queue.append(item)
+            self._cv.notify()
+        return item[1] if isinstance(item, tuple) else item.future
+
+    def _wake(self, _: Future) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _serve(self) -> None:
+        """The model thread: wait for work, and briefly for the company of recently active sessions;
+        step; until stopped."""
+        while True:
+            free_since = time.perf_counter()
+            with self._cv:
+                while not (self._stopping or self._rounds or self._opens or self._calls):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._wait_for_company(free_since)
+            self.step()
+
+    def _wait_for_company(self, free_since: float) -> None:
+        """Hold queued rounds while recently active sessions have none queued (cv held): at most
+        max_wait after the model became free or the oldest round arrived, whichever is later. The
+        sessions answered by the step that just ended need that moment to send their next round."""
+        if not self._rounds or self.max_wait_s == 0 or self._split:
+            return  # (the rounds the last pass could not carry were ready for it: they go at once)
+        deadline = max(free_since, self._rounds[0].arrived) + self.max_wait_s
+        while not self._stopping:
+            now = time.perf_counter()
+            for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
+                del self._recent[sid]
+            queued = {r.block.session_id for r in self._rounds}
+            if len(queued) >= min(self.max_batch, len(self._recent | dict.fromkeys(queued))) or now >= deadline:
+                return
+            self._cv.wait(deadline - now)
+
+    def _halt(self) -> None:
+        """`stop` on a thread of its own: the last stop ends the model thread, then fails what is queued."""
+        with self._cv:
+            self._starts = max(0, self._starts - 1)
+            thread = self._thread
+            if self._starts or thread is None:
+                return
+            self._stopping = True
+            self._cv.notify_all()
+        thread.join(timeout=30)
+        with self._cv:
+            rounds, opens, calls = list(self._rounds), list(self._opens), list(self._calls)
+            self._rounds.clear()
+            self._opens.clear()
+            self._calls.clear()
+        gone = Unavailable("the verifier is shutting down")
+        for item in rounds:
+            _resolve(item.future, gone)
+            if item.stream is not None:
+                item.stream.answered(item.block, gone)
+        for item in opens:
+            if item.session is not None and item.session.phase is Phase.PREFILLING:
+                item.session.fail(gone, self.engine.release)
+            _resolve(item.future, gone)
+        for _, future in calls:
+            _resolve(future, gone)
+        with self._cv:
+            self._thread = self._driver = None
+            self._stopping = False
+            self._cv.notify_all()
 
 
 def _wants_features(spec: SessionSpec) -> bool:
@@ -392,3 +788,39 @@ def _features(spec: SessionSpec, hidden: torch.Tensor | None, position: int,
     if rows is not None:
         hidden = hidden[torch.tensor(rows, device=hidden.device)]
     return encode_features(hidden, position, spec.features)
+
+
+def _call(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except HybridSpecError as exc:
+        return exc
+    except Exception as exc:
+        return incident(log, exc, "a verifier call")
+
+
+def _resolve(future: Future, value: object) -> None:
+    """Set a result unless the caller cancelled or it is answered already."""
+    if not future.done() and future.set_running_or_notify_cancel():
+        future.set_result(value)
+
+
+def _raised(result):
+    """A blocking call's answer: the domain error it earned is raised."""
+    if isinstance(result, HybridSpecError):
+        raise result
+    return result
+
+
+async def _awaited(what: str, future: Future):
+    """Await queued work from an event loop; cancelling the await cancels the work. Any exception that
+    is not a domain error becomes an Internal error with a logged incident id, so a caller only ever
+    sees a HybridSpecError."""
+    try:
+        result = await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    except Exception as exc:
+        raise incident(log, exc, what) from None
+    return _raised(result)

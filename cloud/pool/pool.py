@@ -4,11 +4,14 @@ A `Pool` speaks the wire dataclasses (never protobuf) and raises the domain erro
 every kind of replica needs: issuing session ids, placing each new session and routing its calls to
 the replica holding its cache, per-client limits (the `SessionTable`, cloud/pool/routing.py),
 forgetting the sessions of a replica that died, and reporting each replica's state. A replica is
-anything with the few calls of `Replica`: one Verifier in this process (cloud/pool/backend.py
-`InProcessReplica`: tests, single-box use, the baseline for the Ray hop's cost) or a Ray actor
-(cloud/pool/ray_pool.py `RayReplica`: the production pool). A replica may name a direct Verify
-endpoint that its sessions' rounds can go to instead of the front door (`SessionOpened.verify_address`).
-Cloud-only generation over a pool is cloud/core/decoding.py (`generate_tokens`, `decode_tokens`).
+anything with the few calls of `Replica`: a Verifier in this process (cloud/core/verifier.py, itself a
+`Replica`; `inprocess_pool` builds the pool over one: tests, single-box use, the baseline for the Ray
+hop's cost) or a Ray actor (cloud/pool/ray_pool.py `RayReplica`: the production pool). A replica may
+name a direct Verify endpoint that its sessions' rounds can go to instead of the front door
+(`SessionOpened.verify_address`). Rounds and decode steps arrive stamped with their sender's identity
+(`DraftBlock.owner`, set by the servicer, cloud/api/service.py), which is checked against the
+session's before they are routed. An awaited replica call carries an `a` (`averify`), like its
+blocking twin on a Verifier.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, Sessio
 from ...common.security.credentials import Identity
 from ..core.prefixes import PrefixStats
 from ..core.telemetry import ReplicaTelemetry, Tally
-from ..core.verifier import VerifierStats
+from ..core.verifier import Verifier, VerifierStats
 from .routing import Route, SessionTable
 
 log = logging.getLogger(__name__)
@@ -62,19 +65,19 @@ class Replica(Protocol):
     async def wait_alive(self) -> None:
         """Return once it is alive (at once if it is)."""
 
-    async def open_session(self, spec: SessionSpec) -> SessionOpened:
+    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
         """Open or re-open a session there."""
 
-    async def verify(self, block: DraftBlock) -> VerifyResult:
+    async def averify(self, block: DraftBlock) -> VerifyResult:
         """Verify one round of a session it holds."""
 
-    def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+    def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding of a session it holds, from the empty block `block` (an async generator)."""
 
-    async def close_session(self, session_id: str) -> bool:
+    async def aclose_session(self, session_id: str) -> bool:
         """Free a session; True if it held it."""
 
-    async def stats(self) -> VerifierStats | None:
+    async def astats(self) -> VerifierStats | None:
         """Its sessions, cache and telemetry; None if it is not answering."""
 
     async def take_tally(self) -> Tally:
@@ -174,7 +177,7 @@ class Pool:
                 route.opening = True
                 try:
                     with self._noticing_loss(replica):
-                        opened = await replica.open_session(spec)
+                        opened = await replica.aopen_session(spec)
                 except ReplicaLost:
                     route.replica = ""
                     self._check_still_routed(session_id, route)
@@ -191,34 +194,34 @@ class Pool:
                 self._close_quietly(self.replicas[route.replica], session_id)  # it may have opened there meanwhile
             raise
 
-    async def verify(self, block: DraftBlock, caller: Identity) -> VerifyResult:
-        """Verify one round, sent by `caller`, on the replica that holds the session (the table's `get`:
-        FailedPrecondition for a session it does not route, PermissionDenied for another identity's)."""
-        replica = self.replicas[self.table.get(block.session_id, caller).replica]
+    async def averify(self, block: DraftBlock) -> VerifyResult:
+        """Verify one round, sent by `block.owner`, on the replica that holds the session (the table's
+        `get`: FailedPrecondition for a session it does not route, PermissionDenied for another
+        identity's)."""
+        replica = self.replicas[self.table.get(block.session_id, block.owner).replica]
         with self._noticing_loss(replica):
-            return await replica.verify(replace(block, owner=caller.owner))
+            return await replica.averify(block)
 
-    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int],
-                     caller: Identity) -> AsyncIterator[int]:
+    async def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding on the replica that holds the session: up to `max_tokens` tokens from
-        the empty block `block`, streamed as the replica decodes them (cloud/core/decoding.py)."""
-        replica = self.replicas[self.table.get(block.session_id, caller).replica]
+        the empty block `block`, streamed as the replica decodes them."""
+        replica = self.replicas[self.table.get(block.session_id, block.owner).replica]
         with self._noticing_loss(replica):
-            async for token in replica.decode(replace(block, owner=caller.owner), max_tokens, eos):
+            async for token in replica.adecode(block, max_tokens, eos):
                 yield token
 
     async def close_session(self, session_id: str, caller: Identity) -> bool:
         """Free a session (its owner only); True if it existed."""
         if self.table.lookup(session_id) is None:
             return False
-        self.table.get(session_id, caller)  # PermissionDenied for another identity's session
+        self.table.get(session_id, caller.owner)  # PermissionDenied for another identity's session
         route = self.table.remove(session_id)
         if route is None:
             return False
         replica = self.replicas[route.replica]
         try:
             with self._noticing_loss(replica):
-                return await replica.close_session(session_id)
+                return await replica.aclose_session(session_id)
         except HybridSpecError:
             return False  # a soft cache: the replica expires it on its own
 
@@ -228,7 +231,7 @@ class Pool:
             name, asked_at = replica.name, time.monotonic()
             try:
                 with self._noticing_loss(replica):
-                    stats = await replica.stats()
+                    stats = await replica.astats()
             except ReplicaLost:
                 stats = None
             routed = self.routed_total.get(name, 0)
@@ -285,6 +288,14 @@ class Pool:
     def _close_quietly(self, replica: Replica, session_id: str) -> None:
         async def close() -> None:
             with contextlib.suppress(HybridSpecError), self._noticing_loss(replica):
-                await replica.close_session(session_id)
+                await replica.aclose_session(session_id)
 
         asyncio.get_running_loop().create_task(close())
+
+
+def inprocess_pool(verifier: Verifier, max_sessions_per_client: int | None = None,
+                   max_sessions_per_address: int | None = None) -> Pool:
+    """The pool over one Verifier in this process, its only replica, batched by its own model thread
+    as a Ray replica's is. Session limits left None: as many as the verifier holds."""
+    most = verifier.limits.max_sessions
+    return Pool([verifier], max_sessions_per_client or most, max_sessions_per_address or most, replica_wait_s=0.0)

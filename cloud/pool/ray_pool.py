@@ -133,15 +133,15 @@ class RayReplica:
         """Return once Ray has it back (at once if it is alive)."""
         await self._back.wait()
 
-    async def open_session(self, spec: SessionSpec) -> SessionOpened:
+    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
         """Open or re-open a session on the actor."""
         return await self._call(self.handle.open_session.remote(spec), "OpenSession")
 
-    async def verify(self, block: DraftBlock) -> VerifyResult:
+    async def averify(self, block: DraftBlock) -> VerifyResult:
         """Verify one round on the actor."""
         return await self._call(self.handle.verify.remote(block), "Verify")
 
-    async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
+    async def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding as a Ray streaming call: one token per item, not one call per token."""
         stream = self.handle.decode.options(num_returns="streaming").remote(block, max_tokens, eos)
         try:
@@ -156,13 +156,13 @@ class RayReplica:
         finally:
             ray.cancel(stream)  # a no-op once it ended; stops the replica's loop when the client left early
 
-    async def close_session(self, session_id: str) -> bool:
+    async def aclose_session(self, session_id: str) -> bool:
         """Free a session on the actor (nothing to free on a dead one)."""
         if not self.alive:
             return False
         return await self._call(self.handle.close_session.remote(session_id), "CloseSession")
 
-    async def stats(self) -> VerifierStats | None:
+    async def astats(self) -> VerifierStats | None:
         """The actor's stats, or None if it is down or does not answer within CHECK_S."""
         if not self.alive:
             return None

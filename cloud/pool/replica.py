@@ -1,4 +1,4 @@
-"""A verifier replica as a Ray actor: one target model on its device, its sessions, its scheduler.
+"""A verifier replica as a Ray actor: one target model on its device, its sessions, its model thread.
 
 The actor speaks the wire dataclasses (Ray pickles them); it never sees protobuf. Domain errors are
 returned as values rather than raised, so the pool gets the error itself instead of Ray's wrapped
@@ -18,10 +18,8 @@ from typing import Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
 from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
-from .backend import ReplicaEndpointBackend
 from .specs import ReplicaSpec
 from ..core.telemetry import Tally
-from ..core.scheduler import Scheduler
 from ..core.verifier import Verifier, VerifierStats
 from ..engine.factory import load_engine
 
@@ -44,8 +42,8 @@ class EndpointStarter(Protocol):
 
     host: str  # the interface to bind
 
-    async def start(self, backend: ReplicaEndpointBackend, advertised_host: str) -> Endpoint:
-        """Serve `backend` on a free port of `host`; clients dial `advertised_host`."""
+    async def start(self, verifier: Verifier, advertised_host: str) -> Endpoint:
+        """Serve `verifier`'s sessions' rounds on a free port of `host`; clients dial `advertised_host`."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +55,13 @@ class ReplicaReady:
 
 
 def load_verifier(spec: ReplicaSpec) -> Verifier:
-    """A replica's verifier: its target loaded on the engine its settings pick, its pass costs measured
-    (a Ray replica's, and `cloud serve --backend inprocess`'s one)."""
+    """A replica's verifier: its target loaded on the engine its settings pick, batching as they say,
+    its pass costs measured (a Ray replica's, and `cloud serve --backend inprocess`'s one)."""
     settings = spec.settings
     target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
                                  settings.torch_threads, spec.limits)
-    verifier = Verifier(target, spec.limits, engine)
+    verifier = Verifier(target, spec.limits, engine, max_batch=settings.max_batch_size,
+                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms)
     verifier.measure_pass_costs(settings.pass_cost_tokens)
     return verifier
 
@@ -73,21 +72,23 @@ class VerifierReplica:
     def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None) -> None:
         """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
         come through the front door only)."""
-        settings = spec.settings
-        self.scheduler = Scheduler(load_verifier(spec), settings.max_batch_size, settings.max_wait_ms,
-                                   settings.prefill_budget_ms)
+        self.verifier = load_verifier(spec)
         self._starter = endpoint
         self._endpoint: Endpoint | None = None
-        self._starting = asyncio.Lock()  # concurrent first calls of ready() start one endpoint
+        self._starting = asyncio.Lock()  # concurrent first calls of ready() start one model thread and endpoint
+        self._started = False
 
     async def ready(self) -> ReplicaReady:
         """Answers once the model is loaded (the constructor has run). The first call starts the
-        direct endpoint: it needs the actor's event loop, which the constructor does not run on."""
+        verifier's model thread and the direct endpoint (which needs the actor's event loop, which the
+        constructor does not run on)."""
         async with self._starting:
+            if not self._started:
+                await self.verifier.start()
+                self._started = True
             if self._starter is not None and self._endpoint is None:
-                self._endpoint = await self._starter.start(ReplicaEndpointBackend(self.scheduler),
-                                                           _advertised(self._starter.host))
-        return ReplicaReady(self.scheduler.verifier.info, self._endpoint.address if self._endpoint else "")
+                self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
+        return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")
 
     async def take_tally(self) -> Tally:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
@@ -95,28 +96,28 @@ class VerifierReplica:
 
     async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
         """Open or re-open a session."""
-        return await _as_value(self.scheduler.open_session(spec))
+        return await _as_value(self.verifier.aopen_session(spec))
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch."""
-        return await _as_value(self.scheduler.verify(block))
+        return await _as_value(self.verifier.averify(block))
 
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
         """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"); a domain
         error is the last item."""
         try:
-            async for token in self.scheduler.decode(block, max_tokens, eos):
+            async for token in self.verifier.adecode(block, max_tokens, eos):
                 yield token
         except HybridSpecError as exc:
             yield exc
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
-        return await _as_value(self.scheduler.close_session(session_id))
+        return await _as_value(self.verifier.aclose_session(session_id))
 
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
-        return await _as_value(self.scheduler.stats())
+        return await _as_value(self.verifier.astats())
 
 
 def _advertised(host: str) -> str:
@@ -130,7 +131,7 @@ def _advertised(host: str) -> str:
 
 
 async def _as_value(call: Awaitable[T]) -> T | HybridSpecError:
-    """The call's result, or the domain error it raised (the scheduler raises no other kind)."""
+    """The call's result, or the domain error it raised (the verifier raises no other kind)."""
     try:
         return await call
     except HybridSpecError as exc:

@@ -54,14 +54,14 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._routes)
 
-    def get(self, session_id: str, caller: Identity | None = None) -> Route:
+    def get(self, session_id: str, owner: str = "") -> Route:
         """The route of a live session; FailedPrecondition (without echoing the id) otherwise, and
-        PermissionDenied if an authenticated `caller` is not the identity that opened it."""
+        PermissionDenied if `owner` (an authenticated caller's `Identity.owner`; "" for anyone else)
+        is not the identity that opened it."""
         route = self._routes.get(session_id)
         if route is None:
             raise FailedPrecondition("the session is unknown or was evicted; re-open it")
-        if caller is not None:
-            _check_owner(route, caller)
+        _check_owner(route, owner)
         return route
 
     def lookup(self, session_id: str) -> Route | None:
@@ -75,7 +75,7 @@ class SessionTable:
         room left; PermissionDenied when the live id is another identity's."""
         route = self._routes.get(requested_id) if requested_id else None
         if route is not None:
-            _check_owner(route, caller)
+            _check_owner(route, caller.owner)
             return requested_id, route
         held = self._per_client.get(caller.name, 0)
         if caller.authenticated:
@@ -131,8 +131,9 @@ class SessionTable:
         return len(stale)
 
 
-def _check_owner(route: Route, caller: Identity) -> None:
-    """PermissionDenied unless an authenticated caller opened the session (anonymous callers are not
-    checked: without credentials the unguessable id is the only proof of holding a session)."""
-    if caller.authenticated and route.client != caller.name:
+def _check_owner(route: Route, owner: str) -> None:
+    """PermissionDenied unless the authenticated identity `owner` opened the session (anonymous callers,
+    owner "", are not checked: without credentials the unguessable id is the only proof of holding a
+    session)."""
+    if owner and route.client != owner:
         raise PermissionDenied("this session belongs to another identity")
