@@ -1,10 +1,14 @@
 """The hybridspec files and Python function frames on a steady-state verify round's path, edge and
 cloud apart: how long the path a newcomer reads is (issue 41), counted rather than guessed.
 
-A tiny random target (lab/tinymodels.py) is served in-process: `cloud/api/server.py:BackgroundServer`
-over a `Verifier`, a real gRPC server on localhost. An `EdgeWorker` drafting with the same weights (by
-default: every block is accepted whole, so every round has the same shape; --drafter-seed 1 drafts
-with another model) generates greedily with a fixed γ (gamma_policy fixed, no pipelining, no
+A target is served in-process: `cloud/api/server.py:BackgroundServer` over a `Verifier`, a real gRPC
+server on localhost. With --engine torch (the default) the target is a tiny random model
+(lab/tinymodels.py) on the torch engine and rounds go through the front door. With --engine llamacpp
+it is the embedded target on the llama.cpp engine, and rounds go to the verifier's own endpoint
+(`start_verify_endpoint`, as a Ray replica's: direct verify), the default deployment's path. An
+`EdgeWorker` drafting with the target's own weights (by default: every block is accepted whole, or
+nearly on llama.cpp's quantised weights, so the rounds have the same shape; --drafter-seed 1 drafts
+with another tiny model) generates greedily with a fixed γ (gamma_policy fixed, no pipelining, no
 cloud-only switch, α_FB 0): every token goes through verify rounds of the same shape.
 
 A profiler on every thread (sys.setprofile / threading.setprofile) counts each new frame of the
@@ -22,7 +26,7 @@ Not every one of those files is read to follow the round: the path (`reading_pat
 code hands the round on to another of the package's files; the rest are only looked up (a wire
 dataclass, a maths rule, a metric, a layer of the model).
 
-    python bench/round_path.py [--tokens 101] [--gamma 4] [--drafter-seed 0] [--out FILE]
+    python bench/round_path.py [--engine torch|llamacpp] [--tokens 101] [--gamma 4] [--drafter-seed 0] [--out FILE]
 """
 from __future__ import annotations
 
@@ -149,11 +153,12 @@ def part(calls: dict[tuple[str, str], float]) -> dict:
 
 def reading_path(handoffs: dict[int, collections.Counter], rounds: list[int], files: list[str]) -> dict:
     """The files a round passes through, apart from those it only looks things up in: a file is on the
-    path when, in the typical round (median over `rounds`), its code calls into another of the
-    package's files; the others among `files` (wire dataclasses, maths, metrics, the model's layers)
-    are only called. Per side, with the hand-offs (caller's file -> callee's file) that make the path."""
+    path when, in most of `rounds` (more than half: what a timer does in every other round, such as the
+    front door's metrics refresh, is not the round's), its code calls into another of the package's
+    files; the others among `files` (wire dataclasses, maths, metrics, the model's layers) are only
+    called. Per side, with the hand-offs (caller's file -> callee's file) that make the path."""
     keys = {key for r in rounds for key in handoffs.get(r, {})}
-    typical = {key for key in keys if median([handoffs.get(r, {}).get(key, 0) for r in rounds])}
+    typical = {key for key in keys if 2 * sum(bool(handoffs.get(r, {}).get(key)) for r in rounds) > len(rounds)}
     sides = {}
     for side in sorted({side for side, _, _ in typical}):
         edges = sorted((a, b) for s, a, b in typical if s == side)
@@ -192,31 +197,54 @@ def summarise(calls: dict[int, collections.Counter], rounds: list[int]) -> dict:
     }
 
 
-def count(tokens: int, gamma: int, prompt: list[int], drafter_seed: int = 0) -> dict:
-    """Serve a tiny target in-process, generate twice (the first uncounted) and count the second's
-    steady rounds."""
+def verifier_and_drafter(engine: str, drafter_seed: int, tmp: Path):
+    """The verifier to serve and the edge's drafter: a tiny random pair on torch, or the embedded target
+    on llama.cpp (as a replica loads it) drafted by its own torch weights."""
+    from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
+    from hybridspec.common.models.loading import load_model
+    from hybridspec.lab.tinymodels import make_model, save_model
+
+    limits = VerifierLimits(max_context=512, max_draft=16, max_sessions=8, idle_timeout_s=600)
+    if engine == "torch":
+        target = load_model(save_model(make_model(seed=0), tmp / "target"), device="cpu")
+        drafter = load_model(save_model(make_model(seed=drafter_seed), tmp / "drafter"), device="cpu")
+        return Verifier(target, limits), drafter
+    from hybridspec.cloud.engine.kinds import EngineKind
+    from hybridspec.cloud.pool.replica import load_verifier
+    from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
+    from hybridspec.common.models.embedded import resolve
+
+    target = resolve("", "target")
+    settings = ReplicaSettings(engine=EngineKind.LLAMACPP, device="cpu", torch_threads=1, pass_cost_tokens=0)
+    drafter = (load_model(target, device="cpu") if drafter_seed == 0 else
+               load_model(save_model(make_model(seed=drafter_seed), tmp / "drafter"), device="cpu"))
+    return load_verifier(ReplicaSpec(target, settings, limits)), drafter
+
+
+def count(tokens: int, gamma: int, prompt: list[int], drafter_seed: int = 0, engine: str = "torch") -> dict:
+    """Serve a target in-process, generate twice (the first uncounted) and count the second's steady
+    rounds."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     torch.set_num_threads(1)
     import hybridspec.edge
-    from hybridspec.cloud.api.server import BackgroundServer
-    from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-    from hybridspec.common.models.loading import load_model
+    from hybridspec.cloud.api.server import BackgroundServer, start_verify_endpoint
     from hybridspec.edge.client import VerifierClient
     from hybridspec.edge.config import EdgeConfig
     from hybridspec.edge.worker import EdgeWorker
-    from hybridspec.lab.tinymodels import make_model, save_model
 
     root = Path(hybridspec.edge.__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
-        target = load_model(save_model(make_model(seed=0), Path(tmp) / "target"), device="cpu")
-        drafter = load_model(save_model(make_model(seed=drafter_seed), Path(tmp) / "drafter"), device="cpu")
+        verifier, drafter = verifier_and_drafter(engine, drafter_seed, Path(tmp))
     counter = PathCounter(root)
     counter.start()  # before the server's and client's threads start: they inherit it
     try:
-        server = BackgroundServer(Verifier(target, VerifierLimits(max_context=512, max_draft=16, max_sessions=8,
-                                                                  idle_timeout_s=600)))
+        server = BackgroundServer(verifier)
+        endpoint = None
+        if engine == "llamacpp":  # direct verify: the open names the verifier's own endpoint
+            endpoint = server.call(start_verify_endpoint(verifier, "127.0.0.1", "127.0.0.1"))
+            verifier.verify_address = endpoint.address
         cfg = EdgeConfig.of(cloud=server.address, max_new_tokens=tokens, max_draft=gamma, gamma_policy="fixed",
                             cloud_only_switch=False, pipeline=False, fallback_threshold=0.0)
         try:
@@ -228,6 +256,8 @@ def count(tokens: int, gamma: int, prompt: list[int], drafter_seed: int = 0) -> 
                 counter.handoffs.clear()
                 generation = worker.generate(prompt)
         finally:
+            if endpoint is not None:
+                server.call(endpoint.server.stop(0))
             server.stop()
     finally:
         counter.stop()
@@ -246,6 +276,9 @@ def count(tokens: int, gamma: int, prompt: list[int], drafter_seed: int = 0) -> 
 
 def main() -> None:
     parser = arguments(__doc__)
+    parser.add_argument("--engine", choices=("torch", "llamacpp"), default="torch",
+                        help="torch: a tiny random target, rounds through the front door (default); llamacpp: the "
+                             "embedded target, rounds to the verifier's own endpoint (direct verify)")
     parser.add_argument("--tokens", type=int, default=101, help="tokens to generate (default 101)")
     parser.add_argument("--gamma", type=int, default=4, help="tokens drafted per round (default 4)")
     parser.add_argument("--drafter-seed", type=int, default=0,
@@ -253,9 +286,11 @@ def main() -> None:
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     prompt = [5, 17, 33, 80]
-    result = count(args.tokens, args.gamma, prompt, args.drafter_seed)
-    report({**header(engine="torch, tiny random models, in-process gRPC server", command=" ".join(["python", *sys.argv]),
-                     gamma=args.gamma, drafter_seed=args.drafter_seed, prompt=prompt), **result}, args.out)
+    result = count(args.tokens, args.gamma, prompt, args.drafter_seed, args.engine)
+    engine = ("torch, tiny random models, in-process gRPC server" if args.engine == "torch" else
+              "llamacpp, the embedded target, in-process gRPC server, direct verify on its own endpoint")
+    report({**header(engine=engine, command=" ".join(["python", *sys.argv]), gamma=args.gamma,
+                     drafter_seed=args.drafter_seed, prompt=prompt), **result}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""bench/round_path.py counts the files and frames on a steady-state verify round's path (issue 41):
-it must find both sides of the round and leave out what happens once per generation."""
+"""bench/round_path.py counts the files and frames on a steady-state verify round's path: it must find
+both sides of the round and leave out what happens once per generation, on the tiny torch target
+through the front door and on the embedded target on llama.cpp with direct verify."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from conftest import require_embedded
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +45,28 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
     assert {"edge/hybrid.py", "edge/rounds.py", "cloud/api/service.py", "cloud/core/verifier.py"} <= set(result["path"])
     assert "common/protocol/wire.py" in result["looked_up"]  # dataclasses: called, calling nothing of ours
     assert "edge/rounds.py -> edge/session.py" in result["path_by_side"]["edge"]["handoffs"]
-    assert "cloud/core/scheduler.py -> cloud/core/verifier.py" in result["path_by_side"]["cloud"]["handoffs"]
+    # The cloud's spine: the servicer hands the round to the pool, the pool to its replica (the
+    # verifier itself, in-process), whose step hands it to the engine; nothing forwards in between.
+    cloud_path = result["path_by_side"]["cloud"]
+    assert {"cloud/api/service.py -> cloud/pool/pool.py", "cloud/pool/pool.py -> cloud/core/verifier.py",
+            "cloud/core/verifier.py -> cloud/engine/torch_engine.py"} <= set(cloud_path["handoffs"])
+    between = {f for f in cloud_path["files"] if f.startswith(("cloud/pool/", "cloud/core/"))}
+    assert between <= {"cloud/pool/pool.py", "cloud/core/verifier.py", "cloud/core/rules.py"}, between
     # ... and opens, closes and builds nothing: that is setup and teardown.
     once = ("CloudSession.open", "OpenSession", "CloseSession", "build_drafting", "GenerationRun.__init__")
     assert not [name for name in calls if name.endswith(once)]
+
+
+@pytest.mark.embedded
+def test_on_the_default_deployment_the_servicer_hands_the_round_straight_to_the_step(tmp_path):
+    """The embedded target on llama.cpp, rounds sent to the verifier's own endpoint (direct verify): the
+    cloud's spine is the servicer, the verifier's step and the engine, with no pool in between."""
+    require_embedded()
+    out = tmp_path / "path.json"
+    run = subprocess.run([sys.executable, "bench/round_path.py", "--engine", "llamacpp", "--tokens", "26", "--out",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    cloud = json.loads(out.read_text())["path_by_side"]["cloud"]
+    assert {"cloud/api/service.py -> cloud/core/verifier.py",
+            "cloud/core/verifier.py -> cloud/engine/llamacpp_engine.py"} <= set(cloud["handoffs"])
+    assert "cloud/api/service.py -> cloud/pool/pool.py" not in cloud["handoffs"]

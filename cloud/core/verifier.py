@@ -369,7 +369,7 @@ class Verifier:
             return False
         for fn, future in calls:
             _resolve(future, _call(fn))
-        feeding = self._admit_opens(opens)
+        feeding = self._admit_opens(opens) if opens else []
         # 2. Plan the pass: one round per session, up to max_batch, as many as the engine may carry,
         #    and the prompt tokens it may carry beside them. What it leaves goes first next time.
         plan = plan_pass([r.block for r in rounds], feeding, self._prompt_tokens(feeding), self.engine.capabilities,
@@ -380,7 +380,8 @@ class Verifier:
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
         if not taken and not work.openings:
-            self._settle_opens(opens)  # opens refused at admission leave the queue
+            if opens:
+                self._settle_opens(opens)  # opens refused at admission leave the queue
             return True
         started = time.perf_counter()
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(taken)
@@ -420,7 +421,8 @@ class Verifier:
             if item.stream is not None:
                 self._continue(item.stream, item.stream.answered(item.block, result), done)
             _resolve(item.future, result)
-        self._settle_opens(opens)
+        if opens:
+            self._settle_opens(opens)
         return True
 
     # ---- 1. taking work ------------------------------------------------------------------------
