@@ -12,7 +12,7 @@ from conftest import started
 from hybridspec.cloud.core.passes import COST_SMOOTHING, MIN_PREFILL_CHUNK, StepCost, prefill_tokens
 from hybridspec.cloud.core.verifier import ACTIVE_WINDOW_S, Verifier, VerifierLimits
 from hybridspec.cloud.engine.torch_engine import engine_for
-from hybridspec.common.protocol.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hybridspec.common.protocol.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from hybridspec.common.protocol.wire import DraftBlock, Mode, SamplingParams, SessionSpec, VerifyResult
 
 
@@ -159,6 +159,22 @@ def test_an_abandoned_open_gives_its_pages_back(target):
         while pool.free_tokens < pool.capacity_tokens and time.monotonic() < deadline:
             time.sleep(0.01)
         assert pool.free_tokens == pool.capacity_tokens
+
+
+def test_a_stop_mid_prefill_gives_the_opens_pages_back(target):
+    """Found while merging the scheduler into the verifier: stopping the model thread answered an open
+    still being prefilled with UNAVAILABLE but kept the pages its chunks had filled, for as long as the
+    verifier lived on (blocking callers use it after its front door stops)."""
+    verifier = served(target, prefill_chunk=1, kv_cache_tokens=1024)
+    pool = verifier.engine.pool
+    with started(verifier):
+        opening = verifier.submit_open(SessionSpec("long", tuple(range(4, 254)) * 2))
+        deadline = time.monotonic() + 10
+        while pool.free_tokens == pool.capacity_tokens and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pool.free_tokens < pool.capacity_tokens  # some of the prompt is cached
+    assert isinstance(opening.result(0), Unavailable)
+    assert pool.free_tokens == pool.capacity_tokens
 
 
 def test_lru_session_is_evicted_when_the_kv_pool_is_full(target):
