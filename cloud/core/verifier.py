@@ -356,8 +356,9 @@ class Verifier:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One turn of the stepping thread (the module's docstring lists its seven steps). Returns
-        False when nothing was queued."""
+        """One turn of the stepping thread (the module's docstring lists its seven steps): the model
+        thread, or a blocking caller while none runs (`wait`), never anyone else. Returns False when
+        nothing was queued."""
         # 1. Take what is queued. Bookkeeping runs first, so a close or a stats call never waits
         #    behind a long queue; a new open is admitted (validated, a session slot) so it can be planned.
         with self._cv:
