@@ -44,11 +44,9 @@ from hybridspec.edge.prompt import encode_prompt
 from hybridspec.lab.baselines import engine_greedy
 from harness import arguments, header, median, pass_times, report
 
-GAMMA = 4
+GAMMA, FLIP_TOKENS = 4, 64  # blocks of γ = 4 over 64 tokens of each prompt's own decoding
 CHAIN_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 32)
-TREE_SIZES = (1, 2, 4, 8, 16, 32)
-BRANCHING = 4
-FLIP_TOKENS = 64
+TREE_SIZES, BRANCHING = (1, 2, 4, 8, 16, 32), 4  # bushy trees: four children per node
 TOPICS = ["the history of the bicycle", "how bridges are built", "the life of bees", "ocean currents",
           "the invention of paper", "volcanoes", "how computers store numbers", "the seasons", "rivers",
           "the printing press", "how trains work", "the moon", "forests", "the history of music", "deserts",
@@ -89,6 +87,8 @@ def flips(verifier: Verifier, prompts: list[list[int]]) -> dict:
 def chain(verifier: Verifier, args) -> dict:
     """t(M) for every M in CHAIN_SIZES, v, and the flips."""
     context = [100 + i for i in range(args.context)]
+    for m in CHAIN_SIZES:  # warm-up: the first passes of each size pay one-time costs
+        pass_times(verifier.engine, context, context[-m:], 1)
     t = {m: median(pass_times(verifier.engine, context, context[-m:], args.repeats)) for m in CHAIN_SIZES}
     prompts = [encode_prompt(verifier.target.tokenizer, p, chat=True) for p in FREEFORM_PROMPTS[:args.prompts]]
     return {"t_ms": {m: round(ms, 2) for m, ms in t.items()}, "v_gamma4": round(t[GAMMA + 1] / t[1], 2),

@@ -3,7 +3,7 @@
 
     python bench/serve_load.py openai [--concurrency 1 4 8] [--repeats 4] [--tokens 64] [--out docs/serve]
     python bench/serve_load.py guidellm [--guidellm /tmp/guidellm-venv/bin/guidellm] [--modes hybrid cloud-only]
-        [--profiles synchronous concurrent@2 concurrent@4] [--seconds 40] [--rtt-ms 0] [--out /tmp/guidellm-edge]
+        [--profiles synchronous concurrent@2 concurrent@4] [--seconds 40] [--rtt-ms 0] [--out docs/serve/guidellm]
 
 openai: per concurrency c, `--repeats` rounds of c simultaneous streamed greedy chat completions through
 the official OpenAI client (a different prompt each): time to first token (request → first content
@@ -381,7 +381,7 @@ def main() -> None:
     load.add_argument("--prompt-tokens", type=int, default=64)
     load.add_argument("--output-tokens", type=int, default=64)
     load.add_argument("--rtt-ms", type=float, default=0, help="> 0: hybridspec netem between edge and cloud")
-    load.add_argument("--out", type=Path, default=Path("/tmp/guidellm-edge"))
+    load.add_argument("--out", type=Path, default=Path("docs/serve/guidellm"))
     args = parser.parse_args()
     openai_load(args) if args.command == "openai" else guidellm_load(args)
 
