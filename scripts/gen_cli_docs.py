@@ -16,12 +16,12 @@ PAGE = ROOT / "docs" / "cli.md"
 WIDTH = "100"  # argparse wraps at $COLUMNS: fixed, so the page does not depend on the terminal
 # Where each command's behaviour is explained (the reference below only lists its flags).
 EXPLAINED = {
-    "models pull": "[distill.md](distill.md)",
+    "models pull": "[distill.md](distill.md#the-embedded-pair)",
     "models convert-drafter": "[engine.md](engine.md#the-edges-drafter-on-llamacpp)",
     "cloud serve": "[deploy.md](deploy.md), [security.md](security.md)",
     "edge generate": "[edge.md](edge.md)",
     "edge serve": "[serve.md](serve.md)",
-    "demo": "[measurements.md](measurements.md)",
+    "demo": "[measurements.md](measurements.md#the-demo)",
     "distill": "[distill.md](distill.md), [eagle.md](eagle.md)",
     "netem": "[experiments.md](experiments.md#the-link-emulator-hybridspec-netem)",
     "experiment run": "[experiments.md](experiments.md#experiments-hybridspec-experiment-run--report)",

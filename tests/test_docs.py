@@ -1,5 +1,6 @@
-"""The docs a newcomer reads stay true: every relative link and #anchor in README.md and docs/ resolves,
-and every figure registered in docs/figures.yaml still reads what its result file says."""
+"""The docs a newcomer reads stay true: every relative link and #anchor in README.md, bench/README.md and
+docs/ resolves, every figure registered in docs/figures.yaml still reads what its result file says, and
+every file cited from git history (COMMIT:PATH) is in that commit."""
 from __future__ import annotations
 
 import csv
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.MULTILINE)
 CODE = re.compile(r"```.*?```", re.DOTALL)
