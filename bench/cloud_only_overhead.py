@@ -9,20 +9,17 @@ order of the layers rotates from one prompt to the next. The two clouds (`cloud 
 with its Ray pool) live on core 1 throughout, so while a layer runs, every process of each cloud it
 does not talk to is stopped (SIGSTOP, then SIGCONT; outside the timed part): each layer has the core
 as a host of its own would give it. Idle, Ray's processes take about 4 % of that core
-(bench/ray_idle.py), which llama.cpp on its own host never pays. `--layers` picks some (llamacpp_alone,
+(docs/engine.md), which llama.cpp on its own host never pays. `--layers` picks some (llamacpp_alone,
 the base of every ratio, always runs):
 
   llamacpp_alone   llama-cpp-python's own `Llama.generate` (the peer a CPU user would run instead)
   llamacpp_beside_ray  the same, with the default Ray cloud awake and idle on its core: the ceiling of
                    any serving code that shares one core with a local Ray cluster
   engine           our LlamaCppEngine, one scored token per pass, argmax in numpy
-  verifier         Verifier.verify of empty blocks (validation, the rule, committing)
   grpc_inprocess   `cloud serve --backend inprocess` + VerifierClient.generate (scheduler thread,
                    event loop, a gRPC message per token)
-  grpc_ray         `cloud serve` with its default Ray pool, `Generate` at the front door (every token
-                   crosses Ray to the front door)
-  decode_ray       the same pool: a session opened at the front door, its tokens streamed by `Decode`
-                   from the replica's own endpoint (what the edge does since cloud-only tokens skip Ray)
+  decode_ray       `cloud serve` with its default Ray pool: a session opened at the front door, its
+                   tokens streamed by `Decode` from the replica's own endpoint (what the edge does)
   edge_ray         `edge generate --cloud-only`'s worker over the Ray pool (text handling, stops)
   edge_default_ray the default edge's worker over the Ray pool (it decides; on this CPU: cloud-only,
                    shadow drafting on the edge's core with the llama.cpp drafter `edge generate` loads)
@@ -44,13 +41,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import psutil
 
-from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
-from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.gguf import GgufTarget, find_gguf, served_weights
-from hybridspec.common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, SessionSpec
+from hybridspec.common.protocol.wire import DecodeSpec, GenerateSpec, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.cli.edge_options import build_worker
@@ -89,21 +84,6 @@ def engine_alone(engine: LlamaCppEngine, prompt: list[int], n: int, eos: set[int
         return out
     finally:
         engine.release(kv)
-
-
-def verifier_alone(verifier: Verifier, prompt: list[int], n: int, eos: set[int]) -> list[int]:
-    """The serving core without scheduler or network: empty blocks, each answered with the next token."""
-    sid = f"s{time.monotonic_ns()}"
-    opened = verifier.open_session(SessionSpec(session_id=sid, committed_ids=tuple(prompt)))
-    length, out = opened.committed_len, []
-    try:
-        while len(out) < n and (not out or out[-1] not in eos):
-            result = verifier.verify(DraftBlock(sid, len(out), length, ()))
-            out.append(result.next_token)
-            length += 1
-        return out
-    finally:
-        verifier.close_session(sid)
 
 
 @contextmanager
@@ -159,13 +139,10 @@ def main() -> None:
     eos = set(target.eos_token_ids)
     # No prefix reuse anywhere: every layer prefills each prompt, as llama.cpp alone does after its reset
     # (the layers decode the same prompts one after another, so reuse would favour all but the first).
-    verifier = Verifier(target, VerifierLimits(max_context=2048, max_sessions=4, kv_cache_tokens=8192,
-                                               prefix_scope=PrefixScope.OFF), engine)
     inproc, inproc_address = start_cloud({"backend": "inprocess", "pass_cost_tokens": 0, "prefix_scope": "off"},
                                          pin_edge=False)
     ray, ray_address = start_cloud({"prefix_scope": "off"}, pin_edge=False)  # else the defaults
-    clients = {"grpc_inprocess": VerifierClient(inproc_address), "grpc_ray": VerifierClient(ray_address),
-               "decode_ray": VerifierClient(ray_address)}
+    clients = {"grpc_inprocess": VerifierClient(inproc_address), "decode_ray": VerifierClient(ray_address)}
     # Built as `edge generate` builds them: the default drafter runs on llama.cpp, not torch.
     workers = {"edge_ray": build_worker(EdgeConfig.of(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
                "edge_default_ray": build_worker(EdgeConfig.of(cloud=ray_address, max_new_tokens=n))}
@@ -197,9 +174,7 @@ def main() -> None:
         "llamacpp_alone": local(lambda p: llamacpp_alone(llm, p, n)),
         "llamacpp_beside_ray": local(lambda p: llamacpp_alone(llm, p, n)),
         "engine": local(lambda p: engine_alone(engine, p, n, eos)),
-        "verifier": local(lambda p: verifier_alone(verifier, p, n, eos)),
         "grpc_inprocess": lambda p: grpc("grpc_inprocess", p),
-        "grpc_ray": lambda p: grpc("grpc_ray", p),
         "decode_ray": decode,
         "edge_ray": lambda p: edge("edge_ray", p),
         "edge_default_ray": lambda p: edge("edge_default_ray", p),
@@ -212,8 +187,8 @@ def main() -> None:
         layers = {name: fn for name, fn in layers.items() if name in chosen or name == "llamacpp_alone"}
     names = list(layers)
     # The cloud each layer talks to; every other one is stopped while it runs.
-    serving = {"grpc_inprocess": inproc, **{name: ray for name in ("llamacpp_beside_ray", "grpc_ray", "decode_ray",
-                                                                    "edge_ray", "edge_default_ray")}}
+    serving = {"grpc_inprocess": inproc,
+               **{name: ray for name in ("llamacpp_beside_ray", "decode_ray", "edge_ray", "edge_default_ray")}}
     try:
         for fn in layers.values():  # warm every path once
             fn(prompts[0][:16])

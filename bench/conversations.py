@@ -1,6 +1,6 @@
 """Long conversations, as a chat service sees them, through the llama.cpp engine: a long system prompt
-every session starts with, and multi-turn histories of a few thousand tokens (chat(), long_conversation();
-bench/weight_types.py prompts with them too). Three measurements, all greedy:
+every session starts with, and multi-turn histories of a few thousand tokens (chat(), long_conversation()).
+Three measurements, all greedy:
 
     python bench/conversations.py long [--lengths 2300 3500] [--new-tokens 48] [--out FILE]
     python bench/conversations.py prefix [--sessions 9] [--new-tokens 16] [--out FILE]

@@ -1,18 +1,17 @@
-"""What every benchmark here shares: core pinning, the cloud on its own core, pass timing, summary
-statistics, the argument parser, the result file's header and JSON, the target's own greedy text, the
-tiny target, and plot defaults. One implementation of each, so two scripts' numbers are computed the
-same way.
+"""What every benchmark here shares: core pinning, the cloud on its own core, pass timing, medians and
+percentiles, the argument parser, the result file's header and JSON, the tiny target, and plot
+defaults. One implementation of each, so two scripts' numbers are computed the same way; confidence
+intervals are lab/stats.py's (`mean_ci`, `bootstrap_ci`), the ones the experiment reports and the demo
+print.
 
 The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
-they import this module as `from harness import ...` (and weight_types.py imports `conversations`).
-Nothing here reaches into tests/: the tiny models and the fuzz strategies, which the tests use too,
-live in lab/.
+they import this module as `from harness import ...`. Nothing here reaches into tests/: the tiny
+models and the fuzz strategies, which the tests use too, live in lab/.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -27,9 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
 
 __all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
-           "free_port", "header", "median", "pass_times", "percentile", "pin", "pin_child", "references", "report",
-           "save_figure", "series", "start_cloud", "stop_cloud", "style", "t_interval", "tiny_target", "two_hosts",
-           "usable_cores", "write_json"]
+           "free_port", "header", "median", "pass_times", "percentile", "pin", "pin_child", "report", "save_figure",
+           "series", "start_cloud", "stop_cloud", "style", "tiny_target", "two_hosts", "usable_cores", "write_json"]
 
 
 # --- pinning -------------------------------------------------------------------------------------
@@ -101,7 +99,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# --- summary statistics --------------------------------------------------------------------------
+# --- medians and percentiles ---------------------------------------------------------------------
 
 def median(xs: Iterable[float]) -> float:
     """The median."""
@@ -116,16 +114,6 @@ def percentile(xs: Sequence[float], p: int) -> float:
     if len(xs) == 1:
         return float(xs[0])
     return statistics.quantiles(xs, n=100)[p - 1]
-
-
-def t_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float]:
-    """(mean, half-width of its Student-t interval at `level`); the half-width is nan for one value."""
-    from scipy import stats
-
-    mean = statistics.fmean(xs)
-    if len(xs) < 2:
-        return mean, float("nan")
-    return mean, float(stats.t.ppf((1 + level) / 2, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs)))
 
 
 # --- pass timing ---------------------------------------------------------------------------------
@@ -194,21 +182,7 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
 
 
-# --- inputs --------------------------------------------------------------------------------------
-
-def references(target, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[list[int]]:
-    """The target's own greedy continuation of each prompt (Hugging Face generate, one token a step:
-    lab/tinymodels.py's greedy_reference), cut after an end-of-sequence token: what every exact
-    generation must equal."""
-    from hybridspec.lab.tinymodels import greedy_reference
-
-    eos = set(target.eos_token_ids)
-    out = []
-    for p in prompts:
-        ids = greedy_reference(target, list(p), new_tokens)
-        out.append(ids[:next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
-    return out
-
+# --- the tiny target -----------------------------------------------------------------------------
 
 def tiny_target(out: Path) -> str:
     """A random 2-layer Llama with a real tokenizer (lab/tinymodels.py, the tests' too), saved as a model

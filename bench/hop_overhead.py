@@ -53,8 +53,9 @@ from hybridspec.common.security.credentials import add_identity
 from hybridspec.common.security.tls import ClientTLS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess
-from harness import (CLOUD_CORE, EDGE_CORE, arguments, median, percentile, pin, start_cloud, stop_cloud, t_interval,
-                     tiny_target, usable_cores, write_json)
+from hybridspec.lab.stats import mean_ci
+from harness import (CLOUD_CORE, EDGE_CORE, arguments, header, median, percentile, pin, report, start_cloud, stop_cloud,
+                     tiny_target, usable_cores)
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 LIMITS = VerifierLimits(max_context=512, max_draft=32, max_sessions=8)
@@ -151,9 +152,8 @@ def make_setups(root: Path) -> list[Setup]:
 
 def paired(setup: list[float], base: list[float]) -> dict:
     """Mean and 95 % t interval of the paired differences setup − base (ms)."""
-    diffs = [a - b for a, b in zip(setup, base)]
-    mean, half = t_interval(diffs)
-    return {"mean_ms": mean, "ci95_ms": half}
+    estimate = mean_ci([a - b for a, b in zip(setup, base)])
+    return {"mean_ms": estimate.value, "ci95_ms": estimate.half_width}
 
 
 def paths(args) -> dict:
@@ -198,12 +198,6 @@ def paths(args) -> dict:
     rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms), "overhead_p90_ms": percentile(p.overhead_ms, 90),
              "rtt_median_ms": median(p.rtt_ms), "forward_median_ms": median(p.forward_ms),
              "queue_median_ms": median(p.queue_ms)} for p in lanes]
-    print(f"per-round overhead beyond the forward pass; target {args.target}, γ = {args.gamma}, {args.rounds} rounds "
-          f"per path, max_wait_ms {args.max_wait_ms:g}, {'pinned' if pinned else 'not pinned'}, {len(cores)} cores")
-    print(f"{'path':<12} {'overhead med':>12} {'p90':>7} {'rtt med':>8} {'forward':>8} {'queue':>6}  (ms)")
-    for row in rows:
-        print(f"{row['path']:<12} {row['overhead_median_ms']:>12.2f} {row['overhead_p90_ms']:>7.2f} "
-              f"{row['rtt_median_ms']:>8.2f} {row['forward_median_ms']:>8.2f} {row['queue_median_ms']:>6.2f}")
     return {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "max_wait_ms": args.max_wait_ms,
             "pinned": pinned, "cores": len(cores), "rows": rows}
 
@@ -247,15 +241,6 @@ def security(args) -> dict:
     rows = [{"setup": setup.name, "round_median_ms": median(setup.rtt_ms), "round_p90_ms": percentile(setup.rtt_ms, 90),
              "round_added": paired(setup.rtt_ms, base.rtt_ms), "connect_median_ms": median(setup.connect_ms),
              "connect_added": paired(setup.connect_ms, base.connect_ms)} for setup in setups]
-    print(f"security cost per round and per connection; target {args.target}, γ = {args.gamma}, {args.rounds} rounds "
-          f"and {args.connects} connects per setup, edge on core {EDGE_CORE}, clouds on core {CLOUD_CORE}")
-    print(f"{'setup':<11} {'round med':>9} {'p90':>6} {'added (paired mean ± 95%)':>26} {'connect med':>12} "
-          f"{'added':>17}  (ms)")
-    for row in rows:
-        r, c = row["round_added"], row["connect_added"]
-        print(f"{row['setup']:<11} {row['round_median_ms']:>9.3f} {row['round_p90_ms']:>6.2f} "
-              f"{r['mean_ms']:>+19.3f} ± {r['ci95_ms']:.3f} {row['connect_median_ms']:>12.2f} "
-              f"{c['mean_ms']:>+9.2f} ± {c['ci95_ms']:.2f}")
     return {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "connects": args.connects,
             "edge_core": EDGE_CORE, "cloud_core": CLOUD_CORE, "rows": rows}
 
@@ -270,13 +255,12 @@ def main() -> None:
                         help="paths: the scheduler's wait for recently active sessions' rounds")
     parser.add_argument("--pin", action="store_true", help="paths: replicas on the second core, the rest on the first")
     parser.add_argument("--connects", type=int, default=40, help="--security: timed fresh connections per setup")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     args.rounds = args.rounds or (400 if args.security else 300)
     torch.set_num_threads(1)
     result = security(args) if args.security else paths(args)
-    if args.out:
-        write_json(args.out, result, indent=2)
+    report({**header(), **result}, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,71 +1,111 @@
-"""`edge serve` under load against `edge generate` as a CLI process, on the embedded pair.
+"""`edge serve` under load on the embedded pair, the cloud (a 1-replica Ray pool) on the second core and
+`edge serve` on the first, one thread each, as if on two hosts.
 
-    python bench/serve_load.py [--concurrency 1 4 8] [--repeats 4] [--tokens 64] [--out docs/serve]
+    python bench/serve_load.py openai [--concurrency 1 4 8] [--repeats 4] [--tokens 64] [--out docs/serve]
+    python bench/serve_load.py guidellm [--guidellm /tmp/guidellm-venv/bin/guidellm] [--modes hybrid cloud-only]
+        [--profiles synchronous concurrent@2 concurrent@4] [--seconds 40] [--rtt-ms 0] [--out docs/serve/guidellm]
 
-Starts `hybridspec cloud serve` (a 1-replica Ray pool) on the second core and `hybridspec edge
-serve` on the first, one torch thread each, as if on two hosts; both with the embedded default
-models. Then, per concurrency c, `repeats` rounds of c simultaneous streamed chat completions
-(greedy, `--tokens` tokens, the official OpenAI client, a different prompt each): time to first
-token (request sent → first content chunk) and tokens/s (all completion tokens of the round / its
-wall time, and per request). The baseline is what a user without the server runs: `hybridspec edge
-generate --stream` as a new process per prompt on the edge core, timed from spawn to its first
-byte of text (start-up included) and to exit, with the tokens/s of its own generation from its
-summary line. Means with 95 % t intervals go to OUT/results.md, results.json and results.png.
+openai: per concurrency c, `--repeats` rounds of c simultaneous streamed greedy chat completions through
+the official OpenAI client (a different prompt each): time to first token (request → first content
+chunk) and tokens/s (of the round, and per request). The baseline is what a user without the server
+runs: `edge generate --stream` as a new process per prompt, timed from spawn to its first byte of text
+(start-up included) and to exit. Means with 95 % t intervals go to OUT/results.md and results.json.
+
+guidellm: guidellm (vLLM's OpenAI-compatible load generator, in a venv of its own: docs/serve.md) drives
+`edge serve` per mode — `hybrid` (the default edge), `always-draft` (`--no-cloud-only-switch`) and
+`cloud-only` — with synthetic prompts and its own metrics, one `guidellm run` per profile
+(synchronous, concurrent@N, constant@RATE). With `--rtt-ms` > 0 the edge reaches the cloud through
+`hybridspec netem` and every round crosses the link (direct verify off). guidellm itself is unpinned.
+OUT gets guidellm's reports, results.json, results.md and the servers' logs.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
+import json
 import os
 import re
+import resource
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import openai
 from hybridspec.cli.serve_cmd import parse_ready_line
+from hybridspec.cloud.process import stop_cloud_process
 from hybridspec.common.models.embedded import resolve
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
-from harness import REFERENCE, figure, save_figure, series, start_cloud, stop_cloud, t_interval, two_hosts, write_json
+from hybridspec.lab.stats import mean_ci
+from harness import arguments, cpu_model, pin_child, start_cloud, stop_cloud, two_hosts, write_json
 
 HYBRIDSPEC = [sys.executable, "-m", "hybridspec.cli.main"]
 SUMMARY = re.compile(r"^\[?(\d+) tokens.*?([\d.]+) tokens/s", re.MULTILINE)
+MODES = {"hybrid": [], "always-draft": ["--no-cloud-only-switch"], "cloud-only": ["--cloud-only"]}
+NETEM_READY = "hybridspec netem relaying "
+# guidellm 0.8's report keys: (metric, the requests it is summarised over, the statistic).
+METRICS = {"req_s": ("requests_per_second", "total", "mean"), "out_tok_s": ("output_tokens_per_second", "total", "mean"),
+           "ttft_p50_ms": ("time_to_first_token_ms", "successful", "median"),
+           "ttft_p95_ms": ("time_to_first_token_ms", "successful", "p95"),
+           "itl_p50_ms": ("inter_token_latency_ms", "successful", "median"),
+           "itl_p95_ms": ("inter_token_latency_ms", "successful", "p95"),
+           "latency_p50_s": ("request_latency", "successful", "median"),
+           "latency_p95_s": ("request_latency", "successful", "p95")}
+# What the edge did with the tokens, from its own /metrics (docs/serve.md), summed over label sets.
+EDGE_COUNTERS = {"completion": "hybridspec_edge_completion_tokens_total",
+                 "drafted": "hybridspec_edge_spec_decode_num_draft_tokens_total",
+                 "accepted": "hybridspec_edge_spec_decode_num_accepted_tokens_total",
+                 "cloud_only": "hybridspec_edge_cloud_only_tokens_total"}
 
 
-def ci95(xs: list[float]) -> dict:
-    """Mean, its 95 % t interval half-width, and n."""
-    mean, half = t_interval(xs)
-    return {"mean": mean, "ci95": half, "n": len(xs)}
+def read_ready(proc: subprocess.Popen, parse, what: str, log: Path) -> str:
+    """The address a child prints on its ready line; exit with its log's tail if it dies first."""
+    for line in proc.stdout:
+        address = parse(line)
+        if address is not None:
+            return address
+    proc.wait()
+    raise SystemExit(f"{what} exited ({proc.returncode}) before it was ready: "
+                     f"{log.read_text()[-2000:] if log.exists() else ''}")
 
 
-def start_edge_serve(cloud: str, concurrency: int) -> tuple[subprocess.Popen, str, float]:
-    """`edge serve` (on this process's cores); returns the process, its base URL and seconds until ready."""
+def start_edge(cloud: str, flags: list[str], cores: set[int] | None, log: Path) -> tuple[subprocess.Popen, str, float]:
+    """`edge serve` with these flags on a free port (pinned to `cores`, else inheriting this process's);
+    returns it, its base URL and the seconds until it was ready (load, connect, warm-up generation)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([*HYBRIDSPEC, "edge", "serve", "--cloud", cloud, "--port", "0", "--torch-threads", "1",
-                             "--max-concurrent", str(concurrency)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    base = parse_ready_line(line)
-    if base is None:
-        proc.kill()
-        raise SystemExit(f"edge serve did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # drain: a full pipe would block it
+                             *flags], stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+                            preexec_fn=pin_child(cores))
+    base = read_ready(proc, parse_ready_line, "edge serve", log)
     return proc, base, time.perf_counter() - t0
 
 
-def one_request(client: openai.OpenAI, model: str, prompt: str, tokens: int) -> dict:
+def stop(proc: subprocess.Popen | None) -> None:
+    """Stop a server this bench started, if it is still running (SIGTERM, then kill)."""
+    if proc is not None and proc.poll() is None:
+        stop_cloud_process(proc, 60)
+
+
+# --- openai: the OpenAI client against edge serve, and the CLI ----------------------------------------
+
+def ci95(xs: list[float]) -> dict:
+    """Mean, its 95 % t interval half-width, and n."""
+    estimate = mean_ci(xs)
+    return {"mean": estimate.value, "ci95": estimate.half_width, "n": estimate.n}
+
+
+def one_request(client, model: str, prompt: str, tokens: int) -> dict:
     """One streamed greedy chat completion: time to first content, tokens, wall time."""
     t0 = time.perf_counter()
-    first = None
-    completion = 0
-    chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
-    for chunk in chunks:
+    first, completion = None, 0
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=tokens, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter() - t0
         if chunk.usage is not None:
@@ -74,7 +114,7 @@ def one_request(client: openai.OpenAI, model: str, prompt: str, tokens: int) -> 
     return {"ttft_s": first, "tokens": completion, "wall_s": wall, "tokens_per_s": completion / wall}
 
 
-def serve_round(client: openai.OpenAI, model: str, prompts: list[str], tokens: int) -> dict:
+def serve_round(client, model: str, prompts: list[str], tokens: int) -> dict:
     """len(prompts) requests at once; the round's aggregate tokens/s and each request's numbers."""
     results: list[dict] = [{}] * len(prompts)
 
@@ -92,8 +132,7 @@ def serve_round(client: openai.OpenAI, model: str, prompts: list[str], tokens: i
 
 
 def cli_run(cloud: str, prompt: str, tokens: int) -> dict:
-    """`edge generate --stream` as a fresh process (on this process's cores): spawn → first text byte,
-    spawn → exit."""
+    """`edge generate --stream` as a fresh process: spawn → first text byte, spawn → exit."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([*HYBRIDSPEC, "edge", "generate", "--cloud", cloud, "--chat", "--prompt", prompt,
                              "--max-new-tokens", str(tokens), "--torch-threads", "1", "--stream"],
@@ -108,124 +147,243 @@ def cli_run(cloud: str, prompt: str, tokens: int) -> dict:
     if summary is None:
         raise SystemExit(f"edge generate failed ({proc.returncode}): {err[-2000:]}")
     n, rate = int(summary.group(1)), float(summary.group(2))
-    # The exit status is kept, not enforced: the text and the summary line are what is measured.
     return {"ttft_s": first, "wall_s": wall, "tokens": n, "tokens_per_s": n / wall, "generation_tokens_per_s": rate,
             "returncode": proc.returncode}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=Path("docs/serve"))
-    args = parser.parse_args()
+def openai_load(args) -> None:
+    """Rounds of concurrent requests per concurrency and CLI runs, interleaved; the tables."""
+    import openai
+
     if two_hosts()[0] is None:
         raise SystemExit("needs two cores: one for the edge, one for the cloud")
+    args.out.mkdir(parents=True, exist_ok=True)
     # This process goes on the edge core: `edge serve`, the CLI runs and the clients (the device's apps) inherit it.
     cloud, address = start_cloud({"target": str(resolve("", "target")), "torch_threads": 1})
     serve = None
     try:
-        serve, base, ready_s = start_edge_serve(address, max(args.concurrency))
+        log = Path(tempfile.gettempdir()) / f"hybridspec-edge-serve-{os.getpid()}.log"
+        serve, base, ready_s = start_edge(address, ["--max-concurrent", str(max(args.concurrency))], None, log)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
-        print(f"edge serve ready in {ready_s:.1f} s (start-up and warm-up), model {model}", file=sys.stderr)
         rows: dict = {"serve": {c: [] for c in args.concurrency}, "cli": [], "serve_ready_s": ready_s,
                       "loadavg_before": os.getloadavg()[0]}
-        # Repeats interleave every configuration, so load from elsewhere on the machine hits all alike.
-        for r in range(args.repeats):
+        for r in range(args.repeats):  # every configuration in each repeat: drift hits all alike
             for c in args.concurrency:
                 prompts = [FREEFORM_PROMPTS[(r * c + i) % len(FREEFORM_PROMPTS)] for i in range(c)]
                 rows["serve"][c].append(serve_round(client, model, prompts, args.tokens))
-                print(f"serve c={c} round {r}: {rows['serve'][c][-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
             rows["cli"].append(cli_run(address, FREEFORM_PROMPTS[r % len(FREEFORM_PROMPTS)], args.tokens))
-            print(f"cli run {r}: first text after {rows['cli'][-1]['ttft_s']:.2f} s", file=sys.stderr)
-        rows["loadavg_after"] = os.getloadavg()[0]  # this run's own load is about 2; more is other work
+            print(f"repeat {r + 1} of {args.repeats} done", file=sys.stderr)
+        rows["loadavg_after"] = os.getloadavg()[0]
     finally:
-        if serve is not None:
-            serve.terminate()
-            serve.wait(timeout=60)
+        stop(serve)
         stop_cloud(cloud)
-    summary = summarise(rows, args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "results.json", {"summary": summary, "raw": rows})
-    (args.out / "results.md").write_text(report(summary, args))
-    plot(summary, args.out / "results.png")
-    print(report(summary, args))
-
-
-def summarise(rows: dict, args) -> dict:
-    """Means and intervals per concurrency, and for the CLI."""
-    serve = {}
+    serve_rows = {}
     for c, rounds in rows["serve"].items():
         requests = [q for rnd in rounds for q in rnd["requests"]]
-        serve[c] = {"ttft_s": ci95([q["ttft_s"] for q in requests]),
-                    "tokens_per_s": ci95([rnd["tokens_per_s"] for rnd in rounds]),
-                    "request_tokens_per_s": ci95([q["tokens_per_s"] for q in requests]),
-                    "tokens": statistics.fmean(q["tokens"] for q in requests)}
-    cli = rows["cli"]
-    return {"serve": serve, "serve_ready_s": rows["serve_ready_s"],
-            "loadavg": [rows["loadavg_before"], rows["loadavg_after"]],
-            "cli": {k: ci95([run[k] for run in cli]) for k in ("ttft_s", "wall_s", "tokens_per_s",
-                                                                 "generation_tokens_per_s")},
-            "cli_aborted_exits": sum(run["returncode"] != 0 for run in cli),
-            "tokens": args.tokens, "repeats": args.repeats}
+        serve_rows[c] = {"ttft_s": ci95([q["ttft_s"] for q in requests]),
+                         "tokens_per_s": ci95([rnd["tokens_per_s"] for rnd in rounds]),
+                         "request_tokens_per_s": ci95([q["tokens_per_s"] for q in requests]),
+                         "tokens": statistics.fmean(q["tokens"] for q in requests)}
+    summary = {"serve": serve_rows, "serve_ready_s": rows["serve_ready_s"],
+               "loadavg": [rows["loadavg_before"], rows["loadavg_after"]],
+               "cli": {k: ci95([run[k] for run in rows["cli"]])
+                       for k in ("ttft_s", "wall_s", "tokens_per_s", "generation_tokens_per_s")},
+               "cli_aborted_exits": sum(run["returncode"] != 0 for run in rows["cli"]),
+               "tokens": args.tokens, "repeats": args.repeats}
+    write_json(args.out / "results.json", {"summary": summary, "raw": rows})
+    (args.out / "results.md").write_text(openai_markdown(summary, args))
+    print(openai_markdown(summary, args))
 
 
-def _fmt(x: dict, digits: int = 2) -> str:
-    return f"{x['mean']:.{digits}f} ± {x['ci95']:.{digits}f}"
-
-
-def report(s: dict, args) -> str:
+def openai_markdown(s: dict, args) -> str:
     """The Markdown table of the results."""
-    lines = [
-        "# `edge serve` under load vs `edge generate` (embedded pair, this machine)",
-        "",
-        (f"Greedy streamed chat completions of {args.tokens} tokens; edge and cloud on separate cores, one torch "
-         f"thread each; {args.repeats} rounds per row; mean ± 95 % t interval. Reproduce: "
-         f"`python bench/serve_load.py --concurrency {' '.join(map(str, args.concurrency))} "
-         f"--repeats {args.repeats} --tokens {args.tokens}`."),
-        "",
-        "| client | concurrent requests | time to first token (s) | tokens/s (all requests) | tokens/s per request |",
-        "|---|---|---|---|---|",
-    ]
+    def fmt(x: dict, digits: int = 2) -> str:
+        return f"{x['mean']:.{digits}f} ± {x['ci95']:.{digits}f}"
+
+    lines = ["# `edge serve` under load vs `edge generate` (embedded pair, this machine)", "",
+             f"Greedy streamed chat completions of {args.tokens} tokens; edge and cloud on separate cores, one torch "
+             f"thread each; {args.repeats} rounds per row; mean ± 95 % t interval. Reproduce: "
+             f"`python bench/serve_load.py openai --concurrency {' '.join(map(str, args.concurrency))} "
+             f"--repeats {args.repeats} --tokens {args.tokens}`.", "",
+             "| client | concurrent requests | time to first token (s) | tokens/s (all requests) | tokens/s per request |",
+             "|---|---|---|---|---|"]
     for c, row in s["serve"].items():
-        lines.append(f"| `edge serve` + OpenAI client | {c} | {_fmt(row['ttft_s'])} | {_fmt(row['tokens_per_s'], 1)} | "
-                     f"{_fmt(row['request_tokens_per_s'], 1)} |")
+        lines.append(f"| `edge serve` + OpenAI client | {c} | {fmt(row['ttft_s'])} | {fmt(row['tokens_per_s'], 1)} | "
+                     f"{fmt(row['request_tokens_per_s'], 1)} |")
     cli = s["cli"]
-    lines += [(f"| `edge generate --stream`, a new process each | 1 | {_fmt(cli['ttft_s'])} (spawn → first text) | "
-               f"{_fmt(cli['tokens_per_s'], 1)} (spawn → exit) | {_fmt(cli['generation_tokens_per_s'], 1)} "
-               "(its own generation) |"),
-              "",
-              (f"`edge serve` was ready {s['serve_ready_s']:.1f} s after it was started (loading, connecting, the "
-               "warm-up generation); that cost is paid once per server, not per request."), "",
-              (f"{s['cli_aborted_exits']} of {s['repeats']} `edge generate` runs exited with a non-zero status "
-               "after printing their text and summary (a crash at interpreter exit, reported); their times count."
-               if s["cli_aborted_exits"] else ""), "",
-              (f"The machine's 1-minute load average was {s['loadavg'][0]:.1f} before and {s['loadavg'][1]:.1f} "
-               "after the run (the run itself keeps both cores busy: about 2)."), ""]
+    lines += [f"| `edge generate --stream`, a new process each | 1 | {fmt(cli['ttft_s'])} (spawn → first text) | "
+              f"{fmt(cli['tokens_per_s'], 1)} (spawn → exit) | {fmt(cli['generation_tokens_per_s'], 1)} "
+              "(its own generation) |", "",
+              f"`edge serve` was ready {s['serve_ready_s']:.1f} s after it was started (paid once per server). "
+              f"{s['cli_aborted_exits']} of {s['repeats']} `edge generate` runs exited non-zero after their text. "
+              f"Load average before / after: {s['loadavg'][0]:.1f} / {s['loadavg'][1]:.1f} (the run itself: about 2).",
+              ""]
     return "\n".join(lines)
 
 
-def plot(s: dict, out: Path) -> None:
-    """Time to first token and tokens/s against concurrency, the CLI as reference lines."""
-    cs = list(s["serve"])
-    fig, (left, right) = figure(2, figsize=(10, 4))
-    for ax, key, title in ((left, "ttft_s", "time to first token (s)"), (right, "tokens_per_s", "tokens/s")):
-        means = [s["serve"][c][key]["mean"] for c in cs]
-        errs = [s["serve"][c][key]["ci95"] for c in cs]
-        series(ax, 0, cs, means, errs, label="edge serve (all requests)")
-        if key == "tokens_per_s":
-            per = [s["serve"][c]["request_tokens_per_s"]["mean"] for c in cs]
-            series(ax, 1, cs, per, label="edge serve (per request)")
-        cli = s["cli"][key]
-        ax.axhline(cli["mean"], linestyle=":", label="edge generate CLI (start-up included)", **REFERENCE)
-        ax.set_xlabel("concurrent requests")
-        ax.set_xticks(cs)
-        ax.set_title(title)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
-    save_figure(fig, out)
+# --- guidellm ----------------------------------------------------------------------------------------
+
+def guidellm_profile(text: str) -> str:
+    """A profile name checked: synchronous, concurrent@N or constant@RATE."""
+    kind, _, value = text.partition("@")
+    if (kind == "synchronous" and not value) or (kind in ("concurrent", "constant") and value.replace(".", "").isdigit()):
+        return text
+    raise ValueError(f"{text!r}: synchronous, concurrent@N or constant@RATE")
+
+
+def profile_arg(profile: str, warmup_s: float) -> str:
+    """The `--profile` value guidellm 0.8 takes; its measurement window opens warmup_s seconds in."""
+    kind, _, value = profile.partition("@")
+    key = {"synchronous": "", "concurrent": f",streams={int(float(value or 0))}", "constant": f",rate={value}"}[kind]
+    return f"kind={kind}{key},warmup={warmup_s:g}"
+
+
+def edge_counters(base: str) -> dict[str, float]:
+    """EDGE_COUNTERS' values now, from the edge's Prometheus text."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    totals = dict.fromkeys(EDGE_COUNTERS, 0.0)
+    names = {name: key for key, name in EDGE_COUNTERS.items()}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        key = names.get(name.split("{")[0])
+        if key is not None:
+            totals[key] += float(value)
+    return totals
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 10) -> None:
+    """SIGTERM the process group `proc` leads, SIGKILL what is left after timeout_s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader: a zombie would keep the group alive for killpg
+            os.killpg(proc.pid, 0)  # raises ProcessLookupError once the group is empty
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_guidellm(args, base: str, model: str, mode: str, profile: str) -> dict:
+    """One profile: guidellm's metrics, what the edge did with the completion tokens (warm-up included)
+    and the CPU seconds guidellm spent (on two shared cores the load generator's cost is part of it)."""
+    report = args.out / f"{mode}-{profile}.json"
+    cmd = [args.guidellm, "run", "--backend", f"kind=openai_http,target={base},model={model}",
+           "--tokenizer", f"kind=huggingface_auto,model={resolve('', 'target')}",  # local: nothing is fetched
+           "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+           "--profile", profile_arg(profile, args.warmup_s), "--constraint", f"kind=max_duration,seconds={args.seconds:g}",
+           "--output", f"kind=json,path={report}", "--disable-progress"]
+    # Offline, and one worker process: its default of up to ten would crowd two cores.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+    log = args.out / "logs" / f"guidellm-{mode}-{profile}.log"
+    before, counted = resource.getrusage(resource.RUSAGE_CHILDREN), edge_counters(base)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            returncode = proc.wait()
+        finally:
+            stop_group(proc)
+    after, edge = resource.getrusage(resource.RUSAGE_CHILDREN), edge_counters(base)
+    if returncode != 0 or not report.exists():
+        raise SystemExit(f"guidellm failed ({returncode}) for {mode} {profile}: {log.read_text()[-3000:]}")
+    metrics = json.loads(report.read_text())["benchmarks"][0]["metrics"]
+    row = {"mode": mode, "profile": profile, "command": cmd,
+           "guidellm_cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+           "edge": {key: edge[key] - counted[key] for key in EDGE_COUNTERS}}
+    for key, (name, status, stat) in METRICS.items():
+        summary = metrics[name][status]
+        row[key] = summary["percentiles"][stat] if stat.startswith("p") else summary[stat]
+    row.update({k: metrics["request_totals"][k] for k in ("successful", "incomplete", "errored")})
+    return row
+
+
+def guidellm_markdown(meta: dict, rows: list[dict]) -> str:
+    """results.md: the setting, guidellm's metrics and what the edge did."""
+    link = f"through `hybridspec netem` at {meta['rtt_ms']:g} ms RTT" if meta["rtt_ms"] else "over loopback"
+    lines = ["# `edge serve` under guidellm", "",
+             f"{meta['guidellm_version']}; {meta['cpu']}; edge to cloud {link}; synthetic chat prompts of "
+             f"{meta['prompt_tokens']} tokens asking for {meta['output_tokens']}, greedy, streamed; {meta['seconds']:g} s "
+             f"per profile, the window opening {meta['warmup_s']:g} s in. Reproduce: `{meta['command']}`", "",
+             "| mode | profile | requests/s | output tokens/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | latency "
+             "p50 / p95 (s) | ok / incomplete / errored | drafted and accepted | by the cloud alone | guidellm CPU s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tokens = max(r["edge"]["completion"], 1)
+        lines.append(f"| {r['mode']} | {r['profile']} | {r['req_s']:.2f} | {r['out_tok_s']:.1f} | "
+                     f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} | "
+                     f"{r['latency_p50_s']:.2f} / {r['latency_p95_s']:.2f} | {r['successful']} / {r['incomplete']} / "
+                     f"{r['errored']} | {r['edge']['accepted'] / tokens:.0%} | {r['edge']['cloud_only'] / tokens:.0%} | "
+                     f"{r['guidellm_cpu_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def guidellm_load(args) -> None:
+    """Per mode, an `edge serve` and one guidellm run per profile."""
+    version = subprocess.run([args.guidellm, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # unwind to `finally` (a shell's background job ignores SIGINT)
+        signal.signal(sig, signal.default_int_handler)
+    edge_cores, cloud_cores = two_hosts()
+    meta = {"guidellm_version": version, "cpu": cpu_model(), "rtt_ms": args.rtt_ms, "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens, "seconds": args.seconds, "warmup_s": args.warmup_s,
+            "command": "python " + " ".join(sys.argv), "ready_s": {}, "loadavg": [os.getloadavg()[0]]}
+    rows: list[dict] = []
+    cloud = netem = edge = None
+    try:
+        # With a link, rounds must cross it: direct verify would send them to the replica's own port.
+        keys = {**({"torch_threads": 1} if cloud_cores else {}), **({"direct_verify": False} if args.rtt_ms else {})}
+        cloud, address = start_cloud(keys, pin_edge=False)
+        if args.rtt_ms:
+            log = args.out / "logs" / "netem.log"
+            netem = subprocess.Popen([*HYBRIDSPEC, "netem", "--listen", "127.0.0.1:0", "--upstream", address,
+                                      "--delay-ms", f"{args.rtt_ms / 2:g}"], stdout=subprocess.PIPE,
+                                     stderr=log.open("w"), text=True)
+            address = read_ready(netem, lambda line: line[len(NETEM_READY):].split()[0]
+                                 if line.startswith(NETEM_READY) else None, "netem", log)
+        for mode in args.modes:
+            edge, base, meta["ready_s"][mode] = start_edge(address, MODES[mode], edge_cores,
+                                                           args.out / "logs" / f"edge-{mode}.log")
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as reply:
+                model = json.load(reply)["data"][0]["id"]
+            for profile in args.profiles:
+                rows.append(run_guidellm(args, base, model, mode, profile))
+                print(guidellm_markdown(meta, rows[-1:]).splitlines()[-1], file=sys.stderr)
+            stop(edge)
+            edge = None
+    finally:
+        stop(edge)
+        stop(netem)
+        if cloud is not None:
+            stop_cloud(cloud)
+    meta["loadavg"].append(os.getloadavg()[0])
+    write_json(args.out / "results.json", {"meta": meta, "rows": rows})
+    (args.out / "results.md").write_text(guidellm_markdown(meta, rows))
+    print(guidellm_markdown(meta, rows))
+
+
+def main() -> None:
+    parser = arguments(__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    own = commands.add_parser("openai", help="the OpenAI client at 1, 4, 8 concurrent requests, and the CLI")
+    own.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    own.add_argument("--repeats", type=int, default=4)
+    own.add_argument("--tokens", type=int, default=64)
+    own.add_argument("--out", type=Path, default=Path("docs/serve"))
+    load = commands.add_parser("guidellm", help="guidellm's profiles against the default edge and cloud-only")
+    load.add_argument("--guidellm", default="/tmp/guidellm-venv/bin/guidellm", help="guidellm's executable")
+    load.add_argument("--modes", nargs="+", choices=list(MODES), default=["hybrid", "cloud-only"])
+    load.add_argument("--profiles", type=guidellm_profile, nargs="+",
+                      default=["synchronous", "concurrent@2", "concurrent@4"])
+    load.add_argument("--seconds", type=float, default=40, help="length of each profile")
+    load.add_argument("--warmup-s", type=float, default=5, help="guidellm's measurement window opens this far in")
+    load.add_argument("--prompt-tokens", type=int, default=64)
+    load.add_argument("--output-tokens", type=int, default=64)
+    load.add_argument("--rtt-ms", type=float, default=0, help="> 0: hybridspec netem between edge and cloud")
+    load.add_argument("--out", type=Path, default=Path("docs/serve/guidellm"))
+    args = parser.parse_args()
+    openai_load(args) if args.command == "openai" else guidellm_load(args)
 
 
 if __name__ == "__main__":

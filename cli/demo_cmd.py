@@ -8,7 +8,8 @@ pinned to different cores with one torch thread each, so they behave like two ho
 The speed-up is measured fairly: both strategies are warmed up, then they take turns (the order
 alternating), and the verdict is the 95 % interval of the per-turn ratios. The demo used to time one
 run of each, the default edge first; on this 2-core box that put the default edge at 0.79-0.96x in
-three fresh runs while the two decoded the same tokens the same way (bench/demo_fairness.py).
+three fresh runs while the two decoded the same tokens the same way (92253c5:bench/demo_fairness.py,
+a benchmark now in git history).
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def run_demo(args) -> int:
 
 
 def _save(path: str, turns: Turns, outcome: Outcome, same: bool, pin: bool) -> None:
-    """The measured comparison as JSON (bench/demo_runs.py collects fresh demos' files)."""
+    """The measured comparison as JSON (92253c5:bench/demo_runs.py collected fresh demos' files)."""
     est = turns.speedup()
     record = {"turns": len(turns.hybrid_tokens_per_s), "pinned": pin, "same_tokens": same,
               "default_edge_tokens_per_s": list(turns.hybrid_tokens_per_s),

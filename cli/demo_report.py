@@ -5,7 +5,7 @@ on any machine: where drafting pays it says by how much it was predicted to and 
 edge chose cloud-only it says why in one line. The measured speed is an interval over turns in
 which the default edge and cloud-only take turns, never the ratio of one run of each: on a loaded
 2-core machine two runs of the same tokens a few seconds apart differ by 20 % and more
-(bench/demo_fairness.py: single pairs from 0.77 to 1.35 while 102 turns averaged 1.007).
+(92253c5:bench/demo_fairness.py: single pairs from 0.77 to 1.35 while 102 turns averaged 1.007).
 """
 from __future__ import annotations
 

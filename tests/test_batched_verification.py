@@ -232,7 +232,7 @@ def slow_engine(target, seconds: float):
 
 
 def test_sessions_answered_by_a_step_rejoin_the_next_one(target):
-    """Found by bench/pool_throughput.py: a round queued during a step made the next step start at
+    """Found by 92253c5:bench/pool_throughput.py: a round queued during a step made the next step start at
     once, without the sessions that step had just answered, so unsynchronised edges split into small
     batches (8 edges: 107 instead of 138 verified tokens/s)."""
     verifier = Verifier(target, VerifierLimits(max_context=512), slow_engine(target, 0.15), max_batch=8,
@@ -294,7 +294,7 @@ def test_step_cost_is_a_running_mean_per_token():
 
 
 def test_no_submission_is_lost_while_the_model_thread_takes_its_queues(target):
-    """Found by `bench/stalls.py refusals` (a prober's one 30 s stall in 1,248 calls): `_put` was handed the
+    """Found by `92253c5:bench/stalls.py refusals` (a prober's one 30 s stall in 1,248 calls): `_put` was handed the
     queue object before taking the lock, so a submission that waited for the lock while the model
     thread swapped that queue for a new one went into the old queue and was never answered."""
     with started(served(target)) as verifier:

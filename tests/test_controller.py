@@ -148,7 +148,7 @@ def test_a_recheck_window_guesses_only_a_few_tokens():
     """Regression: a window shadowed only to recheck α (hybrid could not win with what the guesses
     showed) guessed all of its 32 tokens. In never_slower's worst prompt (2026-11-27e) the default edge
     guessed about 30 tokens in six of eight repeats, and those repeats streamed 0.84-0.96x cloud-only;
-    a guess shares the machine's memory with the cloud (bench/drafting_interference.py)."""
+    a guess shares the machine's memory with the cloud (92253c5:bench/drafting_interference.py)."""
     est = measured(alpha=0.1, cloud_token_s=0.03, rtt_s=0.02, draft_s=0.006)
     for _ in range(SHADOW_MIN_CHECKS):
         est.observe_shadow(False)

@@ -87,7 +87,7 @@ def test_checks_count_first_drafts_and_shadow_guesses_without_decay():
 def test_the_verdict_is_the_interval_over_turns_not_one_ratio():
     """Regression: the demo timed one run of each, the default edge first, and printed their ratio as the
     verdict; on a 2-core box three fresh runs said 0.79×, 0.92× and 0.96× for the same tokens decoded
-    the same way (bench/demo_fairness.py). Now a noisy single turn at 0.79× is no verdict at all."""
+    the same way (92253c5:bench/demo_fairness.py). Now a noisy single turn at 0.79× is no verdict at all."""
     noisy = Turns((40.0, 52.0, 47.0, 44.0, 50.0), (50.5, 49.0, 47.5, 45.0, 48.0))
     line = measured(noisy)
     est = noisy.speedup()

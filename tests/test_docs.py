@@ -1,5 +1,6 @@
-"""The docs a newcomer reads stay true: every relative link and #anchor in README.md and docs/ resolves,
-and every figure registered in docs/figures.yaml still reads what its result file says."""
+"""The docs a newcomer reads stay true: every relative link and #anchor in README.md, bench/README.md and
+docs/ resolves, every figure registered in docs/figures.yaml still reads what its result file says, and
+every file cited from git history (COMMIT:PATH) is in that commit."""
 from __future__ import annotations
 
 import csv
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"(?<!\!)\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.MULTILINE)
 CODE = re.compile(r"```.*?```", re.DOTALL)
@@ -54,6 +55,25 @@ def test_every_relative_link_and_anchor_resolves(page):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading makes #{anchor}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+# A file no longer in the tree, named with the commit that has it: `92253c5:bench/coupling.py`.
+CITED = re.compile(r"(?<![\w/])([0-9a-f]{7,40}):((?:bench|docs|experiments|scripts)/[a-z0-9_./-]*[a-z0-9_])")
+
+
+def test_every_file_cited_from_git_history_is_in_that_commit():
+    """Docs and comments may name a removed benchmark or result file as COMMIT:PATH; git must have it
+    there (skipped in a copy without the repository's history)."""
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", "HEAD"], capture_output=True).returncode:
+        pytest.skip("no git history here")
+    texts = [*PAGES, ROOT / "docs" / "figures.yaml", *ROOT.glob("bench/*"),
+             *(f for top in ("cli", "cloud", "common", "edge", "lab", "tests") for f in (ROOT / top).rglob("*.py"))]
+    cited = {m.groups() for f in texts if f.is_file() for m in CITED.finditer(f.read_text())}
+    assert cited, "no COMMIT:PATH citation found: the pattern no longer matches the docs"
+    missing = sorted(f"{commit}:{path}" for commit, path in cited
+                     if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}:{path}"],
+                                       capture_output=True).returncode)
+    assert not missing, f"not in git history at the commit named: {missing}"
 
 
 def test_the_slug_rules_match_githubs():

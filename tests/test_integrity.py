@@ -307,8 +307,8 @@ def test_undecodable_bodies_are_invalid_argument_and_counted(target):
 def test_a_refused_message_ends_its_stream_at_once_after_the_answered_rounds(server, stub_of, second):
     """A valid round of one session, a wrong committed length for another, then more, on one stream
     that the client keeps open: the valid round is answered, the refusal ends the call with its status
-    at once, and neither session changes because of the refusal (`bench/stalls.py refusals` runs this mix
-    for minutes)."""
+    at once, and neither session changes because of the refusal (`92253c5:bench/stalls.py refusals` ran
+    this mix for minutes)."""
     stub = stub_of(server)
     channel = grpc.insecure_channel(server.address)
     try:

@@ -215,7 +215,7 @@ def test_models_pull_weights_switch_what_the_engine_serves(tmp_path, capfd):
 
 
 def test_a_fresh_pull_serves_the_default_weights_and_a_later_one_keeps_the_choice(tmp_path, monkeypatch):
-    """Q8_0, chosen by bench/weight_types.py, is what a new install serves; an install keeps whatever
+    """Q8_0, chosen by 92253c5:bench/weight_types.py, is what a new install serves; an install keeps whatever
     was chosen since (`--weights`), and an explicit choice wins at first too."""
     require_embedded()
     import shutil

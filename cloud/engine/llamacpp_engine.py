@@ -34,7 +34,7 @@ inexact, are in docs/engine.md); it is made with the engine (made at the first t
 pass for seconds). A pass copies each tree's session cells there (llama.cpp's sequence state), gives
 them every leaf's id (`llama_memory_seq_cp` within a stream moves no data) and decodes the trees at
 once; keep_rows copies context and kept path back over the session's stream, consecutive. It costs a
-chain of as many tokens plus the copies (bench/verify_cost.py tree), and is exact, bit for bit
+chain of as many tokens plus the copies (bench/engine.py tree), and is exact, bit for bit
 (tests/test_llamacpp_trees.py): the copies keep a session's cells in order. A chain-shaped tree is
 scored as a chain. Limits: a pass's trees are kept or cut before the next with trees; 256 leaves and
 `max_trees` trees (as many sessions' full contexts as TREE_CELLS holds, at most 8) a pass.
@@ -87,7 +87,7 @@ class LlamaCppEngine:
         """`kv_tokens` cells in `max_sequences` streams: sessions resident at once, each up to
         kv_tokens / max_sequences tokens; `parked_tokens`: the host memory idle sessions' states may
         take, in tokens (0: a session without a stream is evicted instead). `flash_attention` off only to
-        measure what it buys (bench/llamacpp_engine.py): without it blocks are not scored exactly as
+        measure what it buys (92253c5:bench/llamacpp_engine.py): without it blocks are not scored exactly as
         single tokens (docs/engine.md). `trees` off: chains only."""
         llama.llama_log_set(LOG_CALLBACK, None)
         llama.llama_backend_init()

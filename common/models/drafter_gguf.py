@@ -37,7 +37,7 @@ GGUF_WEIGHTS = ("F16", "Q8_0", "Q4_0")  # what the drafter's matrices can be sto
 # greedy choices are the torch drafter's at 98.5 % of positions (llama.cpp multiplies Q8_0 weights by
 # 8-bit activations, which parts near-ties) and agree with the target's exactly as often. F16 matches
 # at 99.5-100 %; Q4_0 is faster still but matches at 75 % and agrees with the target less
-# (bench/llamacpp_drafter.py, docs/engine/llamacpp-drafter.json).
+# (92253c5:bench/llamacpp_drafter.py, docs/engine/llamacpp-drafter.json).
 DEFAULT_GGUF_WEIGHTS = "Q8_0"
 
 

@@ -18,7 +18,7 @@ GGUF_FILE = "model.gguf"  # a checkpoint directory's GGUF weights: a link to one
 WEIGHT_TYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama_ftype of the types requantize() writes
 # What a fresh `models pull` serves the embedded target in: Q8_0 written from the shipped Q4_1 (its
 # values kept to 8-bit rounding) prefills faster than Q4_1 on llama.cpp's CPU kernels, decodes as
-# fast and is as exact (docs/engine.md "Which weights", bench/weight_types.py).
+# fast and is as exact (docs/engine.md "Which weights", 92253c5:bench/weight_types.py).
 DEFAULT_WEIGHTS = "Q8_0"
 
 
