@@ -1,5 +1,6 @@
-"""The shape of the code: no module over 400 lines (tests and benchmarks included), and no two modules that import each other,
-directly or through others, even with the import deferred into a function."""
+"""The shape of the code: no two modules that import each other, directly or through others, even with
+the import deferred into a function. (A module's length is not capped: a module is one job, and a job
+that reads top-down in one place is better than five short modules that forward to each other.)"""
 import ast
 from pathlib import Path
 
@@ -8,7 +9,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("common", "cloud", "edge", "cli", "distill", "netem", "lab", "fetch")  # each is hybridspec.<name>
 GENERATED = ROOT / "common" / "protocol" / "proto"
-MAX_LINES = 400
 
 
 def modules() -> dict[str, Path]:
@@ -71,12 +71,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
-
-
-def test_no_module_is_longer_than_the_limit():
-    files = [*modules().values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]
-    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def test_no_import_cycles_even_deferred_ones():
