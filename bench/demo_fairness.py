@@ -36,7 +36,7 @@ from hybridspec.cli.demo_cmd import DEFAULT_PROMPT, DEMO_TEXT, WARMUP_TOKENS
 from hybridspec.cli.edge_cmd import prompt_ids
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.controller import Controller
-from hybridspec.edge.state import EventKind
+from hybridspec.edge.generation import EventKind
 from hybridspec.lab.stats import mean_ci
 from harness import (CLOUD_CORE, EDGE_CORE, arguments, commit, cpu_model, pin, start_cloud, stop_cloud, usable_cores,
                      write_json)
@@ -77,11 +77,10 @@ def _timed(worker, prompt: list[int], config: EdgeConfig) -> dict:
     checks_before = worker.estimates.checked[0]
     start = time.perf_counter()
     stamps: list[float] = []
-    run = worker.stream(prompt, config)
-    for event in run:
+    gen = worker.stream(prompt, config)
+    for event in gen:
         if event.kind is EventKind.COMMIT and event.tokens:
             stamps.extend([time.perf_counter()] * len(event.tokens))
-    gen = run.generation
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"tokens_per_s": gen.stats.tokens_per_s, "wall_s": gen.stats.wall_s, "new_tokens": gen.stats.new_tokens,
             "ttft_s": stamps[0] - start if stamps else None, "rounds": gen.stats.rounds,

@@ -11,10 +11,10 @@ A profiler on every thread (sys.setprofile / threading.setprofile) counts each n
 package's code; a generator's or coroutine's resumption is not a new frame and is not counted. A
 method generated at run time (a dataclass's __init__ or __eq__) counts in its class's file, marked
 "(generated)"; library code (grpc, torch, dataclasses.replace itself) does not count. Frames are
-charged to the round running when they began (a round starts when edge/hybrid.py:hybrid_round is
-entered), and the rounds counted are the steady ones: all but the first (after the setup and the
-session's open) and the last (a shorter block, then the teardown) of a generation run after an
-uncounted warm-up generation. The round reported is the typical one: each function with the median
+charged to the round running when they began (a round starts when
+edge/generation.py:Generation.hybrid_round is entered), and the rounds counted are the steady ones:
+all but the first (after the setup and the session's open) and the last (a shorter block, then the
+teardown) of a generation run after an uncounted warm-up generation. The round reported is the typical one: each function with the median
 of its frames over those rounds (`summarise`). A side is the process that runs the code: the edge's
 threads, or the in-process cloud's.
 
@@ -41,7 +41,7 @@ PACKAGES = ("edge", "cloud", "common")  # the folders a round crosses; anything 
 # The threads of the edge's process: the generation's own and its stream's reply reader
 # (edge/client.py); every other thread here is the in-process cloud's (server loop, scheduler, gRPC).
 EDGE_THREADS = ("MainThread", "verify-stream")
-ROUND_START = ("edge/hybrid.py", "hybrid_round")
+ROUND_START = ("edge/generation.py", "Generation.hybrid_round")
 WRAPPERS = ("contextlib.py",)  # library frames between a caller and its callee: decorators (and torch's own)
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 

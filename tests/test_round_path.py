@@ -21,7 +21,7 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
     # the first and the last are not counted.
     assert result["rounds"] == 6 and result["rounds_counted"] == 4
     edge, cloud = result["by_side"]["edge"], result["by_side"]["cloud"]
-    assert {"edge/rounds.py", "edge/client.py", "common/protocol/codec.py"} <= set(edge["files"])
+    assert {"edge/generation.py", "edge/client.py", "common/protocol/codec.py"} <= set(edge["files"])
     assert {"cloud/api/service.py", "cloud/core/verifier.py", "common/protocol/codec.py"} <= set(cloud["files"])
     assert not any(f.startswith("cloud/") for f in edge["files"]) and not any(f.startswith("edge/") for f in cloud["files"])
     assert edge["frames_per_round"] > 10 and cloud["frames_per_round"] > 10
@@ -29,7 +29,7 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
     assert result["files"] == len(set(edge["files"]) | set(cloud["files"]))
     # Every steady round sends a block and commits a verdict, once ...
     calls = {**result["calls_per_round"]["cloud"], **result["calls_per_round"]["edge"]}
-    assert calls["edge/rounds.py:VerifyRound.__call__"] == 1 == calls["cloud/core/verifier.py:Verifier.step"]
+    assert calls["edge/generation.py:Generation.hybrid_round"] == 1 == calls["cloud/core/verifier.py:Verifier.step"]
     # ... derives what a block is once in the cloud: its shape (chain or tree) and its session id's check ...
     cloud_calls = result["calls_per_round"]["cloud"]
     assert cloud_calls.get("common/protocol/wire.py:DraftBlock.is_tree", 0) <= 1
@@ -37,10 +37,12 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
     # The reading path: files that hand the round on, apart from those only looked up.
     assert result["path_files"] == len(result["path"]) and not set(result["path"]) & set(result["looked_up"])
     assert set(result["path"]) | set(result["looked_up"]) >= set(edge["files"]) | set(cloud["files"])
-    assert {"edge/hybrid.py", "edge/rounds.py", "cloud/api/service.py", "cloud/core/verifier.py"} <= set(result["path"])
+    assert {"edge/generation.py", "cloud/api/service.py", "cloud/core/verifier.py"} <= set(result["path"])
     assert "common/protocol/wire.py" in result["looked_up"]  # dataclasses: called, calling nothing of ours
-    assert "edge/rounds.py -> edge/session.py" in result["path_by_side"]["edge"]["handoffs"]
+    # On the edge the generation hands the round to the client itself, nothing in between.
+    edge_handoffs = result["path_by_side"]["edge"]["handoffs"]
+    assert [h for h in edge_handoffs if h.endswith("-> edge/client.py")] == ["edge/generation.py -> edge/client.py"]
     assert "cloud/core/scheduler.py -> cloud/core/verifier.py" in result["path_by_side"]["cloud"]["handoffs"]
     # ... and opens, closes and builds nothing: that is setup and teardown.
-    once = ("CloudSession.open", "OpenSession", "CloseSession", "build_drafting", "GenerationRun.__init__")
+    once = ("Generation._begin_open", "OpenSession", "CloseSession", "Generation._build_drafter", "Generation.__init__")
     assert not [name for name in calls if name.endswith(once)]
