@@ -50,7 +50,7 @@ from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_messages
-from hybridspec.edge.state import EventKind
+from hybridspec.edge.generation import EventKind
 from hybridspec.edge.worker import EdgeWorker
 from harness import arguments, cloud, free_port, header, median, report
 
@@ -124,11 +124,10 @@ def generate(drafter, address: str, prompt: list[int], new_tokens: int, settings
     with VerifierClient(address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(drafter, client, config)
         start, first = time.perf_counter(), None
-        run = worker.stream(prompt)
-        for event in run:
+        gen = worker.stream(prompt)
+        for event in gen:
             if first is None and event.kind is EventKind.COMMIT and event.tokens:
                 first = time.perf_counter() - start
-        gen = run.generation
     return {"tokens": gen.token_ids, "ttft_s": round(first or 0.0, 2), "wall_s": round(gen.stats.wall_s, 2),
             "rounds": gen.stats.rounds, "cloud_only_tokens": gen.stats.cloud_only_tokens, "error": gen.error}
 

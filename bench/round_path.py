@@ -15,10 +15,10 @@ A profiler on every thread (sys.setprofile / threading.setprofile) counts each n
 package's code; a generator's or coroutine's resumption is not a new frame and is not counted. A
 method generated at run time (a dataclass's __init__ or __eq__) counts in its class's file, marked
 "(generated)"; library code (grpc, torch, dataclasses.replace itself) does not count. Frames are
-charged to the round running when they began (a round starts when edge/hybrid.py:hybrid_round is
-entered), and the rounds counted are the steady ones: all but the first (after the setup and the
-session's open) and the last (a shorter block, then the teardown) of a generation run after an
-uncounted warm-up generation. The round reported is the typical one: each function with the median
+charged to the round running when they began (a round starts when
+edge/generation.py:Generation.hybrid_round is entered), and the rounds counted are the steady ones:
+all but the first (after the setup and the session's open) and the last (a shorter block, then the
+teardown) of a generation run after an uncounted warm-up generation. The round reported is the typical one: each function with the median
 of its frames over those rounds (`summarise`). A side is the process that runs the code: the edge's
 threads, or the in-process cloud's.
 
@@ -45,7 +45,7 @@ PACKAGES = ("edge", "cloud", "common")  # the folders a round crosses; anything 
 # The threads of the edge's process: the generation's own and its stream's reply reader
 # (edge/client.py); every other thread here is the in-process cloud's (server loop, scheduler, gRPC).
 EDGE_THREADS = ("MainThread", "verify-stream")
-ROUND_START = ("edge/hybrid.py", "hybrid_round")
+ROUND_START = ("edge/generation.py", "Generation.hybrid_round")
 WRAPPERS = ("contextlib.py",)  # library frames between a caller and its callee: decorators (and torch's own)
 _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
@@ -164,7 +164,42 @@ def reading_path(handoffs: dict[int, collections.Counter], rounds: list[int], fi
         edges = sorted((a, b) for s, a, b in typical if s == side)
         sides[side] = {"files": sorted({a for a, _ in edges}), "handoffs": [f"{a} -> {b}" for a, b in edges]}
     path = sorted({f for part in sides.values() for f in part["files"]})
-    return {"path_files": len(path), "path": path, "looked_up": sorted(set(files) - set(path)), "path_by_side": sides}
+    spine = sorted(set().union(*(spine_of([(a, b) for s, a, b in typical if s == side], *SPINE_ENDS[side])
+                                 for side in sides if side in SPINE_ENDS)))
+    return {"path_files": len(path), "path": path, "looked_up": sorted(set(files) - set(path)), "path_by_side": sides,
+            "spine_files": len(spine), "spine": spine}
+
+
+# Where a side's round starts, and the files that end its spine: the edge hands the round to the wire
+# (the codec); the cloud takes it from the servicer and hands it to the engine (and its answer to the codec).
+SPINE_ENDS = {
+    "edge": ("edge/generation.py", ("common/protocol/codec.py",)),
+    "cloud": ("cloud/api/service.py", ("common/protocol/codec.py", "cloud/engine/llamacpp_engine.py",
+                                       "cloud/engine/torch_engine.py")),
+}
+
+
+def spine_of(handoffs: list[tuple[str, str]], start: str, ends: tuple[str, ...]) -> set[str]:
+    """The files on a chain of hand-offs from `start` to one of `ends`: what a reader follows to see
+    the round go from where it starts to the wire or the engine. A file the chain only calls for an
+    answer (a decision, a metric, the drafter, a rule) is beside the spine, not on it."""
+    callees: dict[str, set[str]] = collections.defaultdict(set)
+    for a, b in handoffs:
+        callees[a].add(b)
+    reached, frontier = {start}, [start]
+    while frontier:
+        for b in callees[frontier.pop()] - reached:
+            reached.add(b)
+            frontier.append(b)
+    leads = {f for f in ends if f in reached}  # the files from which an end is reachable, ends included
+    changed = True
+    while changed:
+        changed = False
+        for a in reached - leads:
+            if callees[a] & leads:
+                leads.add(a)
+                changed = True
+    return leads
 
 
 def summarise(calls: dict[int, collections.Counter], rounds: list[int]) -> dict:

@@ -49,16 +49,15 @@ def run_generate(args) -> int:
     worker = build_worker(config, background=True)
     error = None
     try:
-        run = worker.stream(prompt_ids(worker.codec, args.prompt, args.chat))
+        gen = worker.stream(prompt_ids(worker.codec, args.prompt, args.chat))
         try:
             if args.stream:
-                stream_to_terminal(run, worker.codec, args.show_draft)
+                stream_to_terminal(gen, worker.codec, args.show_draft)
             else:
-                for _ in run:
+                for _ in gen:
                     pass
         except HybridSpecError as exc:
             error = exc
-        gen = run.generation
     finally:
         worker.close()
     if args.json:
@@ -100,7 +99,7 @@ def stream_to_terminal(run, codec, show_draft: bool) -> None:
     """Print text as it becomes final. On a terminal with --show-draft, the block being verified
     (or text drafted while offline) is shown dimmed after it and replaced as verdicts come in; only
     the last screenful is redrawn, so a small terminal stays readable. Notices go to stderr."""
-    from ..edge.state import EventKind
+    from ..edge.generation import EventKind
 
     console = Console(stderr=False)
     if show_draft and console.is_terminal:

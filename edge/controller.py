@@ -8,7 +8,7 @@ worker that has measured nothing yet, the optimism of the first hybrid rounds, a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from ..common.config import Choice, check_fields, setting
@@ -180,6 +180,10 @@ class Controller:
         pipeline = p.settings.pipeline
         chain = policy.hybrid_rate(rates, policy.choose_gamma(rates, p.cap, pipeline), pipeline)
         return max(chain, self._tree(rates)[0])
+
+    def chains_only(self) -> None:
+        """The drafter turned out to draft chains only (an eagle head, prompt lookup): no trees."""
+        self.policy = replace(self.policy, tree_nodes=0)
 
     def observed_hybrid_round(self) -> None:
         """One more hybrid round measured since the last switch."""

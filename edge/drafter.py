@@ -5,13 +5,11 @@ torch or llama.cpp: edge/draft_lm.py); `EagleDrafter` (edge/eagle.py), a head dr
 target's own features; and `NgramDrafter` (prompt lookup), which copies what followed the latest
 earlier occurrence of the context's last n-gram and needs no model. `make_drafter` (edge/drafters.py)
 builds one per generation with every setting fixed (sampling, α_FB, stop ids, what to do with a
-low-confidence token: `DraftSettings`); `Lookahead` wraps one to draft the next block while the
-current one is verified. A proposal's `dists` is None at temperature 0, where q is one-hot.
+low-confidence token: `DraftSettings`); the generation drafts the next block with it while the
+current one is verified (edge/generation.py, a round's step 4). A proposal's `dists` is None at
+temperature 0, where q is one-hot.
 """
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -22,7 +20,7 @@ from ..common.maths.sparse import SparseDist, truncate
 from ..common.protocol.wire import SamplingParams
 from .draft_lm import DraftLM, TorchLM, to_vocab
 from .estimates import RANKS
-from .proposal import DraftSettings, Drafter, Drafting, Interrupt, Proposal
+from .proposal import DraftSettings, Drafting, Interrupt, Proposal
 
 
 def ranked_choices(probs: torch.Tensor, first: int | None = None) -> tuple[int, ...]:
@@ -135,52 +133,3 @@ class NgramDrafter:
                 if context[start: start + n] == suffix:
                     return context[start + n: start + n + max_tokens]
         return []
-
-
-class Lookahead:
-    """Pipelined drafting around any drafter: while a block is verified, `prefetch` drafts the guessed
-    bonus token and the block after it; when the verdict accepts the whole block and confirms the
-    guess, the next `propose` hands that block over instead of drafting again."""
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.predrafted = 0  # tokens drafted ahead, used or not
-        self.guess_right: bool | None = None  # whether the last prefetch guessed the verifier's token
-        self._block: Proposal | None = None  # the block being verified
-        self._ahead: Proposal | None = None  # what was drafted after it
-
-    def propose(self, context: list[int], max_tokens: int, *, interrupt: Interrupt | None = None,
-                fallback: bool = True) -> Proposal:
-        """The block drafted ahead, if the last verdict kept it; else a fresh one."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and max_tokens > 0:
-            return replace(ahead.head(max_tokens), drafted_ahead=True)
-        return self.inner.propose(context, max_tokens, interrupt=interrupt, fallback=fallback)
-
-    def propose_tree(self, max_depth: int, draft: Callable[[Drafter], Proposal]) -> Proposal:
-        """The block drafted ahead, if the last verdict kept it (a chain, ready now, at most `max_depth`
-        long); else `draft(inner drafter)`, which builds a tree (edge/tree_draft.py)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            return replace(ahead.head(max_depth), drafted_ahead=True)
-        return draft(self.inner)
-
-    def prefetch(self, context: list[int], block: Proposal, max_tokens: int, interrupt: Interrupt) -> None:
-        """Draft up to `max_tokens` after `context + block` until `interrupt()` (the reply) turns true."""
-        self._block = block
-        self._ahead = self.inner.propose(context + block.ids, max_tokens, interrupt=interrupt)
-        self.predrafted += len(self._ahead.ids)
-
-    def observe(self, accepted: list[int], token: int) -> None:
-        """Keep what was drafted ahead only if the verifier accepted exactly the block it was drafted
-        after (a tree's main path, whole) and the guess was right."""
-        self.inner.observe(accepted, token)
-        block, ahead, self._block, self._ahead = self._block, self._ahead, None, None
-        self.guess_right = None if not ahead or not ahead.ids else ahead.ids[0] == token
-        if block is not None and ahead is not None and self.guess_right and list(accepted) == block.ids \
-                and len(ahead.ids) > 1:
-            self._ahead = ahead.tail(1)
-
-    def drop(self) -> None:
-        """Forget anything drafted ahead (the context changed another way)."""
-        self._block = self._ahead = None

@@ -1,7 +1,7 @@
 """Starting an edge fast: the drafter loads on a background thread while the cloud already decodes.
 
 Importing torch and transformers and loading a drafter costs seconds on a small CPU, and the first
-tokens do not need the drafter: a generation starts cloud-only (edge/worker.py) with the prompt
+tokens do not need the drafter: a generation starts cloud-only (edge/generation.py) with the prompt
 encoded by the torch-free `TextCodec`, and turns hybrid once `DrafterLoad` is ready.
 """
 from __future__ import annotations

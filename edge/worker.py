@@ -1,56 +1,26 @@
-"""The edge worker: draft, get verified, commit — and decide when the cloud is better left alone.
+"""The edge worker: what its generations share — the drafter (loading in the background, possibly), the
+measured rates, the verifier's identity and the pair check, a pool of connections — and starting one.
 
-A generation moves between three phases (edge/controller.py decides between the first two):
-    hybrid      draft a block (γ from measured rates), verify it, commit; maybe draft the next meanwhile
-                (edge/hybrid.py)
-    cloud-only  the target decodes alone, streamed from its replica (edge/cloud_only.py)
-    offline     the cloud is unreachable and `allow_unverified` is on: the drafter continues alone,
-                then its tokens are verified or rolled back (edge/offline.py)
-Each phase is a function of the generation's parts (edge/context.py) that returns the next phase; the
-main loop here (`GenerationRun._run`) builds the parts, goes offline when a phase lost the cloud, and
-opens the hybrid session whenever hybrid rounds (re)start. Committed tokens never change
-(edge/state.py). Events report progress to a caller that streams text.
+Each generation (edge/generation.py `Generation`) owns its own state and runs its own loop; the worker
+leases it a connection, checks its prompt against the verifier before any work, and keeps what it
+measured for the next one.
 """
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ..common.protocol.wire import ModelInfo, SessionSpec, check_context
+from ..common.protocol.errors import FailedPrecondition, Unavailable
+from ..common.protocol.wire import ModelInfo, check_context
 from .client import VerifierClient
-from .cloud_only import run_cloud_only
 from .config import EdgeConfig
-from .context import Drafting, GaveUp, Lost, RunContext, build_drafting
-from .controller import Controller, Phase, Policy
 from .estimates import Estimates
-from .hybrid import hybrid_round
-from .offline import Outage, go_offline, run_offline, verify_unverified
-from .proposal import DrafterKind
+from .generation import Generation
 from .startup import DrafterLoad
-from .state import Event, EventKind, GenerationState, Origin
-from .stats import Stats
-from .stops import TextTracker
 from .textcodec import HFCodec, TextCodec
 
 if TYPE_CHECKING:
     from ..common.models.loading import LoadedModel
-
-
-@dataclass
-class Generation:
-    """What a finished generation returns (also after a failure: what was committed before it)."""
-
-    token_ids: list[int]  # generated tokens only, EOS included when reached
-    origins: list[Origin]  # one per token
-    stats: Stats
-    text: str = ""  # the generated text, cut before a stop string
-    finished_by_eos: bool = False
-    finish_reason: str = "length"  # "stop": an end-of-sequence token or a stop string; "length": the budget
-    error: str = ""  # why the generation ended early ("" when it did not)
 
 
 class EdgeWorker:
@@ -130,16 +100,32 @@ class EdgeWorker:
                          eos_token_ids=model.eos_token_ids)
 
     def generate(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> Generation:
-        """Generate up to config.generation.max_new_tokens tokens after `prompt_ids`."""
-        run = self.stream(prompt_ids, config)
-        for _ in run:
+        """Generate up to config.generation.max_new_tokens tokens after `prompt_ids`; the generation,
+        ended (its `token_ids`, `text`, `stats`)."""
+        generation = self.stream(prompt_ids, config)
+        for _ in generation:
             pass
-        return run.generation
+        return generation
 
-    def stream(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> GenerationRun:
-        """The same generation as an iterator of Events; `.generation` is set once it ends.
-        config: this generation's settings (default: the worker's)."""
-        return GenerationRun(self, list(prompt_ids), config or self.config)
+    def stream(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> Generation:
+        """The same generation, to be iterated for its Events. config: this generation's settings
+        (default: the worker's). Checks the prompt against the verifier before any work (a refusal
+        opens nothing); if the cloud never answered and `allow_unverified` is on, the generation
+        starts offline with the drafter's own view of the target."""
+        cfg = (config or self.config).resolved()  # the rule named, a seed drawn if none was given
+        client = self.lease()
+        try:
+            info = self.info if self.connected else self.connect(client)
+            check_context(len(prompt_ids), cfg.generation.max_new_tokens, info.max_context)  # before any work
+        except Unavailable:
+            if not cfg.link.allow_unverified:
+                self.release(client)
+                raise
+            info = self.local_info()  # offline from the start: the drafter's own view
+        except BaseException:
+            self.release(client)
+            raise
+        return Generation(self, client, list(prompt_ids), cfg, info)
 
     def lease(self) -> VerifierClient:
         """A connection for one generation (give it back with `release`)."""
@@ -160,140 +146,3 @@ class EdgeWorker:
         with self._lock:
             for client in self._clients:
                 client.close()
-
-
-class GenerationRun:
-    """One generation, driven by iterating it; `.generation` is set once it ends."""
-
-    def __init__(self, worker: EdgeWorker, prompt: list[int], cfg: EdgeConfig) -> None:
-        """Checks the prompt against the verifier before any work (a refusal opens nothing)."""
-        cfg = cfg.resolved()  # the rule named, a seed drawn if none was given
-        self.worker = worker
-        client = worker.lease()
-        try:
-            info = worker.info if worker.connected else worker.connect(client)
-            check_context(len(prompt), cfg.generation.max_new_tokens, info.max_context)  # before any work
-        except Unavailable:
-            if not cfg.link.allow_unverified:
-                worker.release(client)
-                raise
-            info = worker.local_info()  # offline from the start: the drafter's own view
-        except BaseException:
-            worker.release(client)
-            raise
-        self.ctx = _context(worker, client, prompt, cfg, info)
-        self.drafting: Drafting | None = None  # built once, when a phase first needs the drafter
-        self.gave_up = False  # the cloud stayed unreachable: the unverified tail is the end
-        self.error = ""  # why the generation failed, if it did
-        self.generation: Generation | None = None
-
-    def __iter__(self) -> Iterator[Event]:
-        ctx = self.ctx
-        start = time.perf_counter()
-        up0, down0 = ctx.client.uplink_bytes, ctx.client.downlink_bytes
-        try:
-            yield from self._run()
-            yield Event(EventKind.COMMIT, text=ctx.text.finish())  # text held back for a stop string
-        except HybridSpecError as exc:
-            self.error = str(exc)
-            raise
-        finally:
-            end = time.perf_counter()  # the last token is out: closing the session is not waited for
-            if self.drafting is not None and not self.gave_up:
-                self.drafting.session.close()  # nothing to do unless a session is open
-            self._finish(end - start, up0, down0)
-            self.worker.release(ctx.client)
-
-    def _run(self) -> Iterator[Event]:
-        ctx, state, cfg, ready = self.ctx, self.ctx.state, self.ctx.cfg, self.ctx.load.ready()
-        # 1. Start where the measurements point: cloud-only while warming up, while the drafter still
-        #    loads, or when it is faster; offline if the cloud has never answered.
-        first = ctx.controller.initial_phase()
-        if first is Phase.HYBRID and cfg.policy.cloud_only_switch and not ready:
-            first = Phase.CLOUD_ONLY
-        if first is Phase.CLOUD_ONLY and not (ctx.controller.warming_up or cfg.policy.cloud_only or not ready):
-            yield ctx.notice("starting with cloud-only decoding: the edge's measurements favour it")
-        unreachable = Unavailable(f"the verifier at {ctx.client.address} did not answer")
-        after: Phase | Lost = first if self.worker.connected else Lost(unreachable)
-        phase: Phase | None = None  # the phase that ran last
-        outage: Outage | None = None
-        while not state.done:
-            # 2. The cloud stopped answering: go offline, keeping the block in flight (or fail).
-            if isinstance(after, Lost):
-                outage = yield from go_offline(ctx, self.drafting, after)
-                after = Phase.OFFLINE
-            # 3. The drafter, its session and its verify round, built once: before the first phase
-            #    that drafts (a cloud-only phase builds them itself for shadow drafting, after its
-            #    first token: setting them up before it would hold that token back).
-            if after is not Phase.CLOUD_ONLY and self.drafting is None:
-                self.drafting = build_drafting(ctx)
-            # 4. Recovery: hybrid rounds (re)start on a session opened from everything committed
-            #    (at the start, back from cloud-only, after an outage: then the unverified tail is
-            #    verified first).
-            if after is Phase.HYBRID and phase is not Phase.HYBRID:
-                after = yield from self._reopen(phase)
-                phase = Phase.HYBRID if after is Phase.HYBRID else phase
-                continue  # verifying the tail may have ended the generation
-            # 5. Run the phase until it hands over.
-            phase = after
-            if phase is Phase.HYBRID:
-                after = yield from hybrid_round(ctx, self.drafting)
-            elif phase is Phase.CLOUD_ONLY:
-                after, self.drafting = yield from run_cloud_only(ctx, self.drafting)
-            else:
-                after = yield from run_offline(ctx, self.drafting, outage)
-                if isinstance(after, GaveUp):
-                    self.gave_up = True
-                    yield ctx.notice(after.message)
-                    return
-
-    def _reopen(self, came_from: Phase | None) -> Generator[Event, None, Phase | Lost]:
-        """Open the hybrid session from the committed tokens; after an outage re-open it and verify the
-        unverified tail. OFFLINE if the cloud answered a ping but not the re-open: drafting alone goes on."""
-        ctx, kit = self.ctx, self.drafting
-        was_warming = came_from is Phase.CLOUD_ONLY and ctx.controller.end_warmup()
-        try:
-            kit.session.open()
-        except Unavailable as exc:
-            return Phase.OFFLINE if came_from is Phase.OFFLINE else Lost(exc)
-        if came_from is Phase.OFFLINE:
-            return (yield from verify_unverified(ctx, kit))
-        if came_from is Phase.CLOUD_ONLY:
-            ctx.controller.entered_hybrid()  # the first rounds are judged optimistically again
-            if not was_warming:  # leaving the warm-up is no switch
-                ctx.stats.switches_to_hybrid += 1
-                yield ctx.notice("switched back to hybrid decoding: predicted faster than cloud-only again")
-        return Phase.HYBRID
-
-    def _finish(self, wall_s: float, up0: int, down0: int) -> None:
-        ctx, kit = self.ctx, self.drafting
-        tokens, origins = ctx.state.result()
-        s = ctx.stats
-        s.new_tokens, s.unverified = len(tokens), len(ctx.state.unverified)
-        s.predrafted = kit.drafter.predrafted if kit else 0
-        s.uplink_bytes = ctx.client.uplink_bytes - up0
-        s.downlink_bytes = ctx.client.downlink_bytes - down0
-        s.feature_bytes = kit.eagle.log.received_bytes if kit and kit.eagle else 0
-        s.wall_s = wall_s
-        text = ctx.text.text + ctx.text.continuation(ctx.state.unverified)
-        reason = "stop" if ctx.state.eos or ctx.text.stopped else "length"
-        self.generation = Generation(tokens, origins, s, text, ctx.state.eos, reason, self.error)
-
-
-def _context(worker: EdgeWorker, client: VerifierClient, prompt: list[int], cfg: EdgeConfig,
-             info: ModelInfo) -> RunContext:
-    """The parts of one generation every phase reads."""
-    text = TextTracker(worker.codec, cfg.generation.stop)
-    state = GenerationState(prompt, cfg.generation.max_new_tokens, frozenset(info.eos_token_ids), text)
-    # Trees only where the server verifies them, the rule has a tree form and a model drafts (an eagle
-    # head, found once it loads, drafts chains: edge/context.py build_drafting).
-    trees = cfg.model.drafter_kind is DrafterKind.MODEL and cfg.resolved_mode.verifies_trees
-    policy = Policy(cap=min(cfg.policy.max_draft, worker.cap), settings=cfg.policy,
-                    tree_nodes=min(cfg.policy.tree_nodes, info.max_tree_nodes) if trees else 0)
-    g = cfg.generation
-    spec = SessionSpec(session_id="", committed_ids=tuple(prompt), sampling=cfg.sampling, mode=cfg.resolved_mode,
-                       seed=g.seed, rollback_threshold=g.rollback_threshold, lenience=g.lenience,
-                       tokenizer_fingerprint=worker.tokenizer_fp, prompt_len=len(prompt))
-    return RunContext(cfg=cfg, info=info, spec=spec, state=state, text=text, stats=Stats(),
-                      estimates=worker.estimates, controller=Controller(policy, worker.estimates), client=client,
-                      link=worker, load=worker.load)

@@ -9,13 +9,11 @@ import torch
 
 from ..cloud.core.verifier import Verifier
 from ..common.models.loading import LoadedModel
-from ..common.protocol.wire import DraftBlock, FeatureFormat, SessionSpec, VerifyResult
+from ..common.protocol.wire import DraftBlock, FeatureFormat, SessionSpec
 from ..edge.config import EdgeConfig
 from ..edge.drafters import make_drafter
 from ..edge.proposal import DrafterKind
 from ..edge.eagle import EagleDrafter
-from ..edge.rounds import VerifyRound
-from ..edge.state import GenerationState
 from ..edge.stats import Stats
 
 
@@ -29,15 +27,17 @@ class LocalRun:
 
 
 def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: EdgeConfig) -> LocalRun:
-    """Speculative decoding with drafter and target in one process: the same drafter, rule and verify
-    round as the edge (blocks of max_draft, the BiLD fallback), each block verified by a direct call."""
+    """Speculative decoding with drafter and target in one process: the edge's drafter, rule and blocks
+    (max_draft, the BiLD fallback; a block and its verdict checked as the edge's generation does:
+    `Proposal.block`, `Proposal.accepted`), each block verified by a direct call of the verifier core.
+    Nothing is in flight while the drafter could draft, and no session is lost: no pipelining, no
+    recovery."""
     stop = frozenset(verifier.info.eos_token_ids)
     draft = make_drafter(DrafterKind.MODEL, drafter, cfg.draft_settings(verifier.info.vocab_size, stop))
     log = draft.log if isinstance(draft, EagleDrafter) else None
     sid = f"colocated-{uuid.uuid4().hex}"
-    state, stats = GenerationState(prompt, cfg.generation.max_new_tokens, stop), Stats()
-    verify_round = VerifyRound(state, stats, draft, _DirectSession(verifier, sid),
-                               with_q=cfg.resolved_mode.uses_draft_probs, features=log)
+    with_q, max_new = cfg.resolved_mode.uses_draft_probs, cfg.generation.max_new_tokens
+    committed, stats, eos = list(prompt), Stats(), False
     start = time.perf_counter()
     g, features = cfg.generation, FeatureFormat(cfg.model.features) if log else FeatureFormat.NONE
     opened = verifier.open_session(SessionSpec(sid, tuple(prompt), cfg.sampling, cfg.resolved_mode, g.seed,
@@ -45,41 +45,27 @@ def colocated(verifier: Verifier, drafter: LoadedModel, prompt: list[int], cfg: 
     if log is not None and opened.features is not None:
         log.add(opened.features)
     try:
-        while not state.done:
-            budget = min(cfg.policy.max_draft, cfg.generation.max_new_tokens - state.generated - 1)
-            verify_round(draft.propose(state.committed, budget), budget)
+        while not eos and len(committed) - len(prompt) < max_new:
+            budget = min(cfg.policy.max_draft, max_new - (len(committed) - len(prompt)) - 1)
+            proposal = draft.propose(committed, budget)
+            result = verifier.verify(proposal.block(sid, stats.rounds, len(committed), with_q))
+            accepted = [proposal.ids[n] for n in proposal.accepted(result)]
+            new = [*accepted, result.next_token]
+            stop_at = next((i for i, token in enumerate(new) if token in stop), None)
+            if stop_at is not None:  # the generation ends with its end-of-sequence token
+                new, eos = new[:stop_at + 1], True
+            committed += new
+            stats.observe_round(len(proposal.ids), len(accepted), budget, proposal.fell_back)
+            if result.features is not None and log is not None:
+                log.add(result.features)
+            draft.observe(accepted, result.next_token)
     finally:
         verifier.close_session(sid)
-    tokens, _ = state.result()
+    tokens = committed[len(prompt):]
     return LocalRun(tokens, time.perf_counter() - start,
                     {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
                      "acceptance_rate": stats.acceptance_rate,
                      "mean_tokens_per_round": len(tokens) / stats.rounds if stats.rounds else 0.0})
-
-
-@dataclass(frozen=True)
-class _Verified:
-    """A block the verifier core already answered: nothing to wait for."""
-
-    result: VerifyResult
-
-    def done(self) -> bool:
-        return True
-
-
-@dataclass(frozen=True)
-class _DirectSession:
-    """A session on the verifier core in this process: each block verified by a direct call as it is
-    sent; no network, nothing to recover."""
-
-    verifier: Verifier
-    id: str
-
-    def send(self, block: DraftBlock) -> _Verified:
-        return _Verified(self.verifier.verify(block))
-
-    def verdict(self, sent: _Verified) -> VerifyResult:
-        return sent.result
 
 
 @torch.inference_mode()

@@ -22,7 +22,7 @@ from ..common.protocol.wire import DecodeSpec, Mode, SessionSpec
 from ..edge.client import VerifierClient
 from ..edge.config import EdgeConfig
 from ..edge.controller import DEFAULT_RATES
-from ..edge.state import EventKind
+from ..edge.generation import EventKind
 from ..edge.worker import EdgeWorker
 from .clock import CommitClock
 from .spec import ExperimentSpec, GridPoint, Strategy
@@ -100,12 +100,11 @@ class Edge:
             drafter, fallback = self.lab.drafter_for(cfg)
             self.worker = EdgeWorker(drafter, self.client, cfg, fallback)
         self.worker.config = cfg
-        run = self.worker.stream(prompt)
+        gen = self.worker.stream(prompt)
         clock.start()
-        for event in run:
+        for event in gen:
             if event.kind == EventKind.COMMIT and event.tokens:
                 clock.commit(event.tokens, [o.value for o in event.origins])
-        gen = run.generation
         clock.write(trace)
         stats = gen.stats.to_dict()
         rates = self.worker.estimates.rates(DEFAULT_RATES)

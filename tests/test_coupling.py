@@ -12,7 +12,7 @@ from hybridspec.common.maths.sampling import (
     logits_to_probs,
 )
 from hybridspec.common.protocol.wire import SamplingParams
-from hybridspec.edge import cloud_only
+from hybridspec.edge import generation
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
@@ -303,7 +303,7 @@ def test_shadow_drafting_measures_agreement_when_sampling(server, target, mode, 
     the target itself drafting (and q not truncated) nearly every guess agrees. BiLD's threshold
     rule is not measured this way. (Every token is guessed here: which tokens the edge can afford to
     guess depends on the machine's timing, tests/test_edge_modes.py checks that rule.)"""
-    monkeypatch.setattr(cloud_only, "SHADOW_UNAFFORDABLE_EVERY", 1)
+    monkeypatch.setattr(generation, "SHADOW_UNAFFORDABLE_EVERY", 1)
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=24, temperature=0.8, seed=7, mode=mode,
                            wire_top_k=0, max_draft=4)
     with VerifierClient(server.address) as client:

@@ -4,7 +4,7 @@ import pytest
 from hybridspec.common.protocol.wire import GenerateSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
-from hybridspec.edge.state import Origin
+from hybridspec.edge.generation import Origin
 from hybridspec.edge.worker import EdgeWorker
 
 from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
@@ -60,7 +60,7 @@ def test_generation_stops_at_eos_with_eos_included(server, target, verifier):
     with VerifierClient(server.address) as client:
         gen = EdgeWorker(target, client, config).generate([first])
     assert gen.token_ids == ref[: ref.index(eos) + 1]
-    assert gen.finished_by_eos
+    assert gen.eos and gen.finish_reason == "stop"
 
 
 def test_cloud_only_generate_matches_the_reference(server, target):

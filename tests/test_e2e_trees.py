@@ -6,7 +6,7 @@ import torch
 from hybridspec.common.models.loading import load_model
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
-from hybridspec.edge.state import Origin
+from hybridspec.edge.generation import Origin
 from hybridspec.edge.worker import EdgeWorker
 
 from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference, make_model, save_model

@@ -105,14 +105,13 @@ def test_greedy_output_is_the_targets_over_grpc(server, target, eagle, chat_prom
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=40, max_draft=4, features=features,
                            fallback_threshold=0.0, **EVERY_ROUND)
     with VerifierClient(server.address) as client:
-        run = EdgeWorker(eagle, client, config).stream(chat_prompt)
-        events = list(run)
-    gen = run.generation
+        gen = EdgeWorker(eagle, client, config).stream(chat_prompt)
+        events = list(gen)
     assert gen.token_ids == greedy_reference(target, chat_prompt, 40)
     assert gen.stats.accepted > 0, gen.stats  # the head learnt something from the features
-    assert run.drafting.eagle.log.count == len(chat_prompt) + len(gen.token_ids) - 1  # every committed position but the newest
+    assert gen.eagle.log.count == len(chat_prompt) + len(gen.token_ids) - 1  # every committed position but the newest
     per_vector = 64 + 2 if features == "int8" else 2 * 64
-    assert gen.stats.feature_bytes == per_vector * run.drafting.eagle.log.count
+    assert gen.stats.feature_bytes == per_vector * gen.eagle.log.count
     assert gen.stats.feature_bytes < gen.stats.downlink_bytes
     assert not [e for e in events if e.message and "features" in e.message]  # never fell back
 

@@ -6,13 +6,12 @@ import time
 import pytest
 
 from hybridspec.common.protocol.errors import Unavailable
-from hybridspec.edge import cloud_only, context
-from hybridspec.edge import worker as worker_module
+from hybridspec.edge import generation
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.controller import WARMUP_CLOUD_TOKENS, Controller
-from hybridspec.edge.drafter import Lookahead
-from hybridspec.edge.state import EventKind, Origin
+from hybridspec.edge.drafter import ModelDrafter
+from hybridspec.edge.generation import EventKind, Generation, Origin
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
@@ -58,7 +57,7 @@ def test_events_add_up_to_the_generation(server, target, random_drafter):
         run = EdgeWorker(random_drafter, client, config).stream(PROMPT)
         events = list(run)
     committed = [t for e in events if e.kind is EventKind.COMMIT for t in e.tokens]
-    assert committed == run.generation.token_ids == greedy_reference(target, PROMPT, NEW)
+    assert committed == run.token_ids == greedy_reference(target, PROMPT, NEW)
     drafts = [e for e in events if e.kind is EventKind.DRAFT]
     assert drafts and all(e.provisional for e in drafts)
 
@@ -93,9 +92,8 @@ def test_offline_tokens_are_verified_when_the_cloud_returns(link, target, random
     with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(drafter, client, config)
         _cut_during_round(client, link, at_round=3, outage_s=1.0)
-        run = worker.stream(PROMPT)
-        events = list(run)
-    gen = run.generation
+        gen = worker.stream(PROMPT)
+        events = list(gen)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
     assert Origin.UNVERIFIED not in gen.origins, (gen.stats, [e for e in events if e.kind is not EventKind.UNVERIFIED])
     assert gen.stats.offline_tokens > 0
@@ -113,11 +111,10 @@ def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
         worker = EdgeWorker(target, client, config)
         _cut_during_round(client, link, at_round=2, outage_s=2.0)
         # A reset stream says "unreachable"; on a loaded machine the reply timeout may fire first.
-        run = worker.stream(PROMPT)
+        gen = worker.stream(PROMPT)
         with pytest.raises(Unavailable, match="unreachable|did not answer within"):
-            list(run)
+            list(gen)
     # Nothing verified is lost: the generation holds what was committed before the outage.
-    gen = run.generation
     assert gen.error and 0 < len(gen.token_ids) < NEW
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)[:len(gen.token_ids)]
     assert gen.text == target.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -177,19 +174,19 @@ def test_a_cloud_only_token_reaches_the_user_before_the_drafter_guesses_along(se
     with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         committed, guessed_after = [], []
-        propose = Lookahead.propose  # the generation's drafter is built once its first phase runs
+        propose = ModelDrafter.propose  # the generation's drafter is built once its first phase runs
 
         def counting(*args, **kwargs):
             guessed_after.append(len(committed))
             return propose(*args, **kwargs)
 
-        monkeypatch.setattr(Lookahead, "propose", counting)
+        monkeypatch.setattr(ModelDrafter, "propose", counting)
         for event in run:
             if event.kind is EventKind.COMMIT:
                 committed.extend(event.tokens)
-    assert run.generation.token_ids == greedy_reference(target, PROMPT, 12)
+    assert run.token_ids == greedy_reference(target, PROMPT, 12)
     assert guessed_after and guessed_after[0] >= 1, "the drafter guessed before the first token was handed on"
-    assert run.generation.stats.cloud_only_tokens == 12
+    assert run.stats.cloud_only_tokens == 12
 
 
 def test_shadow_drafting_measures_the_drafters_time(server, target):
@@ -229,7 +226,7 @@ def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(ser
         run = worker.stream(PROMPT)
         first_wait = next(time.perf_counter() - started for e in run if e.kind is EventKind.COMMIT)
         list(run)
-    assert run.generation.stats.rounds == 0 and run.generation.stats.reopens == 0
+    assert run.stats.rounds == 0 and run.stats.reopens == 0
     per_token = worker.estimates.prefill_per_token_s.value
     assert per_token is not None, "no session was opened, and the stream's first token priced nothing"
     assert 0 <= per_token * len(PROMPT) <= first_wait
@@ -245,20 +242,19 @@ def test_a_cloud_only_stream_asks_for_its_tokens_before_the_drafter_is_set_up(se
     with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         run = EdgeWorker(target, client, config).stream(PROMPT)
         committed, built_after = [], []
-        build = context.build_drafting
+        build = Generation._build_drafter
 
-        def recording(ctx):
+        def recording(self):
             built_after.append(len(committed))
-            return build(ctx)
+            return build(self)
 
-        for module in (cloud_only, worker_module):  # every caller of build_drafting
-            monkeypatch.setattr(module, "build_drafting", recording)
+        monkeypatch.setattr(Generation, "_build_drafter", recording)
         for event in run:
             if event.kind is EventKind.COMMIT:
                 committed.extend(event.tokens)
-    assert run.generation.token_ids == greedy_reference(target, PROMPT, 12)
+    assert run.token_ids == greedy_reference(target, PROMPT, 12)
     assert built_after == [1], f"the drafter was set up after {built_after} tokens, not once after the first"
-    assert run.generation.stats.shadow_guesses > 0  # and it still guessed along
+    assert run.stats.shadow_guesses > 0  # and it still guessed along
 
 
 def test_shadow_guesses_never_hold_back_tokens_that_are_already_waiting(server, target, monkeypatch):
@@ -268,19 +264,19 @@ def test_shadow_guesses_never_hold_back_tokens_that_are_already_waiting(server, 
     the default edge at 0.85-0.90x the Decode RPC's speed). A guess longer than the wait for its token
     is made for one token in SHADOW_UNAFFORDABLE_EVERY only."""
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4)  # a new worker warms up cloud-only
-    propose = Lookahead.propose
+    propose = ModelDrafter.propose
 
     def slow(*args, **kwargs):  # a guess far slower than the tiny cloud's token
         time.sleep(0.03)
         return propose(*args, **kwargs)
 
-    monkeypatch.setattr(Lookahead, "propose", slow)
+    monkeypatch.setattr(ModelDrafter, "propose", slow)
     with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         gen = EdgeWorker(target, client, config).generate(PROMPT)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
     assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == NEW
     # Before, warming up alone guessed 16 tokens (29 in all here).
-    assert 0 < gen.stats.shadow_guesses <= 1 + NEW // cloud_only.SHADOW_UNAFFORDABLE_EVERY, gen.stats.shadow_guesses
+    assert 0 < gen.stats.shadow_guesses <= 1 + NEW // generation.SHADOW_UNAFFORDABLE_EVERY, gen.stats.shadow_guesses
 
 
 def test_a_cloud_only_stream_guesses_no_more_of_a_window_than_the_controller_allows(server, target, monkeypatch):
@@ -307,13 +303,13 @@ def test_shadow_guesses_time_the_drafter_only_on_one_token_steps(server, target,
     cloud tokens' time). Only a guess right after a guess of the previous token times the drafter."""
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4)  # a new worker warms up cloud-only
     guessed_at: list[int] = []
-    propose = Lookahead.propose
+    propose = ModelDrafter.propose
 
     def recording(self, context, *args, **kwargs):
         guessed_at.append(len(context))
         return propose(self, context, *args, **kwargs)
 
-    monkeypatch.setattr(Lookahead, "propose", recording)
+    monkeypatch.setattr(ModelDrafter, "propose", recording)
     with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         timed = []

@@ -101,9 +101,8 @@ def test_stop_string_in_a_real_generation(server, target, random_drafter):
     stop = " ".join(words[len(words) // 2: len(words) // 2 + 2])
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4, stop=(stop,), cloud_only_switch=False)
     with VerifierClient(server.address) as client:
-        run = EdgeWorker(random_drafter, client, config).stream(PROMPT)
-        streamed = "".join(event.text for event in run)
-    gen = run.generation
+        gen = EdgeWorker(random_drafter, client, config).stream(PROMPT)
+        streamed = "".join(event.text for event in gen)
     assert gen.text == streamed == full_text[:full_text.index(stop)]
     assert gen.finish_reason == "stop" and gen.token_ids == reference[:len(gen.token_ids)]
     assert len(gen.token_ids) < NEW
@@ -119,15 +118,14 @@ def test_drafter_loading_in_the_background(server, target, model_dirs):
     threading.Thread(target=lambda: (gate.wait(30), load._run(config.model)), daemon=True).start()
     with VerifierClient(server.address) as client:
         worker = EdgeWorker(load, client, config, codec=TextCodec(model_dirs["target"]))
-        run = worker.stream(PROMPT)
-        events = iter(run)
+        gen = worker.stream(PROMPT)
+        events = iter(gen)
         first = next(events)  # the first token arrives before the drafter exists
         assert first.tokens and not load.ready()
         gate.set()
         list(events)
-    gen = run.generation
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
-    assert gen.stats.cloud_only_tokens >= 1 and run.drafting is not None
+    assert gen.stats.cloud_only_tokens >= 1 and gen.drafter is not None
 
 
 def test_concurrent_generations_share_one_worker(server, target, random_drafter):

@@ -18,8 +18,8 @@ import anyio
 
 from ..config import EdgeConfig
 from ..prompt import encode_messages
-from ..state import EventKind
-from ..worker import EdgeWorker, Generation
+from ..generation import EventKind, Generation
+from ..worker import EdgeWorker
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Text:
 @dataclass(frozen=True)
 class Outcome:
     """How the generation ended: `error` is what it raised, `cancelled` whether the client went away;
-    `generation` holds what was committed either way (None: it never started)."""
+    `generation`, ended, holds what was committed either way (None: it never started)."""
 
     generation: Generation | None
     error: BaseException | None = None
@@ -99,20 +99,20 @@ class Job:
         if self._cancelled.is_set():
             return self._end(Outcome(None, cancelled=True))
         self.on_thread(+1)
-        run = None
+        generation = None
         try:
-            run = self.worker.stream(self.prompt_ids, config=self.config)
-            events = iter(run)
+            generation = self.worker.stream(self.prompt_ids, config=self.config)
+            events = iter(generation)
             for event in events:
                 if self._cancelled.is_set():
-                    events.close()  # its cleanup closes the cloud session and sets run.generation
-                    return self._end(Outcome(run.generation, cancelled=True))
+                    events.close()  # its cleanup closes the cloud session and counts what it did
+                    return self._end(Outcome(generation, cancelled=True))
                 if event.kind is EventKind.COMMIT and event.text:
                     self._text(event.text)
-            self._text_after_commits(run.generation)
-            self._end(Outcome(run.generation))
+            self._text_after_commits(generation)
+            self._end(Outcome(generation))
         except Exception as exc:  # noqa: BLE001 — the request's coroutine turns it into the client's error
-            self._end(Outcome(run.generation if run is not None else None, exc))
+            self._end(Outcome(generation, exc))
         finally:
             self.on_thread(-1)
 

@@ -6,7 +6,7 @@ import json
 import secrets
 import time
 
-from ..worker import Generation
+from ..generation import Generation
 from .errors import APIError
 from .schema import (
     AssistantMessage,
