@@ -187,6 +187,10 @@ class Ops(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused gate|up product."""
 
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu_mul(gate_up) @ weight.T (the down product), each row exactly as the two ops compute it
+        (a backend may fuse them)."""
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: object,
                   scale: float) -> torch.Tensor:
         """Each group's queries over its keys (cloud/engine/batch.py)."""
@@ -222,7 +226,7 @@ def forward(w: LlamaWeights, keys: torch.Tensor, values: torch.Tensor, inputs: P
         x, h = ops.add_rmsnorm(x, ops.linear(attended.reshape(t, s.heads * s.head_dim), layer.o, layer.o_bias),
                                layer.mlp_norm, s.eps)
         # 2. The gated MLP; its residual add goes with the next norm (the next layer's, or the final one).
-        down = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, parts=(s.intermediate, s.intermediate))), layer.down)
+        down = ops.silu_linear(ops.linear(h, layer.gate_up, parts=(s.intermediate, s.intermediate)), layer.down)
         x, h = ops.add_rmsnorm(x, down, w.layers[i + 1].attn_norm if i + 1 < s.layers else w.norm, s.eps)
     rows = inputs.logit_rows
     if rows is not None and rows.numel() == 0:

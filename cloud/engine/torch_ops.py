@@ -88,6 +88,9 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.silu_mul(gate_up), weight)
+
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: GroupTensors,
                   scale: float) -> torch.Tensor:
         """q [T, heads, D] attended over each group's keys in `keys`/`values` [rows, kv_heads, D]."""
