@@ -162,7 +162,11 @@ class _Graph:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.hidden = engine.run(inputs, graph=True)
+            logits, self.hidden = engine.run(inputs, graph=True)
+            # Into the logits buffer every graph shares: a graph's own output stays allocated for good,
+            # and a hundred graphs' logits (tokens × vocabulary floats each) would take gigabytes.
+            engine.graph_logits[:tokens].copy_(logits)
+        self.logits = engine.graph_logits[:tokens]
 
     def replay(self, host: HostPass, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the pass's inputs in, replay; the outputs are this graph's own buffers."""
@@ -279,7 +283,6 @@ class TorchEngine:
         products = [("qkv", layer.qkv, layer.qkv_bias, None, False), ("o", layer.o, layer.o_bias, None, False),
                     ("gate_up", layer.gate_up, None, None, False), ("down", layer.down, None, None, True),
                     ("head", w.lm_head, None, torch.float32, False)]
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         plan = {}
         for name, weight, bias, out_dtype, silu in products:
             if self.options.tune and weight.is_cuda:  # timings mean something on a GPU only
@@ -300,6 +303,8 @@ class TorchEngine:
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
+        self.graph_logits = torch.empty(max(sizes), self.weights.lm_head.shape[0], dtype=torch.float32,
+                                        device=self.device)
         began = time.perf_counter()
         skipped = []
         with torch.inference_mode():

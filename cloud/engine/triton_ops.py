@@ -507,6 +507,7 @@ def tune_product(weight: torch.Tensor, bias: torch.Tensor | None = None, out_dty
     triton_ms = {(b, t): time_ms(ours(t, ROW_BANDS[b])) for b, band in enumerate(CANDIDATES) for t in band if equal[t]}
     cublas_ms = None
     if max_rows and weight.is_cuda:
+        use_invariant_library()
         library = lambda xs: cublas_product(silu_mul_reference(xs) if silu_up else xs, weight, bias,  # noqa: E731
                                             out_dtype, max_rows)
         try:
@@ -516,6 +517,14 @@ def tune_product(weight: torch.Tensor, bias: torch.Tensor | None = None, out_dty
         if proven:
             cublas_ms = {b: time_ms(lambda m=m: library(x[:m])) for b, m in enumerate(ROW_BANDS)}
     return choose_product(equal, triton_ms, cublas_ms, max_rows)
+
+
+def use_invariant_library() -> None:
+    """Ask torch for the library setup vLLM's batch-invariant mode uses on Hopper: cuBLASLt, and no
+    reduced-precision reductions in bf16 products (the workspace that turns split-K off is set by
+    torch_engine before any product). Process-wide; the row-invariance check proves what it gives."""
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
