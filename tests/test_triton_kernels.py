@@ -82,6 +82,39 @@ def test_the_silu_prologue_multiplies_what_silu_mul_computes(dtype):
     assert torch.allclose(separate.double(), reference, rtol=0, atol=1e-4 if dtype is torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_rotary_in_the_qkv_epilogue_writes_what_the_two_kernels_write(dtype, bias):
+    heads, kv_heads, dim, hidden, m = 4, 2, 16, 1100, 21  # 1,100 columns of K: two parts
+    n = (heads + 2 * kv_heads) * dim
+    w, h = _rand(n, hidden, dtype=dtype, seed=12), _rand(m, hidden, dtype=dtype, seed=13) * 4
+    b = _rand(n, dtype=dtype, seed=14) if bias else None
+    angles = torch.arange(64)[:, None] * torch.linspace(0.1, 1.0, dim // 2)[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, 1).to(dtype), torch.cat([angles.sin()] * 2, 1).to(dtype)
+    positions = torch.randint(0, 64, (m,), generator=torch.Generator().manual_seed(15))
+    rows = torch.randperm(40, generator=torch.Generator().manual_seed(16))[:m]
+    ops = T.TritonOps()
+
+    def pool():
+        return torch.zeros(40, kv_heads, dim, dtype=dtype), torch.zeros(40, kv_heads, dim, dtype=dtype)
+
+    (k1, v1), (k2, v2) = pool(), pool()
+    q1 = ops.rope_and_cache(T.fused_product(h, w, b, None, False, SMALL), cos, sin, positions, rows, k1, v1, heads)
+    q2 = ops.qkv_rope_cache(h, w, b, cos, sin, positions, rows, k2, v2, heads)
+    assert torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert k1[rows].abs().sum() > 0 and v1[rows].abs().sum() > 0  # every row written
+    k3, v3 = pool()  # one row alone, on other tiles: its bits again
+    q3 = T.fused_qkv_rope(h[3:4].contiguous(), w, b, cos, sin, positions[3:4].contiguous(), rows[3:4].contiguous(), k3,
+                          v3, heads, LARGE)
+    assert torch.equal(q3, q2[3:4]) and torch.equal(k3[rows[3]], k2[rows[3]]) and torch.equal(v3[rows[3]], v2[rows[3]])
+    choice = T.ProductChoice((SMALL, LARGE, T.NARROW, T.NARROW))
+    assert T.check_rope_fusion(w, b, cos, sin, heads, kv_heads, choice)
+    reference = TorchOps(1).qkv_rope_cache(h.double(), w.double(), None if b is None else b.double(), cos.double(),
+                                           sin.double(), positions, rows, torch.zeros(40, kv_heads, dim, dtype=torch.float64),
+                                           torch.zeros(40, kv_heads, dim, dtype=torch.float64), heads)
+    assert torch.allclose(q2.double(), reference, rtol=0, atol=1e-4 if dtype is torch.float32 else 2e-2)
+
+
 def test_the_choice_takes_the_fastest_tile_with_the_reference_bits_and_cublas_only_when_it_wins():
     fast, slow = T.CANDIDATES[0][0], T.CANDIDATES[0][1]
     times = {(b, t): 10.0 for b, band in enumerate(T.CANDIDATES) for t in band}
@@ -133,5 +166,6 @@ def test_the_engine_on_these_kernels_scores_a_token_the_same_bits_wherever_it_si
     engine = TorchEngine(random_weights(config, 512, torch.float32, "cpu"), 1024, graphs=False,
                          kernels=Kernels.TRITON, options=EngineOptions(products=products, tune=False))
     assert engine.products == ({} if products is Products.SPLIT else
-                               {name: T.ProductChoice().describe() for name in ("qkv", "o", "gate_up", "down", "head")})
+                               {**{name: T.ProductChoice().describe() for name in ("qkv", "o", "gate_up", "down", "head")},
+                                "rotary": "in the q|k|v product's epilogue"})
     check_placements(engine, config.vocab_size, seed=5)

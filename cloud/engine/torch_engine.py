@@ -209,13 +209,14 @@ class TorchEngine:
         if self.kernels is Kernels.TRITON:
             from .triton_ops import TritonOps, check_tiles
 
-            plan = self._plan_products() if self.options.products is Products.FUSED else {}
+            plan, fuse_rope = self._plan_products() if self.options.products is Products.FUSED else ({}, False)
             if self.options.products is Products.SPLIT:  # wide tiles only where they keep the narrow ones' bits
                 layer = weights.layers[0]
                 self.wide_tiles = check_tiles([layer.qkv, layer.o, layer.gate_up, layer.down, weights.lm_head])
-            self._eager_ops = TritonOps(wide=self.wide_tiles, products=self.options.products, plan=plan)
+            self._eager_ops = TritonOps(wide=self.wide_tiles, products=self.options.products, plan=plan,
+                                        fuse_rope=fuse_rope)
             self._graph_ops = TritonOps(query_cap=GRAPH_GROUP_TOKENS, wide=self.wide_tiles,
-                                        products=self.options.products, plan=plan)
+                                        products=self.options.products, plan=plan, fuse_rope=fuse_rope)
             self.min_rows = 1
         else:
             from .torch_ops import TorchOps, row_floor
@@ -273,10 +274,11 @@ class TorchEngine:
 
     # ---- passes --------------------------------------------------------------------------------
 
-    def _plan_products(self) -> dict:
+    def _plan_products(self) -> tuple[dict, bool]:
         """Each weight's product choice (triton_ops.tune_product), measured on layer 0's weights (every
-        layer's weight of a shape shares it); wide tiles checked for the first kernels."""
-        from .triton_ops import NARROW, ROW_BANDS, ProductChoice, tune_product, weight_key
+        layer's weight of a shape shares it), and whether the rotary joins the q|k|v product's epilogue
+        (only where check_rope_fusion finds the very bits of the two kernels)."""
+        from .triton_ops import NARROW, ROW_BANDS, ProductChoice, check_rope_fusion, tune_product, weight_key
 
         w, layer = self.weights, self.weights.layers[0]
         # (name, weight, bias, out dtype, SiLU prologue): the products llama.forward asks for.
@@ -292,8 +294,13 @@ class TorchEngine:
                 choice = ProductChoice((NARROW,) * len(ROW_BANDS))
             plan[weight_key(weight, bias, out_dtype, silu)] = choice
             self.products[name] = choice.describe()
+        qkv = plan[weight_key(layer.qkv, layer.qkv_bias, None)]
+        s = w.shape
+        fuse_rope = not qkv.cublas_rows and (not layer.qkv.is_cuda or check_rope_fusion(
+            layer.qkv, layer.qkv_bias, w.cos, w.sin, s.heads, s.kv_heads, qkv))
+        self.products["rotary"] = "in the q|k|v product's epilogue" if fuse_rope else "a kernel of its own"
         log.info("products: %s", "; ".join(f"{k}: {v}" for k, v in self.products.items()))
-        return plan
+        return plan, fuse_rope
 
     def capture(self) -> None:
         """Capture a CUDA graph per size of `graph_sizes` within the budget (capture_order: the largest

@@ -147,6 +147,60 @@ def _product_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_part, stride_x, strid
 
 
 @triton.jit(do_not_specialize=["m"])
+def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, m, k, k_part,
+                     stride_x, stride_w, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                     BH: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    """The q|k|v product with the rotary and the KV write in its epilogue. A program owns BM rows and
+    the first and second halves of BH // (D / 2) heads' columns, so it holds both partners of every
+    rotated pair; each half is summed as _product_kernel sums a column (the same additions), rounded to
+    the product's type, then rotated as _rope_cache_kernel rotates it."""
+    HALF = D // 2
+    n = (HEADS + 2 * KV_HEADS) * D
+    rm, hc = _tile_of(tl.program_id(0), m, n // 2, BM, BH, GROUP)  # hc: half-columns, HALF per head
+    head, d = hc // HALF, hc % HALF
+    lo = head * D + d
+    hi = lo + HALF
+    acc_lo = _k_range(x_ptr, w_ptr, rm, lo, m, n, 0, tl.minimum(k, k_part), stride_x, stride_w, 0, False, IEEE,
+                      BM, BH, BK)
+    acc_hi = _k_range(x_ptr, w_ptr, rm, hi, m, n, 0, tl.minimum(k, k_part), stride_x, stride_w, 0, False, IEEE,
+                      BM, BH, BK)
+    for part in tl.static_range(1, SPLIT):
+        end = tl.minimum(k, (part + 1) * k_part)
+        acc_lo += _k_range(x_ptr, w_ptr, rm, lo, m, n, part * k_part, end, stride_x, stride_w, 0, False, IEEE,
+                           BM, BH, BK)
+        acc_hi += _k_range(x_ptr, w_ptr, rm, hi, m, n, part * k_part, end, stride_x, stride_w, 0, False, IEEE,
+                           BM, BH, BK)
+    if HAS_BIAS:
+        acc_lo += tl.load(b_ptr + lo, mask=lo < n, other=0.0).to(tl.float32)
+        acc_hi += tl.load(b_ptr + hi, mask=hi < n, other=0.0).to(tl.float32)
+    x_lo = acc_lo.to(q_ptr.dtype.element_ty)
+    x_hi = acc_hi.to(q_ptr.dtype.element_ty)
+    inside = rm < m
+    pos = tl.load(pos_ptr + rm, mask=inside, other=0)
+    row = tl.load(rows_ptr + rm, mask=inside, other=0)
+    f_lo, f_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+    c_lo = tl.load(cos_ptr + pos[:, None] * D + d[None, :]).to(tl.float32)
+    s_lo = tl.load(sin_ptr + pos[:, None] * D + d[None, :]).to(tl.float32)
+    c_hi = tl.load(cos_ptr + pos[:, None] * D + HALF + d[None, :]).to(tl.float32)
+    s_hi = tl.load(sin_ptr + pos[:, None] * D + HALF + d[None, :]).to(tl.float32)
+    r_lo = (f_lo * c_lo + (-f_hi) * s_lo).to(q_ptr.dtype.element_ty)
+    r_hi = (f_hi * c_hi + f_lo * s_hi).to(q_ptr.dtype.element_ty)
+    is_q = inside[:, None] & (head < HEADS)[None, :]
+    is_k = inside[:, None] & ((head >= HEADS) & (head < HEADS + KV_HEADS))[None, :]
+    is_v = inside[:, None] & ((head >= HEADS + KV_HEADS) & (head < HEADS + 2 * KV_HEADS))[None, :]
+    q_at = q_ptr + (rm[:, None] * HEADS + head[None, :]) * D + d[None, :]
+    tl.store(q_at, r_lo, mask=is_q)
+    tl.store(q_at + HALF, r_hi, mask=is_q)
+    k_at = k_ptr + (row[:, None] * KV_HEADS + (head - HEADS)[None, :]) * D + d[None, :]
+    tl.store(k_at, r_lo, mask=is_k)
+    tl.store(k_at + HALF, r_hi, mask=is_k)
+    v_at = v_ptr + (row[:, None] * KV_HEADS + (head - HEADS - KV_HEADS)[None, :]) * D + d[None, :]
+    tl.store(v_at, x_lo, mask=is_v)
+    tl.store(v_at + HALF, x_hi, mask=is_v)
+
+
+@triton.jit(do_not_specialize=["m"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, m, n, k, k_part, stride_x, stride_w, stride_y,
                    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
@@ -315,11 +369,22 @@ class TritonOps:
     found them bit-identical to the narrow ones."""
 
     def __init__(self, query_cap: int | None = None, wide: bool = False, products: Products = Products.FUSED,
-                 plan: dict[tuple, ProductChoice] | None = None) -> None:
+                 plan: dict[tuple, ProductChoice] | None = None, fuse_rope: bool = True) -> None:
         self.query_cap = query_cap
         self.wide = wide
         self.products = products
         self.plan = plan if plan is not None else {}
+        self.fuse_rope = fuse_rope  # the rotary in the q|k|v product's epilogue (where check_rope_fusion agreed)
+
+    def qkv_rope_cache(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, heads: int) -> torch.Tensor:
+        """rope_and_cache of the q|k|v product of h: one launch where the first kernels took two."""
+        choice = self.plan.get(weight_key(weight, bias, None))
+        if self.products is Products.SPLIT or not self.fuse_rope or (choice is not None and choice.cublas_rows):
+            return self.rope_and_cache(self.linear(h, weight, bias), cos, sin, positions, rows, keys, values, heads)
+        tiles = choice.tiles[band_of(h.shape[0])] if choice is not None else NARROW
+        return fused_qkv_rope(h, weight, bias, cos, sin, positions, rows, keys, values, heads, tiles)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, parts: tuple[int, ...] = (),
@@ -405,6 +470,52 @@ def fused_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                           BM=tiles.rows, BN=tiles.cols, BK=BLOCK_K, GROUP=8, num_warps=tiles.warps,
                           num_stages=tiles.stages)
     return y
+
+
+def fused_qkv_rope(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                   sin: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, heads: int, tiles: Tiles) -> torch.Tensor:
+    """The rotated queries [T, heads, D] of h's q|k|v product; rotated keys and values written to the
+    pool's rows, in one launch (a program covers at least one head: both halves of its pairs)."""
+    m, k = h.shape
+    kv_heads, dim = keys.shape[1:]
+    n = weight.shape[0]
+    q = torch.empty(m, heads, dim, device=h.device, dtype=h.dtype)
+    half_cols = max(tiles.cols, dim) // 2  # BH: half-columns per program, a whole number of heads
+    split = split_of(n, k)
+    grid = (triton.cdiv(m, tiles.rows) * triton.cdiv(n // 2, half_cols),)
+    _qkv_rope_kernel[grid](h, weight, bias if bias is not None else weight, cos, sin, positions, rows, q, keys, values,
+                           m, k, k_part_of(k, split), h.stride(0), weight.stride(0), HAS_BIAS=bias is not None,
+                           IEEE=h.dtype == torch.float32, SPLIT=split, HEADS=heads, KV_HEADS=kv_heads, D=dim,
+                           BM=tiles.rows, BH=half_cols, BK=BLOCK_K, GROUP=8, num_warps=tiles.warps,
+                           num_stages=tiles.stages)
+    return q
+
+
+def check_rope_fusion(weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      heads: int, kv_heads: int, choice: ProductChoice, seed: int = 0) -> bool:
+    """True when the fused q|k|v + rotary gives the queries, keys and values the two kernels give (the
+    reference tile's product, then _rope_cache_kernel), bit for bit, with every band's tiles of `choice`
+    (random rows at random positions; the compiler's arithmetic, not the data, decides)."""
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+    m, dim = 2 * SMALL_ROWS + 3, cos.shape[1]
+    h = torch.randn(m, weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+    positions = torch.randint(0, cos.shape[0], (m,), generator=gen, device=weight.device)
+    rows = torch.randperm(m, generator=gen, device=weight.device)
+
+    def run(fn) -> list[torch.Tensor]:
+        keys = torch.zeros(m, kv_heads, dim, device=weight.device, dtype=weight.dtype)
+        values = torch.zeros_like(keys)
+        return [fn(keys, values), keys, values]
+
+    ops = TritonOps()
+    reference = run(lambda kk, vv: ops.rope_and_cache(fused_product(h, weight, bias, None, False, NARROW), cos, sin,
+                                                      positions, rows, kk, vv, heads))
+    for tiles in set(choice.tiles):
+        fused = run(lambda kk, vv: fused_qkv_rope(h, weight, bias, cos, sin, positions, rows, kk, vv, heads, tiles))
+        if not all(torch.equal(a, b) for a, b in zip(fused, reference)):
+            return False
+    return True
 
 
 def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
