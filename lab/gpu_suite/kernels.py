@@ -29,8 +29,8 @@ def _time_ms(fn, repeats: int = 50) -> float:
 def products(shape: str, rows: list[int], device: str = "cuda", max_rows: int = 512) -> dict:
     """Per matrix of `shape` (q|k|v, o, gate|up, down, output head) and per M in `rows`; and the choice
     tune_product makes for each ({"rows": [...], "choices": {matrix: description}})."""
-    from ...cloud.engine.triton_ops import (NARROW, SMALL_ROWS, WIDE, check_tiles, cublas_product, fused_product,
-                                            split_product, tune_product)
+    from ...cloud.engine.triton_ops import (NARROW, SMALL_ROWS, WIDE, check_tiles, fused_product, split_product,
+                                            tune_product)
 
     s = models.SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -50,7 +50,7 @@ def products(shape: str, rows: list[int], device: str = "cuda", max_rows: int = 
         kernels = {
             "split": lambda xm: split_product(xm, w, None, out_dtype, WIDE if wide and len(xm) > SMALL_ROWS else NARROW),
             "fused": lambda xm: fused_product(xm, w, None, out_dtype, False, choice.tiles[_band(len(xm))]),
-            "cublas": lambda xm: cublas_product(xm, w, None, out_dtype, max(rows)),
+            "cublas": lambda xm: _library(xm, w, out_dtype, max(rows)),
         }
         full = {kind: fn(x) for kind, fn in kernels.items()}
         for m in rows:
@@ -62,6 +62,17 @@ def products(shape: str, rows: list[int], device: str = "cuda", max_rows: int = 
             row["fused_weight_gb_per_s"] = round(n * k * 2 / row["fused_ms"] / 1e6, 1)
             out.append(row)
     return {"rows": out, "choices": choices}
+
+
+def _library(x: torch.Tensor, w: torch.Tensor, out_dtype, rows: int) -> torch.Tensor:
+    """cuBLAS as the engine would call it; where this torch cannot write a bf16 product in float32,
+    the bf16 product widened (what the engine then leaves to our kernels)."""
+    from ...cloud.engine.triton_ops import cublas_product
+
+    try:
+        return cublas_product(x, w, None, out_dtype, rows)
+    except (RuntimeError, TypeError):
+        return torch.nn.functional.linear(x, w).to(out_dtype)
 
 
 def _band(m: int) -> int:
