@@ -3,8 +3,8 @@ that a verify pass of B sessions × (γ + 1) tokens pays for few padding rows, a
 keeps the first engine's sizes when a budget cuts the list short (cloud/engine/torch_engine.py)."""
 from __future__ import annotations
 
-from hybridspec.cloud.engine.torch_engine import (GRAPH_TOKENS, capture_order, graph_sizes, padded_size,
-                                                  padding_waste)
+from hybridspec.cloud.engine.torch_engine import (GRAPH_TOKENS, GraphBudget, capture_order, graph_sizes,
+                                                  padded_size, padding_waste)
 
 
 def test_sizes_are_every_8_tokens_to_256_and_every_16_to_512():
@@ -37,3 +37,12 @@ def test_the_largest_is_captured_first_then_the_first_engines_sizes():
     assert order[0] == 512
     assert order[1:10] == [256, 128, 64, 32, 16, 8, 4, 2, 1]
     assert sorted(order) == list(graph_sizes(512))
+
+
+def test_the_budget_stops_capture_at_its_count_time_or_memory_but_always_allows_one_graph():
+    budget = GraphBudget(max_graphs=3, max_seconds=10.0, max_mib=100.0)
+    assert budget.allows(0, 1e9, 1e9)
+    assert budget.allows(2, 10.0, 100.0)
+    assert not budget.allows(3, 0.0, 0.0)
+    assert not budget.allows(1, 10.5, 0.0)
+    assert not budget.allows(1, 0.0, 100.5)

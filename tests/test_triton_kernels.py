@@ -140,6 +140,11 @@ def test_start_up_tuning_chooses_only_tiles_that_give_the_reference_bits():
     for band, tiles in enumerate(choice.tiles):
         assert tiles in T.CANDIDATES[band]
         assert torch.equal(T.fused_product(x, w, None, None, False, tiles), reference)
+    # The interpreter sums a 128-deep step before adding it to the running sum (a GPU's tensor cores
+    # add its 16-deep steps one by one): other bits here, so that candidate is never chosen, however fast.
+    deep = T.CANDIDATES[0][-1]
+    assert deep.depth == 128 and not torch.equal(T.fused_product(x, w, None, None, False, deep), reference)
+    assert choice.tiles[0] != deep
     ops = T.TritonOps(plan={T.weight_key(w, None, None): choice})
     assert torch.equal(ops.linear(x, w), reference)
 

@@ -98,6 +98,11 @@ class GraphBudget:
     max_seconds: float = 120.0
     max_mib: float = 4096.0  # device memory the graphs (and their memory pool) may hold
 
+    def allows(self, graphs: int, seconds: float, mib: float) -> bool:
+        """Whether another graph may be captured after `graphs` took `seconds` and `mib` (the first
+        always may: without it every pass runs eagerly)."""
+        return graphs == 0 or (graphs < self.max_graphs and seconds <= self.max_seconds and mib <= self.max_mib)
+
 
 @dataclass
 class GraphReport:
@@ -317,8 +322,7 @@ class TorchEngine:
         with torch.inference_mode():
             for tokens in capture_order(sizes):
                 used_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2 ** 20
-                if self._graphs and (len(self._graphs) >= b.max_graphs or time.perf_counter() - began > b.max_seconds
-                                     or used_mib > b.max_mib):
+                if not b.allows(len(self._graphs), time.perf_counter() - began, used_mib):
                     skipped.append(tokens)
                     continue
                 self._graphs[tokens] = _Graph(self, tokens, pool)

@@ -47,12 +47,15 @@ SMALL_ROWS = 64  # the first kernels: passes of at most this many rows use the n
 
 @dataclass(frozen=True)
 class Tiles:
-    """One launch shape of the product kernel."""
+    """One launch shape of the product kernel. `depth`: columns of K per loop step (a multiple of
+    BLOCK_K; on the tensor cores a deeper step issues the same k-steps in the same order, which only
+    the start-up bit check can confirm on a card, so deeper steps are candidates like any tile)."""
 
     rows: int
     cols: int
     warps: int
     stages: int
+    depth: int = BLOCK_K
 
 
 NARROW = Tiles(64, 64, 4, 4)  # decode-sized passes: bound by reading the weight (the reference tile)
@@ -62,7 +65,7 @@ ROW_BANDS = (16, 64, 256, 1024)
 # Per band, the tiles timed at start-up (each only if it gives the reference tile's bits). Few rows:
 # short tiles, so a one-row product still spreads over the multiprocessors without splitting K.
 CANDIDATES: tuple[tuple[Tiles, ...], ...] = (
-    (Tiles(16, 32, 4, 4), Tiles(16, 64, 4, 4), NARROW),
+    (Tiles(16, 32, 4, 4), Tiles(16, 16, 2, 6), Tiles(16, 64, 4, 4, 2 * BLOCK_K)),
     (Tiles(32, 64, 4, 4), NARROW, Tiles(64, 128, 4, 3)),
     (NARROW, Tiles(64, 128, 4, 3), WIDE),
     (Tiles(64, 128, 4, 3), WIDE, Tiles(128, 256, 8, 3)),
@@ -352,7 +355,7 @@ class ProductChoice:
     def describe(self) -> str:
         if self.cublas_rows:
             return f"cuBLAS (row-invariant at 1..{self.cublas_rows} rows)"
-        return ", ".join(f"≤{b}: {t.rows}×{t.cols}/{t.warps}w/{t.stages}s" for b, t in zip(ROW_BANDS, self.tiles))
+        return ", ".join(f"≤{b}: {t.rows}×{t.cols}×{t.depth}/{t.warps}w/{t.stages}s" for b, t in zip(ROW_BANDS, self.tiles))
 
 
 def weight_key(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,
@@ -467,7 +470,7 @@ def fused_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _product_kernel[grid](x, weight, bias if bias is not None else weight, y, m, n, k, k_part_of(k, split),
                           x.stride(0), weight.stride(0), y.stride(0), k if silu_up else 0,
                           HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, SILU_UP=silu_up, SPLIT=split,
-                          BM=tiles.rows, BN=tiles.cols, BK=BLOCK_K, GROUP=8, num_warps=tiles.warps,
+                          BM=tiles.rows, BN=tiles.cols, BK=tiles.depth, GROUP=8, num_warps=tiles.warps,
                           num_stages=tiles.stages)
     return y
 
@@ -487,7 +490,7 @@ def fused_qkv_rope(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     _qkv_rope_kernel[grid](h, weight, bias if bias is not None else weight, cos, sin, positions, rows, q, keys, values,
                            m, k, k_part_of(k, split), h.stride(0), weight.stride(0), HAS_BIAS=bias is not None,
                            IEEE=h.dtype == torch.float32, SPLIT=split, HEADS=heads, KV_HEADS=kv_heads, D=dim,
-                           BM=tiles.rows, BH=half_cols, BK=BLOCK_K, GROUP=8, num_warps=tiles.warps,
+                           BM=tiles.rows, BH=half_cols, BK=tiles.depth, GROUP=8, num_warps=tiles.warps,
                            num_stages=tiles.stages)
     return q
 
