@@ -66,10 +66,10 @@ ROW_BANDS = (16, 64, 256, 1024)
 # short tiles, so a one-row product still spreads over the multiprocessors without splitting K.
 CANDIDATES: tuple[tuple[Tiles, ...], ...] = (
     (Tiles(16, 32, 4, 4), Tiles(16, 16, 2, 6), Tiles(16, 64, 4, 4, 2 * BLOCK_K)),
-    (Tiles(32, 64, 4, 4), NARROW, Tiles(64, 128, 4, 3)),
-    (NARROW, Tiles(64, 128, 4, 3), WIDE),
-    (Tiles(64, 128, 4, 3), WIDE, Tiles(128, 256, 8, 3)),
-)
+    (Tiles(32, 64, 4, 4), NARROW),
+    (NARROW, Tiles(64, 128, 4, 3)),
+    (Tiles(64, 128, 4, 3), WIDE),
+)  # seven tiles in all, each compiled per kernel variant at start-up: more would cost start-up time
 
 
 def band_of(m: int) -> int:
