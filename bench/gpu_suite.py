@@ -224,7 +224,8 @@ class _Suite:
         try:
             self.results["capacity"]["rows"] = capacity.capacity(
                 server.address, fleet, vocab, plan["edges"], modes, args.draft_ms, plan["new_tokens"],
-                plan["prompt_len"], plan["warm_s"], plan["window_s"], histogram, costs, trace)
+                plan["prompt_len"], plan["warm_s"], plan["window_s"], histogram, costs, trace,
+                steps=capacity.StepTimes(bench.verifier))
         finally:
             fleet.close()
             server.stop()
@@ -248,6 +249,7 @@ def _meta(args, dtype) -> dict:
             "device": args.device, "device_name": torch.cuda.get_device_name() if cuda else run("uname", "-m") + " CPU",
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "dtype": str(dtype).removeprefix("torch."), "python": sys.version.split()[0],
+            "cublas_env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")},
             "command": " ".join(["python", "bench/gpu_suite.py", *sys.argv[1:]])}
 
 

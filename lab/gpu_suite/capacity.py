@@ -6,9 +6,10 @@ its prompts, so the replica carries N edges the whole time, and tokens are count
 that starts after a warm-up (connections, first prefills, the first batches forming) and ends at
 the deadline, where every edge is still busy (no tail of a few late edges in small batches). Figures
 per run: committed tokens/s of all edges with a 95 % interval (from the window cut into equal parts),
-each edge's tokens/s (median, and the mean with its 95 % interval), the p95 gap between an edge's
-commits (a round, or a streamed token), the fewest tokens any edge committed in the window, and the
-iteration-token histogram the replica's Telemetry kept over the window (tokens per forward pass).
+each edge's tokens/s (median, and the mean with its 95 % interval), the p95 of the replica's step
+time (StepTimes: a pass and its rules, wall time) and of the gap between an edge's commits (a round,
+or a streamed token), the fewest tokens any edge committed in the window, and the iteration-token
+histogram the replica's Telemetry kept over the window (tokens per forward pass).
 
 Cloud-only edges stream the target's tokens with the Generate RPC; their complete generations are
 the references. Hybrid edges open a session per prompt and send rounds of γ drafts. The drafter is an
@@ -191,7 +192,6 @@ def summarise(results: list[dict], window: tuple[float, float], parts: int = WIN
         gaps += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:]) if begin <= a and b < end]
         for t, n in inside:
             slices[min(parts - 1, int((t - begin) / span * parts))] += n
-    gaps.sort()
     rates = [n / span for n in per_edge]
     part_rates = [n / (span / parts) for n in slices]
     committed = sum(n for r in ok for _, n in r["commits"])
@@ -200,8 +200,35 @@ def summarise(results: list[dict], window: tuple[float, float], parts: int = WIN
             "window_s": round(span, 2), "tokens_per_s": sum(per_edge) / span if span > 0 else 0.0,
             "tokens_per_s_95": interval(part_rates), "per_edge_tokens_per_s": statistics.median(rates) if rates else None,
             "per_edge_mean_95": interval(rates), "min_edge_tokens": min(per_edge, default=0),
-            "p95_step_ms": gaps[min(len(gaps) - 1, int(0.95 * len(gaps)))] if gaps else None,
+            "p95_gap_ms": _p95(gaps),
             "tokens_per_round": committed / max(1, sum(len(r["commits"]) for r in ok))}
+
+
+def _p95(values: Sequence[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] if ordered else None
+
+
+class StepTimes:
+    """The replica's steps, timed around its verifier's `step` (the scheduler calls it once per pass:
+    the forward and the rules that read its scores, so on a GPU the pass has finished when it returns)."""
+
+    def __init__(self, verifier) -> None:
+        self.samples: list[tuple[float, float]] = []  # (time.time() at the end, milliseconds)
+        step = verifier.step
+
+        def timed(work):
+            began = time.perf_counter()
+            try:
+                return step(work)
+            finally:
+                self.samples.append((time.time(), (time.perf_counter() - began) * 1e3))
+
+        verifier.step = timed
+
+    def p95_ms(self, window: tuple[float, float]) -> float | None:
+        """The p95 of the steps that ended inside `window`."""
+        return _p95([ms for end, ms in self.samples if window[0] <= end < window[1]])
 
 
 def references(results: list[dict], prompts: int, new_tokens: int) -> list[tuple[tuple[int, ...], ...]]:
@@ -272,7 +299,7 @@ class Mode:
 def capacity(upstream: str, fleet: EdgeFleet, vocab: int, edges: list[int], modes: list[Mode], draft_ms: float,
              new_tokens: int, prompt_len: int, warm_s: float, window_s: float, telemetry: Callable[[], object],
              costs: tuple[Sequence, Sequence] = ((), ()), trace: dict | None = None, prompts_per_edge: int = 8,
-             progress=print) -> list[dict]:
+             steps: StepTimes | None = None, progress=print) -> list[dict]:
     """Rows of (RTT, edges, mode) with summarise's figures. Per RTT and edge count, cloud-only runs
     first (its generations are the hybrid runs' references); hybrid rows count the tokens that differ
     from them. `telemetry()` returns the replica's iteration-token histogram (bounds, counts): its
@@ -304,7 +331,8 @@ def capacity(upstream: str, fleet: EdgeFleet, vocab: int, edges: list[int], mode
                     results, marks = fleet.run(jobs, telemetry, window)
                     row = {"rtt_ms": rtt, "edges": n, "mode": mode.name, "gamma": gamma if mode.hybrid else None,
                            "alpha": ("trace" if mode.trace else mode.agree) if mode.hybrid else None,
-                           **summarise(results, window), "iteration_tokens": histogram_delta(*marks)}
+                           **summarise(results, window), "p95_step_ms": steps.p95_ms(window) if steps else None,
+                           "iteration_tokens": histogram_delta(*marks)}
                     if mode.hybrid:
                         row["differing_tokens"], row["compared_tokens"] = differing(refs, results)
                     else:
