@@ -164,7 +164,8 @@ class _Suite:
             self._benches[shape] = bench
         engine = bench.engine
         self.key = key = f"{shape} ({products.value})" if self.cuda else shape
-        self.results["engines"][key] = {"products": engine.products or "first kernels (split)" if self.cuda else "torch",
+        described = (engine.products or "first kernels (split)") if self.cuda else "torch"
+        self.results["engines"][key] = {"products": described,
                                         "wide tiles (split)": engine.wide_tiles,
                                         "graphs": engine.graph_report.describe() if self.cuda else "none (CPU)",
                                         "graph report": asdict(engine.graph_report)}
@@ -213,7 +214,8 @@ class _Suite:
                                         plan["rtts"])
         server = BackgroundServer(InProcessBackend(bench.verifier, max_batch=max(plan["edges"]), max_wait_ms=1.0))
         fleet = capacity.EdgeFleet(plan["processes"])
-        self.results["capacity"] = {"shape": shape, "draft_ms_per_token": args.draft_ms, "new_tokens": plan["new_tokens"],
+        self.results["capacity"] = {"shape": shape, "draft_ms_per_token": args.draft_ms,
+                                    "new_tokens": plan["new_tokens"],
                                     "warm_s": plan["warm_s"], "window_s": plan["window_s"],
                                     "trace": trace and {k: v for k, v in trace.items() if k != "flags"},
                                     "pass_costs": costs[0], "batch_pass_costs": costs[1], "rows": []}

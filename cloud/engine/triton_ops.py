@@ -355,7 +355,8 @@ class ProductChoice:
     def describe(self) -> str:
         if self.cublas_rows:
             return f"cuBLAS (row-invariant at 1..{self.cublas_rows} rows)"
-        return ", ".join(f"≤{b}: {t.rows}×{t.cols}×{t.depth}/{t.warps}w/{t.stages}s" for b, t in zip(ROW_BANDS, self.tiles))
+        return ", ".join(f"≤{b}: {t.rows}×{t.cols}×{t.depth}/{t.warps}w/{t.stages}s"
+                         for b, t in zip(ROW_BANDS, self.tiles))
 
 
 def weight_key(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None,

@@ -143,7 +143,8 @@ class EdgeFleet:
         self.run([EdgeJob(address, ((1, 2, 3),), 2, vocab, deadline=0.0) for _ in range(self.processes)],
                  at=lambda: None, window=(0, 0))
 
-    def run(self, jobs: list[EdgeJob], at: Callable[[], object], window: tuple[float, float]) -> tuple[list[dict], list]:
+    def run(self, jobs: list[EdgeJob], at: Callable[[], object],
+            window: tuple[float, float]) -> tuple[list[dict], list]:
         """Every job at once; `at()` is called at each end of `window` (time.time() values) while they
         run. (Per-edge results in job order, what the two calls returned.)"""
         shares = [jobs[i::self.processes] for i in range(self.processes)]
@@ -198,7 +199,8 @@ def summarise(results: list[dict], window: tuple[float, float], parts: int = WIN
     return {"edges": len(results), "errors": len(results) - len(ok),
             "first_error": next((r["error"] for r in results if "error" in r), None),
             "window_s": round(span, 2), "tokens_per_s": sum(per_edge) / span if span > 0 else 0.0,
-            "tokens_per_s_95": interval(part_rates), "per_edge_tokens_per_s": statistics.median(rates) if rates else None,
+            "tokens_per_s_95": interval(part_rates),
+            "per_edge_tokens_per_s": statistics.median(rates) if rates else None,
             "per_edge_mean_95": interval(rates), "min_edge_tokens": min(per_edge, default=0),
             "p95_gap_ms": _p95(gaps),
             "tokens_per_round": committed / max(1, sum(len(r["commits"]) for r in ok))}
@@ -313,8 +315,8 @@ def capacity(upstream: str, fleet: EdgeFleet, vocab: int, edges: list[int], mode
         try:
             for n in edges:
                 rng = random.Random(n)
-                prompts = [tuple(tuple(rng.randrange(vocab) for _ in range(prompt_len)) for _ in range(prompts_per_edge))
-                           for _ in range(n)]
+                prompts = [tuple(tuple(rng.randrange(vocab) for _ in range(prompt_len))
+                                 for _ in range(prompts_per_edge)) for _ in range(n)]
                 refs: list = []
                 for mode in [m for m in modes if rtt in m.rtts]:
                     gamma = mode.gamma

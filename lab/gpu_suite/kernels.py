@@ -48,7 +48,8 @@ def products(shape: str, rows: list[int], device: str = "cuda", max_rows: int = 
         choices[name] = choice.describe()
         wide = check_tiles([w])
         kernels = {
-            "split": lambda xm: split_product(xm, w, None, out_dtype, WIDE if wide and len(xm) > SMALL_ROWS else NARROW),
+            "split": lambda xm: split_product(xm, w, None, out_dtype,
+                                              WIDE if wide and len(xm) > SMALL_ROWS else NARROW),
             "fused": lambda xm: fused_product(xm, w, None, out_dtype, False, choice.tiles[_band(len(xm))]),
             "cublas": lambda xm: _library(xm, w, out_dtype, max(rows)),
         }
