@@ -140,7 +140,7 @@ def _product_kernel(x_ptr, w_ptr, b_ptr, y_ptr, m, n, k, k_part, stride_x, strid
     rm, rn = _tile_of(tl.program_id(0), m, n, BM, BN, GROUP)
     total = _k_range(x_ptr, w_ptr, rm, rn, m, n, 0, tl.minimum(k, k_part), stride_x, stride_w, up_offset,
                      SILU_UP, IEEE, BM, BN, BK)
-    for part in tl.static_range(1, SPLIT):
+    for part in range(1, SPLIT):
         total += _k_range(x_ptr, w_ptr, rm, rn, m, n, part * k_part, tl.minimum(k, (part + 1) * k_part), stride_x,
                           stride_w, up_offset, SILU_UP, IEEE, BM, BN, BK)
     if HAS_BIAS:
@@ -168,7 +168,7 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, rows_ptr, q
                       BM, BH, BK)
     acc_hi = _k_range(x_ptr, w_ptr, rm, hi, m, n, 0, tl.minimum(k, k_part), stride_x, stride_w, 0, False, IEEE,
                       BM, BH, BK)
-    for part in tl.static_range(1, SPLIT):
+    for part in range(1, SPLIT):
         end = tl.minimum(k, (part + 1) * k_part)
         acc_lo += _k_range(x_ptr, w_ptr, rm, lo, m, n, part * k_part, end, stride_x, stride_w, 0, False, IEEE,
                            BM, BH, BK)
