@@ -1,16 +1,21 @@
 """The GPU suite: one command that measures the torch engine where the product can win.
 
-    python bench/gpu_suite.py --out DIR                      # a GPU machine, about 6 minutes
-    python bench/gpu_suite.py --out DIR --device cpu --quick  # the same code on a CPU, in a minute (CI runs it)
+    python bench/gpu_suite.py --preset issue53 --out DIR   # a GPU machine: every goal row of issue 53, ≤ 6 minutes
+    python bench/gpu_suite.py --out DIR                    # a GPU machine: the wider sweep
+    python bench/gpu_suite.py --out DIR --device cpu --quick  # the same code on a CPU, tiny shapes (CI runs it)
     taskset -c 1 python bench/gpu_suite.py --out DIR --device cpu --parts a   # pass times on one CPU core, fp32
 
-Parts (lab/gpu_suite/): (a) pass time t(B sessions × M tokens) and v = t(5)/t(1); (b) for three model shapes with random bf16 weights (135M, 1B, 8B);
-(c) exactness: hybrid chains and trees against cloud-only token ids, one session and 32 at once;
-(d) capacity through real gRPC, N edges cloud-only against hybrid with an oracle drafter, at RTT 0
-and 20 ms; and (k), on CUDA, each weight's product in our batch-invariant Triton kernel against
-cuBLAS: time, and whether a row keeps its bits at every row count. Writes DIR/results.json (every number, with date, commit, device, versions), results.md
-(headline figures against their goals, and tables) and results.png, after every part, so a run cut
-short keeps what it measured. A part that fails is recorded in `errors` and the rest go on.
+Parts (lab/gpu_suite/): (k), on CUDA, each weight's product in the first Triton kernels (split), the
+current ones (fused) and cuBLAS: time, and whether a row keeps its bits at every row count; (a) pass
+time t(B sessions × M tokens) for model shapes with random weights (135M, 1B, 8B), with the current
+kernels and, on CUDA, the first ones beside them; (c) exactness: hybrid chains and trees against
+cloud-only token ids; (d) capacity through real gRPC in steady state: N closed-loop edges cloud-only
+against hybrid with an oracle drafter (α fixed, or a real drafter's recorded acceptance trace), γ
+fixed or the edge policy's, at RTT 0 and 20 ms. Each engine's start-up (product choices, graphs
+captured, their time and memory) and its pass costs at B = 1, 8, 64 are recorded. Writes
+DIR/results.json (every number, with date, commit, device, versions), results.md (headline figures
+against their goals, and tables) and results.png, after every part, so a run cut short keeps what it
+measured. A part that fails is recorded in `errors` and the rest go on.
 """
 from __future__ import annotations
 
@@ -21,50 +26,68 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import asdict, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from hybridspec.cloud.core.costs import measure_batch_costs
 from hybridspec.cloud.core.verifier import VerifierLimits
+from hybridspec.cloud.engine.kinds import Products
+from hybridspec.cloud.engine.torch_engine import EngineOptions
 from hybridspec.lab.gpu_suite import capacity, exactness, models, passes, report
 from harness import arguments, commit
 
-FULL = dict(shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
-            tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shape="smollm2-135m",
-            exact=[(1, 2048), (32, 64)], capacity_shape="llama-3.1-8b", edges=[1, 8, 32, 64], new_tokens=128,
-            rtts=[0.0, 20.0], processes=8)
+CAPACITY = dict(edges=[8, 64], new_tokens=128, prompt_len=32, warm_s=3.0, window_s=14.0, rtts=[0.0, 20.0],
+                processes=8, agrees=[0.6, 0.8], trace=True, policy=True, rtt_hybrid=[20.0])
+FULL = dict(CAPACITY, shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
+            tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shapes=["smollm2-135m"],
+            exact=[(1, 2048), (32, 64)], capacity_shape="llama-3.1-8b", compare_split=True,
+            product_shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], product_rows=[1, 5, 64, 320, 512])
+# Issue 53's goal rows, sized for one GPU session (≤ 6 minutes on an H100/H200; the budget per part is in
+# docs/gpu.md): the 8B's products, its passes and the 135M's, old kernels beside new, exactness on both
+# shapes, capacity at 64 edges only.
+ISSUE53 = dict(FULL, shapes=["smollm2-135m", "llama-3.1-8b"], batches=[1, 8, 64], tokens=[1, 5], repeats=15,
+               exact_shapes=["smollm2-135m", "llama-3.1-8b"], exact=[(1, 512), (32, 48)], edges=[64],
+               window_s=13.0, product_shapes=["llama-3.1-8b"])
 # A CPU is no place for the large shapes or many edges: the 135M shape, fp32, B = 1 and 8.
-CPU = dict(FULL, shapes=["smollm2-135m"], batches=[1, 8], tokens=[1, 5], context=128, repeats=5)
-QUICK = dict(shapes=["tiny"], batches=[1, 8], tokens=[1, 5], context=64, repeats=3, exact_shape="tiny",
-             exact=[(1, 48), (4, 16)], capacity_shape="tiny", edges=[1, 4], new_tokens=16, rtts=[0.0, 20.0],
-             processes=2)
+CPU = dict(FULL, shapes=["smollm2-135m"], batches=[1, 8], tokens=[1, 5], context=128, repeats=5, compare_split=False,
+           edges=[4], warm_s=2.0, window_s=6.0, processes=2)
+QUICK = dict(CPU, shapes=["tiny"], batches=[1, 8], tokens=[1, 5], context=64, repeats=3, exact_shapes=["tiny"],
+             exact=[(1, 48), (4, 16)], capacity_shape="tiny", edges=[4], new_tokens=16, warm_s=1.0, window_s=2.5,
+             prompt_len=8)
+PRESETS = {"full": FULL, "issue53": ISSUE53}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="what a GPU run measures")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few points (a dry run, CI)")
-    parser.add_argument("--parts", default="k,a,c,d", help="comma-separated: k (products: Triton against "
-                                                           "cuBLAS, CUDA only), a (pass times; b is a over --shapes), "
-                                                           "c (exactness), d (capacity)")
+    parser.add_argument("--parts", default="k,a,c,d", help="comma-separated: k (products: split, fused and cuBLAS, "
+                                                           "CUDA only), a (pass times), c (exactness), d (capacity)")
     parser.add_argument("--shapes", nargs="+", help="model shapes for (a): " + ", ".join(models.SHAPES))
     parser.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
-    parser.add_argument("--agree", type=float, nargs="+", default=[0.6, 0.8], help="oracle drafter agreement (d)")
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--gamma", type=int, default=4, help="γ of the fixed-γ hybrid runs (d)")
     parser.add_argument("--draft-ms", type=float, default=1.0, help="drafting time per token on the edge (d)")
+    parser.add_argument("--window-s", type=float, help="the steady-state window of each capacity run (d)")
     args = parser.parse_args(argv)
-    plan = dict(QUICK if args.quick else FULL if args.device.startswith("cuda") else CPU)
+    cuda = args.device.startswith("cuda")
+    plan = dict(QUICK if args.quick else PRESETS[args.preset] if cuda else CPU)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     if args.shapes:
         plan["shapes"] = args.shapes
+    if args.window_s:
+        plan["window_s"] = args.window_s
     parts = set(args.parts.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    results: dict = {"meta": _meta(args, dtype), "plan": plan, "passes": {}, "exactness": {}, "errors": []}
+    dtype = torch.bfloat16 if cuda else torch.float32
+    results: dict = {"meta": _meta(args, dtype), "plan": plan, "passes": {}, "exactness": {}, "engines": {},
+                     "errors": [], "seconds": {}}
     began = time.perf_counter()
 
     def save() -> None:
@@ -78,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(name: str, fn) -> object:
         print(f"[{time.perf_counter() - began:6.1f} s] {name}", flush=True)
+        start = time.perf_counter()
         try:
             return fn()
         except Exception as exc:
@@ -85,69 +109,131 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             return None
         finally:
+            results["seconds"][name] = round(time.perf_counter() - start, 1)
             gc.collect()
-            if args.device.startswith("cuda"):
+            if cuda:
                 torch.cuda.empty_cache()
             save()
 
     limits = VerifierLimits(max_context=4096, max_draft=16, max_sessions=64, kv_cache_tokens=65536)
-    # 0. The matrix products alone: what batch invariance costs against the library's kernels.
-    if "k" in parts and args.device.startswith("cuda"):
+    suite = _Suite(results, plan, args, dtype, limits)
+    # 0. The matrix products alone: the first kernels, the current ones and cuBLAS.
+    if "k" in parts and cuda:
         from hybridspec.lab.gpu_suite import kernels
 
         results["products"] = {}
-        for shape in plan["shapes"]:
+        for shape in plan["product_shapes"]:
             step(f"(k) {shape}: products", lambda: results["products"].__setitem__(
-                shape, kernels.products(shape, [1, 5, 64, 320, 1024])))
-    # 1. Pass times.
+                shape, kernels.products(shape, plan["product_rows"])))
+    # 1. Pass times, and each engine's start-up and pass costs.
     if "a" in parts:
         for shape in plan["shapes"]:
-            step(f"(a) {shape}: torch engine", lambda: _passes(results, shape, plan, args.device, dtype, limits))
+            step(f"(a) {shape}: passes", lambda: suite.passes(shape))
     # 2. Exactness of hybrid against cloud-only on the engine.
     if "c" in parts:
-        step("(c) exactness", lambda: _exactness(results, plan, args.device, dtype, limits))
+        for shape in plan["exact_shapes"]:
+            step(f"(c) {shape}: exactness", lambda: suite.exactness(shape))
     # 3. Capacity through gRPC.
     if "d" in parts:
-        step("(d) capacity", lambda: _capacity(results, plan, args, dtype, limits))
+        step("(d) capacity", suite.capacity)
     print("\n".join(f"{a}: {b} (goal {c})" for a, b, c in report.headline(results)))
     print(f"done in {time.perf_counter() - began:.0f} s; {len(results['errors'])} error(s); {args.out}/results.md")
     return 1 if results["errors"] else 0
 
 
-def _passes(results: dict, shape: str, plan: dict, device: str, dtype, limits) -> None:
-    engine = models.build(shape, device, dtype, limits).engine
-    results.setdefault("wide_tiles", {})[shape] = engine.wide_tiles  # check_tiles' verdict on this GPU
-    rows = passes.time_passes(engine, models.SHAPES[shape]["vocab_size"], plan["batches"], plan["tokens"],
-                              plan["context"], plan["repeats"])
-    results["passes"].setdefault(shape, {})["torch"] = rows
+class _Suite:
+    """The parts' work. Each shape's engine with the current kernels is built once and serves every part
+    (start-up, tuning and graph capture are paid once per shape); the first kernels' engine shares its
+    weights."""
 
+    def __init__(self, results: dict, plan: dict, args, dtype, limits: VerifierLimits) -> None:
+        self.results, self.plan, self.args, self.dtype, self.limits = results, plan, args, dtype, limits
+        self.cuda = args.device.startswith("cuda")
+        self._benches: dict[str, models.Bench] = {}  # per shape, the current kernels' verifier and engine
+        self.key = ""  # the last engine's entry in results["engines"]
 
-def _exactness(results: dict, plan: dict, device: str, dtype, limits) -> None:
-    bench = models.build(plan["exact_shape"], device, dtype, limits)
-    for sessions, tokens in plan["exact"]:
-        key = f"{plan['exact_shape']}, {sessions} session(s) × {tokens} tokens"
-        results["exactness"][key] = exactness.exactness(bench.verifier, sessions, tokens, 32, 0.7, 8)
-        print(f"  {key}: {results['exactness'][key]}", flush=True)
+    def bench(self, shape: str, products: Products = Products.FUSED) -> models.Bench:
+        """A verifier over an engine of `shape` with these products; its start-up recorded."""
+        if products is Products.FUSED and shape in self._benches:
+            return self._benches[shape]
+        options = EngineOptions(products=products, blocks=(self.args.gamma + 1,))
+        shared = self._benches.get(shape)
+        bench = models.build(shape, self.args.device, self.dtype, self.limits, options=options,
+                             weights=shared.engine.weights if shared else None)
+        if products is Products.FUSED:
+            self._benches[shape] = bench
+        engine = bench.engine
+        self.key = key = f"{shape} ({products.value})" if self.cuda else shape
+        described = (engine.products or "first kernels (split)") if self.cuda else "torch"
+        self.results["engines"][key] = {"products": described,
+                                        "wide tiles (split)": engine.wide_tiles,
+                                        "graphs": engine.graph_report.describe() if self.cuda else "none (CPU)",
+                                        "graph report": asdict(engine.graph_report)}
+        return bench
 
+    def passes(self, shape: str) -> None:
+        plan, vocab = self.plan, models.SHAPES[shape]["vocab_size"]
+        kinds = [Products.FUSED, Products.SPLIT] if self.cuda and plan["compare_split"] else [Products.FUSED]
+        for products in kinds:
+            engine = self.bench(shape, products).engine
+            self.key = f"{shape} ({products.value})" if self.cuda else shape
+            name = products.value if self.cuda else "torch"
+            rows = passes.time_passes(engine, vocab, plan["batches"], plan["tokens"], plan["context"], plan["repeats"])
+            self.results["passes"].setdefault(shape, {})[name] = rows
+            if products is Products.FUSED:
+                sessions = tuple(b for b in plan["batches"] if b > 1)
+                self.results["engines"][self.key]["batch pass costs (B, M, ms)"] = \
+                    measure_batch_costs(engine, vocab, self.args.gamma + 1, sessions)
+            del engine
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
 
-def _capacity(results: dict, plan: dict, args, dtype, limits) -> None:
-    from hybridspec.cloud.api.server import BackgroundServer
-    from hybridspec.cloud.core.verifier import Verifier
+    def exactness(self, shape: str) -> None:
+        bench = self.bench(shape)
+        for sessions, tokens in self.plan["exact"]:
+            key = f"{shape}, {sessions} session(s) × {tokens} tokens"
+            self.results["exactness"][key] = exactness.exactness(bench.verifier, sessions, tokens, 32, 0.7, 8)
+            print(f"  {key}: {self.results['exactness'][key]}", flush=True)
 
-    bench = models.build(plan["capacity_shape"], args.device, dtype, limits)
-    verifier = Verifier(bench.verifier.target, limits, bench.engine, max_batch=max(plan["edges"]), max_wait_ms=1.0)
-    verifier.measure_pass_costs(8)
-    server = BackgroundServer(verifier)
-    fleet = capacity.EdgeFleet(plan["processes"])
-    results["capacity"] = {"shape": plan["capacity_shape"], "gamma": args.gamma, "draft_ms_per_token": args.draft_ms,
-                           "new_tokens": plan["new_tokens"], "rows": []}
-    try:
-        results["capacity"]["rows"] = capacity.capacity(
-            server.address, fleet, models.SHAPES[plan["capacity_shape"]]["vocab_size"], plan["edges"], args.agree,
-            plan["rtts"], args.gamma, args.draft_ms, plan["new_tokens"], prompt_len=32)
-    finally:
-        fleet.close()
-        server.stop()
+    def capacity(self) -> None:
+        from hybridspec.cloud.api.server import BackgroundServer
+        from hybridspec.cloud.core.verifier import Verifier
+
+        plan, args = self.plan, self.args
+        shape = plan["capacity_shape"]
+        bench = self.bench(shape)
+        vocab = models.SHAPES[shape]["vocab_size"]
+        # The replica: the shape's engine behind a verifier that batches every edge's rounds.
+        verifier = Verifier(bench.verifier.target, self.limits, bench.engine, max_batch=max(plan["edges"]),
+                            max_wait_ms=1.0)
+        verifier.measure_pass_costs(args.gamma + 5)
+        sessions = tuple(sorted({b for b in (*plan["edges"], 8, 64) if 1 < b <= max(plan["edges"])}))
+        costs = (verifier.info.pass_costs, measure_batch_costs(bench.engine, vocab, args.gamma + 5, sessions))
+        # What an edge reads from GetModelInfo once the replica reports batch costs too.
+        verifier.info = replace(verifier.info, batch_pass_costs=costs[1])
+        trace = capacity.load_trace() if plan["trace"] else None
+        modes = capacity.standard_modes(plan["agrees"], args.gamma, plan["rtt_hybrid"], plan["trace"], plan["policy"],
+                                        plan["rtts"])
+        server = BackgroundServer(verifier)
+        fleet = capacity.EdgeFleet(plan["processes"])
+        self.results["capacity"] = {"shape": shape, "draft_ms_per_token": args.draft_ms,
+                                    "new_tokens": plan["new_tokens"],
+                                    "warm_s": plan["warm_s"], "window_s": plan["window_s"],
+                                    "trace": trace and {k: v for k, v in trace.items() if k != "flags"},
+                                    "pass_costs": costs[0], "batch_pass_costs": costs[1], "rows": []}
+
+        def histogram():
+            return verifier.telemetry.iteration_tokens.snapshot()
+
+        try:
+            self.results["capacity"]["rows"] = capacity.capacity(
+                server.address, fleet, vocab, plan["edges"], modes, args.draft_ms, plan["new_tokens"],
+                plan["prompt_len"], plan["warm_s"], plan["window_s"], histogram, costs, trace,
+                steps=capacity.StepTimes(verifier))
+        finally:
+            fleet.close()
+            server.stop()
 
 
 def _meta(args, dtype) -> dict:
@@ -168,6 +254,7 @@ def _meta(args, dtype) -> dict:
             "device": args.device, "device_name": torch.cuda.get_device_name() if cuda else run("uname", "-m") + " CPU",
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "dtype": str(dtype).removeprefix("torch."), "python": sys.version.split()[0],
+            "cublas_env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")},
             "command": " ".join(["python", "bench/gpu_suite.py", *sys.argv[1:]])}
 
 

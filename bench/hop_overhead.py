@@ -14,7 +14,7 @@ Paths (the default), three in one run:
     direct      the edge streams to the replica's own endpoint, named in OpenSessionReply (direct_verify on)
     in-process  the front door runs the verifier itself (inprocess_pool, no Ray): the floor
 overhead = client round trip (submit → reply) − the replica's step (VerifyResult.verify_ms − queue_ms,
-both set by cloud/core/scheduler.py: the forward pass with its round's admission and rule), with the
+both set by cloud/core/verifier.py's step: the forward pass with its round's admission and rule), with the
 configured batching wait (a lone session's round never waits for company): what is left is gRPC, the
 front door, Ray and the event-loop and thread hand-offs. --pin puts Ray's processes (the replicas) on
 the second core and the front doors and edges on the first.

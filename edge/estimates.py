@@ -10,6 +10,7 @@ takes a lock around its update, so no observation is lost to a thread switch.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -86,6 +87,8 @@ class VerifyCost:
     blocks: LinearFit = field(default_factory=LinearFit)
     pass_costs: tuple[tuple[int, float], ...] = ()  # (tokens, seconds), from the cloud
     residual: Ewma = field(default_factory=Ewma)
+    # Per B > 1: (tokens per session, seconds) of passes of B sessions (ModelInfo.batch_pass_costs).
+    batch_costs: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     def add(self, gamma: int, seconds: float) -> None:
         """One round of γ drafts took `seconds` on the verifier."""
@@ -109,7 +112,21 @@ class VerifyCost:
             return ()
         extra = self.residual.get(0.0)
         costs = [interpolate(self.pass_costs, g + 1) for g in range(max_gamma + 1)]
+        batch = self.batch_like(load)
+        if batch is not None:  # the measured cost of γ when that many sessions share the pass
+            shared = [interpolate(self.batch_costs[batch], g + 1) for g in range(max_gamma + 1)]
+            return tuple(max(0.0, t + extra, b) for t, b in zip(costs, shared))
         return tuple(max(0.0, t + extra, t * load) for t in costs)
+
+    def batch_like(self, load: float) -> int | None:
+        """The measured batch size B whose one-token pass, over one session's, is nearest `load` (in
+        ratio); None when one session alone is nearer, or no batch was measured."""
+        if not self.batch_costs or not self.pass_costs or load <= 1.0:
+            return None
+        t1 = interpolate(self.pass_costs, 1)
+        gaps = {b: abs(math.log(interpolate(c, 1) / t1 / load)) for b, c in self.batch_costs.items()}
+        best = min(gaps, key=gaps.get)
+        return best if gaps[best] < abs(math.log(load)) else None
 
 
 class Estimates:
@@ -139,13 +156,18 @@ class Estimates:
         """What changing mode costs: a round trip and a prefill of the context (re-open or new stream)."""
         return self.rtt_s.get(0.0) + self.prefill_per_token_s.get(0.0) * context_tokens
 
-    def use_pass_costs(self, points_ms: tuple[tuple[int, float], ...]) -> None:
-        """The cloud's measured cost per pass size (ModelInfo.pass_costs); a new curve (another
-        cloud) starts the residual afresh."""
+    def use_pass_costs(self, points_ms: tuple[tuple[int, float], ...],
+                       batch_ms: tuple[tuple[int, int, float], ...] = ()) -> None:
+        """The cloud's measured cost per pass size (ModelInfo.pass_costs) and per batch size
+        (ModelInfo.batch_pass_costs: (B, M, ms)); a new curve (another cloud) starts the residual afresh."""
         curve = tuple((m, ms / 1e3) for m, ms in points_ms)
         if curve != self.verify.pass_costs:
             self.verify.pass_costs = curve
             self.verify.residual = Ewma()
+        batches: dict[int, list[tuple[int, float]]] = {}
+        for b, m, ms in batch_ms:
+            batches.setdefault(b, []).append((m, ms / 1e3))
+        self.verify.batch_costs = {b: tuple(points) for b, points in batches.items()}
 
     def observe_verify(self, gamma: int, seconds: float) -> None:
         """The verifier's own time for a round of γ drafts."""

@@ -86,7 +86,7 @@ class EdgeWorker:
                     f"the eagle head reads features of size {model.model.hidden_size}; the verifier's target "
                     f"has {info.feature_dim}: the head was trained for another target")
         self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
-        self.estimates.use_pass_costs(info.pass_costs)
+        self.estimates.use_pass_costs(info.pass_costs, info.batch_pass_costs)
         self.info, self.cap = info, min(self.config.policy.max_draft, info.max_draft)
         return info
 

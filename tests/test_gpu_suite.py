@@ -21,15 +21,26 @@ def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path
     rows = results["passes"]["tiny"]["torch"]
     assert {(r["sessions"], r["tokens"]) for r in rows} == {(1, 1), (1, 5), (8, 1), (8, 5)}
     assert all(r["ms"] > 0 for r in rows)
+    assert results["engines"]["tiny"]["products"] == "torch"
     for part in results["exactness"].values():
         for kind in ("chains", "trees"):
             assert part[kind]["tokens"] > 0 and part[kind]["differing_tokens"] == 0
     capacity = results["capacity"]["rows"]
-    assert {r["mode"] for r in capacity} == {"cloud-only", "hybrid a=0.6", "hybrid a=0.8"}
-    assert {r["rtt_ms"] for r in capacity} == {0.0, 20.0}
-    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 for r in capacity)
+    assert {r["mode"] for r in capacity} == {"cloud-only", "hybrid a=0.6", "hybrid a=0.8", "hybrid trace",
+                                             "hybrid a=0.8, policy γ", "hybrid trace, policy γ"}
+    assert {(r["rtt_ms"], r["mode"]) for r in capacity if r["rtt_ms"] == 20.0} == {(20.0, "cloud-only"),
+                                                                                  (20.0, "hybrid a=0.8")}
+    # Steady state: every edge committed in the window, the aggregate has an interval, the replica's
+    # passes over the window were counted.
+    assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 and r["min_edge_tokens"] > 0 for r in capacity)
+    assert all(lo <= r["tokens_per_s"] <= hi for r in capacity for lo, hi in [r["tokens_per_s_95"]])
+    assert all(sum(r["iteration_tokens"]["counts"]) > 0 for r in capacity)
+    assert all(r["p95_step_ms"] > 0 and r["p95_gap_ms"] > 0 for r in capacity)
     # Through gRPC too, hybrid commits exactly the tokens cloud-only streamed for the same prompts.
-    assert all(r["differing_tokens"] == 0 for r in capacity if r["mode"] != "cloud-only")
-    assert all(r["tokens_per_round"] > 1 for r in capacity if r["mode"] != "cloud-only")
+    hybrid = [r for r in capacity if r["mode"] != "cloud-only"]
+    assert all(r["differing_tokens"] == 0 and r["compared_tokens"] > 0 for r in hybrid)
+    assert all(r["tokens_per_round"] > 1 for r in hybrid)
+    assert {r["gamma"] for r in hybrid if "policy" not in r["mode"]} == {4}
+    assert results["capacity"]["trace"]["agreement"] > 0
     assert "| figure | measured | goal |" in (out / "results.md").read_text()
     assert (out / "results.png").stat().st_size > 10_000

@@ -5,11 +5,12 @@ import math
 import pytest
 
 from hybridspec.cloud.api.server import BackgroundServer
-from hybridspec.cloud.core.costs import cost_sizes, measure_pass_costs
+from hybridspec.cloud.core.costs import cost_sizes, measure_batch_costs, measure_pass_costs
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.common.protocol import codec
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.wire import ModelInfo
 from hybridspec.edge import policy
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -120,3 +121,40 @@ def test_a_steep_curve_keeps_the_edge_cloud_only_a_flat_one_lets_it_draft():
     assert policy.prefer_cloud_only(steep, 8, pipelined=True, now_cloud_only=True)
     assert not policy.prefer_cloud_only(flat, 8, pipelined=True, now_cloud_only=True)
     assert policy.best_speedup(flat, 8, pipelined=True) > 2
+
+
+def test_passes_of_several_sessions_are_measured_per_batch_size_and_leave_the_engine_as_it_was(target):
+    engine = engine_for(target.model, 4096)
+    free = engine.pool.free_pages
+    points = measure_batch_costs(engine, target.vocab_size, 3, sessions=(4, 2, 64), repeats=1)
+    # 64 sessions × (128 + 3) tokens do not fit 4,096: that size is left out, not half measured.
+    assert [(b, m) for b, m, _ in points] == [(2, 1), (2, 2), (2, 3), (4, 1), (4, 2), (4, 3)]
+    assert all(ms > 0 for _, _, ms in points)
+    assert engine.pool.free_pages == free
+
+
+def test_batch_costs_travel_in_model_info_and_a_bad_group_is_dropped():
+    info = ModelInfo("t", 100, "", "", 512, 8, 8, 600, pass_costs=((1, 5.0), (5, 5.5)),
+                     batch_pass_costs=((8, 1, 6.0), (8, 5, 7.0), (64, 1, 10.5), (64, 5, 23.75)))  # float32 on the wire: exact halves
+    assert codec.model_info_from_pb(codec.model_info_to_pb(info)) == info
+    old_server = pb.ModelInfo(pass_costs=[pb.PassCost(tokens=1, ms=5.0)])
+    assert codec.model_info_from_pb(old_server).batch_pass_costs == ()
+    bad = pb.ModelInfo(batch_pass_costs=[pb.PassCost(sessions=8, tokens=5, ms=7.0), pb.PassCost(sessions=8, tokens=1, ms=6.0)])
+    assert codec.model_info_from_pb(bad).batch_pass_costs == ()  # M must increase within a group
+    one = pb.ModelInfo(batch_pass_costs=[pb.PassCost(sessions=1, tokens=1, ms=6.0)])
+    assert codec.model_info_from_pb(one).batch_pass_costs == ()  # one session's curve is pass_costs
+
+
+def test_a_loaded_gpu_replica_prices_gamma_by_the_batch_curve_it_measured():
+    """The 8B shape on an H100 (docs/engine/gpu/h100-2026-11-27-main.md): alone, t(5) = t(1); at 64
+    sessions t(64 × 5) = 2.3 t(64 × 1). An edge whose streamed tokens take t(64 × 1) is among ~64."""
+    est = Estimates(8)
+    est.use_pass_costs(((1, 7.95), (5, 8.17)), ((8, 1, 8.06), (8, 5, 8.59), (64, 1, 10.45), (64, 5, 23.89)))
+    est.cloud_token_s.add(0.01045)
+    defaults = policy.Rates([0.5], 0.001, 0.0, 0.01, 0.01, 0.0, 0.01)
+    assert est.rates(defaults).verify_s(4) == pytest.approx(0.02389, rel=1e-3)
+    assert est.verify.batch_like(1.0) is None and est.verify.batch_like(1.01) == 8
+    alone = Estimates(8)
+    alone.use_pass_costs(((1, 7.95), (5, 8.17)))  # no batch curve: the one-session curve scaled by load
+    alone.cloud_token_s.add(0.01045)
+    assert alone.rates(defaults).verify_s(4) == pytest.approx(0.00817 * 10.45 / 7.95, rel=1e-3)

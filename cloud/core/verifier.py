@@ -84,7 +84,7 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
                                      VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
-from .costs import measure_pass_costs
+from .costs import BATCH_SESSIONS, measure_batch_costs, measure_pass_costs
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
 from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
@@ -692,8 +692,16 @@ class Verifier:
 
     def _measure(self, max_tokens: int) -> None:
         largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
-        points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, largest))
-        self.info = replace(self.info, pass_costs=points)
+        tokens = min(max_tokens, largest)
+        points = measure_pass_costs(self.engine, self.info.vocab_size, tokens)
+        # On a GPU a pass of many sessions costs neither one session's pass nor their sum, so the edges
+        # also get the curves of the batch sizes this replica serves. A CPU pass is compute-bound (many
+        # sessions cost about their sum) and prefilling their contexts would hold start-up for long.
+        batches: tuple[tuple[int, int, float], ...] = ()
+        if self.engine.capabilities.device.startswith("cuda"):
+            sessions = tuple(b for b in BATCH_SESSIONS if b <= self.max_batch)
+            batches = measure_batch_costs(self.engine, self.info.vocab_size, tokens, sessions)
+        self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
 
     def _retire(self, session: Session) -> None:
         """A closed session's cache: kept for new sessions to start from, or released."""

@@ -184,8 +184,18 @@ class Ops(Protocol):
         """The rotated queries `[T, heads, D]` of a fused q|k|v product; the rotated keys and the values
         are written to `keys[rows]` and `values[rows]` (`[pool rows, kv_heads, D]`)."""
 
+    def qkv_rope_cache(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, heads: int) -> torch.Tensor:
+        """rope_and_cache(linear(h, weight, bias), ...): the q|k|v product, rotated and cached, each row
+        exactly as the two ops compute it (a backend may fuse them)."""
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused gate|up product."""
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu_mul(gate_up) @ weight.T (the down product), each row exactly as the two ops compute it
+        (a backend may fuse them)."""
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: object,
                   scale: float) -> torch.Tensor:
@@ -211,18 +221,17 @@ def forward(w: LlamaWeights, keys: torch.Tensor, values: torch.Tensor, inputs: P
     s = w.shape
     t = inputs.ids.shape[0]
     scale = s.head_dim ** -0.5
-    qkv_parts = (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim)
     x = F.embedding(inputs.ids, w.embed)
     h = ops.rmsnorm(x, w.layers[0].attn_norm, s.eps)
     for i, layer in enumerate(w.layers):
         # 1. Attention: q, k, v in one product; rotary on q and k; this pass's keys join the pool first.
-        qkv = ops.linear(h, layer.qkv, layer.qkv_bias, parts=qkv_parts)
-        q = ops.rope_and_cache(qkv, w.cos, w.sin, inputs.positions, inputs.write_rows, keys[i], values[i], s.heads)
+        q = ops.qkv_rope_cache(h, layer.qkv, layer.qkv_bias, w.cos, w.sin, inputs.positions, inputs.write_rows,
+                               keys[i], values[i], s.heads)
         attended = ops.attention(q, keys[i], values[i], inputs.meta, scale)
         x, h = ops.add_rmsnorm(x, ops.linear(attended.reshape(t, s.heads * s.head_dim), layer.o, layer.o_bias),
                                layer.mlp_norm, s.eps)
         # 2. The gated MLP; its residual add goes with the next norm (the next layer's, or the final one).
-        down = ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up, parts=(s.intermediate, s.intermediate))), layer.down)
+        down = ops.silu_linear(ops.linear(h, layer.gate_up, parts=(s.intermediate, s.intermediate)), layer.down)
         x, h = ops.add_rmsnorm(x, down, w.layers[i + 1].attn_norm if i + 1 < s.layers else w.norm, s.eps)
     rows = inputs.logit_rows
     if rows is not None and rows.numel() == 0:

@@ -8,22 +8,41 @@ copies and one launch instead of hundreds; a pass larger than the largest graph 
 chunk) runs the same kernels eagerly. Every kernel computes a row from that row alone
 (triton_ops.py, torch_ops.py), so a token's scores are the same bits in a decode step, in a verify block,
 beside other sessions and as a node of a draft tree: cloud-only and speculative decoding of the same
-session produce the same tokens (docs/engine.md, "Exactness by construction").
+session produce the same tokens (docs/gpu.md, "Exactness by construction").
+
+Graph sizes: a verify pass of B sessions × (γ + 1) tokens must find a graph close above it, or it
+pays for the padding rows (64 × 5 = 320 tokens once replayed the 512-token graph at the 512-token
+price). `graph_sizes` is vLLM's grid (1, 2, 4, every 8 to 256, every 16 beyond) plus, where given,
+every B × (γ + 1) of the served block sizes; `GraphBudget` bounds how many are captured, for how long
+and with how much memory, and the engine reports what capture took (`graph_report`).
 """
 from __future__ import annotations
 
+import bisect
 import enum
+import logging
+import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-from transformers import PreTrainedModel
+# cuBLAS turns split-K off when its workspace is this small (vLLM's batch-invariant mode on Hopper does
+# the same); read once, when the process first multiplies on the GPU, so set before any product runs.
+# Only weights a start-up check proves row-invariant are then multiplied by cuBLAS (triton_ops.py).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "1")
 
-from .base import Capabilities, Feed, Scores
-from .batch import ROWS, GroupTensors, HostPass, lay_out, stage
-from .kvpool import PAGE_TOKENS, KVPool, PageTable
-from .llama import LlamaWeights, PassInputs, forward, from_model
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import PreTrainedModel  # noqa: E402
+
+from .base import Capabilities, Feed, Scores  # noqa: E402
+from .batch import ROWS, GroupTensors, HostPass, lay_out, stage  # noqa: E402
+from .kinds import Products  # noqa: E402
+from .kvpool import PAGE_TOKENS, KVPool, PageTable  # noqa: E402
+from .llama import LlamaWeights, PassInputs, forward, from_model  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 class Kernels(enum.Enum):
     """Which kernels compute a pass."""
@@ -32,8 +51,86 @@ class Kernels(enum.Enum):
     TRITON = "triton"  # batch-invariant Triton kernels (cloud/engine/triton_ops.py): CUDA
 
 
-GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens of the passes captured as CUDA graphs
+GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # the first engine's graphs: powers of two
 GRAPH_GROUP_TOKENS = 64  # queries (and fed path) of one group in a graph pass at most; beyond: eager
+FINE_STEP, COARSE_STEP, FINE_UNTIL = 8, 16, 256  # graph sizes every 8 tokens up to 256, every 16 beyond
+MAX_GRAPH_TOKENS = 512  # the largest graph by default: 64 sessions × 8 tokens
+
+
+def graph_sizes(largest: int = MAX_GRAPH_TOKENS, blocks: Sequence[int] = (), max_sessions: int = 64) -> tuple[int, ...]:
+    """Pass sizes to capture, increasing: 1, 2, 4, every FINE_STEP up to FINE_UNTIL, every COARSE_STEP
+    up to `largest` (which is always among them), and B × block for every served block size (γ + 1)
+    and B ≤ max_sessions that fits: a verify pass of B sessions then replays a graph of its own size."""
+    grid = {1, 2, 4, *range(FINE_STEP, min(FINE_UNTIL, largest) + 1, FINE_STEP),
+            *range(FINE_UNTIL + COARSE_STEP, largest + 1, COARSE_STEP), largest}
+    grid |= {b * block for block in blocks for b in range(1, max_sessions + 1) if b * block <= largest}
+    return tuple(sorted(t for t in grid if 1 <= t <= largest))
+
+
+def padded_size(tokens: int, sizes: Sequence[int]) -> int | None:
+    """The graph size a pass of `tokens` tokens replays (the smallest of `sizes`, increasing, that holds
+    it), or None: it runs eagerly, unpadded."""
+    i = bisect.bisect_left(sizes, tokens)
+    return sizes[i] if i < len(sizes) else None
+
+
+def padding_waste(tokens: int, sizes: Sequence[int]) -> float:
+    """The fraction of a replayed graph's rows that are padding for a pass of `tokens` tokens (0 eagerly)."""
+    size = padded_size(tokens, sizes)
+    return 0.0 if size is None else (size - tokens) / size
+
+
+def capture_order(sizes: Sequence[int]) -> list[int]:
+    """The largest first (the others reuse its memory pool), then powers of two (the first engine's
+    graphs, so a tight budget still covers every size within 2×), then the rest, largest first."""
+    largest = max(sizes)
+    powers = sorted((t for t in sizes if t & (t - 1) == 0 and t != largest), reverse=True)
+    rest = sorted((t for t in sizes if t not in powers and t != largest), reverse=True)
+    return [largest, *powers, *rest]
+
+
+@dataclass(frozen=True)
+class GraphBudget:
+    """What capturing graphs at start-up may take: sizes beyond it are not captured (their passes pad
+    to the next captured size)."""
+
+    max_graphs: int = 96
+    max_seconds: float = 120.0
+    max_mib: float = 4096.0  # device memory the graphs (and their memory pool) may hold
+
+    def allows(self, graphs: int, seconds: float, mib: float) -> bool:
+        """Whether another graph may be captured after `graphs` took `seconds` and `mib` (the first
+        always may: without it every pass runs eagerly)."""
+        return graphs == 0 or (graphs < self.max_graphs and seconds <= self.max_seconds and mib <= self.max_mib)
+
+
+@dataclass
+class GraphReport:
+    """What capture took: reported at start-up (logged, and read by the GPU suite)."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+    mib: float = 0.0
+    sizes: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()  # sizes the budget left out
+
+    def describe(self) -> str:
+        return (f"{self.graphs} CUDA graphs ({min(self.sizes, default=0)}..{max(self.sizes, default=0)} tokens) "
+                f"captured in {self.seconds:.1f} s, {self.mib:.0f} MiB"
+                + (f"; {len(self.skipped)} sizes left out by the budget" if self.skipped else ""))
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the torch engine runs on CUDA (ignored on a CPU, where plain torch runs eagerly)."""
+
+    products: Products = Products.FUSED
+    tune: bool = True  # time each weight's candidate tiles (and cuBLAS) at start-up; False: the reference tile
+    cublas: bool = True  # let a weight that cuBLAS provably keeps row-invariant be multiplied by it
+    graph_tokens: int = MAX_GRAPH_TOKENS  # the largest pass replayed from a graph
+    blocks: tuple[int, ...] = ()  # served block sizes (γ + 1) whose B × (γ + 1) get graphs of their own
+    max_sessions: int = 64  # B for `blocks`
+    budget: GraphBudget = field(default_factory=GraphBudget)
 
 
 @dataclass
@@ -70,7 +167,11 @@ class _Graph:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.hidden = engine.run(inputs, graph=True)
+            logits, self.hidden = engine.run(inputs, graph=True)
+            # Into the logits buffer every graph shares: a graph's own output stays allocated for good,
+            # and a hundred graphs' logits (tokens × vocabulary floats each) would take gigabytes.
+            engine.graph_logits[:tokens].copy_(logits)
+        self.logits = engine.graph_logits[:tokens]
 
     def replay(self, host: HostPass, scratch_row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the pass's inputs in, replay; the outputs are this graph's own buffers."""
@@ -93,8 +194,10 @@ class TorchEngine:
     eagerly and promise no exactness: a fallback for GPUs Triton does not serve)."""
 
     def __init__(self, weights: LlamaWeights, kv_tokens: int, max_sequence_tokens: int = 0,
-                 graphs: bool | None = None, kernels: Kernels | None = None) -> None:
+                 graphs: bool | None = None, kernels: Kernels | None = None,
+                 options: EngineOptions | None = None) -> None:
         s = weights.shape
+        self.options = options or EngineOptions()
         self.weights = weights
         self.device = weights.device
         # A session is bounded by the rotary tables' positions; its page table by the pool as well.
@@ -106,14 +209,19 @@ class TorchEngine:
                                          tree_masks=True, max_sequence_tokens=self.max_sequence_tokens)
         self.kernels = kernels or (Kernels.TRITON if self.device.type == "cuda" else Kernels.TORCH)
         self.wide_tiles = False
+        self.products: dict[str, str] = {}  # per weight, how it is multiplied (the start-up choice)
+        self.graph_report = GraphReport()
         if self.kernels is Kernels.TRITON:
             from .triton_ops import TritonOps, check_tiles
 
-            layer = weights.layers[0]
-            # Wide tiles for large passes only where they give each row the narrow tiles' very bits.
-            self.wide_tiles = check_tiles([layer.qkv, layer.o, layer.gate_up, layer.down, weights.lm_head])
-            self._eager_ops = TritonOps(wide=self.wide_tiles)
-            self._graph_ops = TritonOps(query_cap=GRAPH_GROUP_TOKENS, wide=self.wide_tiles)
+            plan, fuse_rope = self._plan_products() if self.options.products is Products.FUSED else ({}, False)
+            if self.options.products is Products.SPLIT:  # wide tiles only where they keep the narrow ones' bits
+                layer = weights.layers[0]
+                self.wide_tiles = check_tiles([layer.qkv, layer.o, layer.gate_up, layer.down, weights.lm_head])
+            self._eager_ops = TritonOps(wide=self.wide_tiles, products=self.options.products, plan=plan,
+                                        fuse_rope=fuse_rope)
+            self._graph_ops = TritonOps(query_cap=GRAPH_GROUP_TOKENS, wide=self.wide_tiles,
+                                        products=self.options.products, plan=plan, fuse_rope=fuse_rope)
             self.min_rows = 1
         else:
             from .torch_ops import TorchOps, row_floor
@@ -127,6 +235,7 @@ class TorchEngine:
             self._eager_ops = self._graph_ops = TorchOps(self.min_rows)
             graphs = False  # its attention loops on the host over a pass's key positions
         self._graphs: dict[int, _Graph] = {}
+        self._sizes: list[int] = []  # captured sizes, increasing
         if graphs if graphs is not None else self.device.type == "cuda":
             self.capture()
 
@@ -170,13 +279,59 @@ class TorchEngine:
 
     # ---- passes --------------------------------------------------------------------------------
 
+    def _plan_products(self) -> tuple[dict, bool]:
+        """Each weight's product choice (triton_ops.tune_product), measured on layer 0's weights (every
+        layer's weight of a shape shares it), and whether the rotary joins the q|k|v product's epilogue
+        (only where check_rope_fusion finds the very bits of the two kernels)."""
+        from .triton_ops import NARROW, ROW_BANDS, ProductChoice, check_rope_fusion, tune_product, weight_key
+
+        w, layer = self.weights, self.weights.layers[0]
+        # (name, weight, bias, out dtype, SiLU prologue): the products llama.forward asks for.
+        products = [("qkv", layer.qkv, layer.qkv_bias, None, False), ("o", layer.o, layer.o_bias, None, False),
+                    ("gate_up", layer.gate_up, None, None, False), ("down", layer.down, None, None, True),
+                    ("head", w.lm_head, None, torch.float32, False)]
+        plan = {}
+        for name, weight, bias, out_dtype, silu in products:
+            if self.options.tune and weight.is_cuda:  # timings mean something on a GPU only
+                choice = tune_product(weight, bias, out_dtype, silu, self.options.graph_tokens if self.options.cublas
+                                      else 0)
+            else:
+                choice = ProductChoice((NARROW,) * len(ROW_BANDS))
+            plan[weight_key(weight, bias, out_dtype, silu)] = choice
+            self.products[name] = choice.describe()
+        qkv = plan[weight_key(layer.qkv, layer.qkv_bias, None)]
+        s = w.shape
+        fuse_rope = not qkv.cublas_rows and (not layer.qkv.is_cuda or check_rope_fusion(
+            layer.qkv, layer.qkv_bias, w.cos, w.sin, s.heads, s.kv_heads, qkv))
+        self.products["rotary"] = "in the q|k|v product's epilogue" if fuse_rope else "a kernel of its own"
+        log.info("products: %s", "; ".join(f"{k}: {v}" for k, v in self.products.items()))
+        return plan, fuse_rope
+
     def capture(self) -> None:
-        """Capture a CUDA graph for every size of GRAPH_TOKENS (largest first: the smaller ones reuse
-        its memory pool)."""
+        """Capture a CUDA graph per size of `graph_sizes` within the budget (capture_order: the largest
+        first, its memory pool reused by the smaller ones), and report what it took."""
+        o, b = self.options, self.options.budget
+        sizes = GRAPH_TOKENS if o.products is Products.SPLIT else graph_sizes(o.graph_tokens, o.blocks, o.max_sessions)
         pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        self.graph_logits = torch.empty(max(sizes), self.weights.lm_head.shape[0], dtype=torch.float32,
+                                        device=self.device)
+        began = time.perf_counter()
+        skipped = []
         with torch.inference_mode():
-            for tokens in sorted(GRAPH_TOKENS, reverse=True):
+            for tokens in capture_order(sizes):
+                used_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2 ** 20
+                if not b.allows(len(self._graphs), time.perf_counter() - began, used_mib):
+                    skipped.append(tokens)
+                    continue
                 self._graphs[tokens] = _Graph(self, tokens, pool)
+        torch.cuda.synchronize()
+        self._sizes = sorted(self._graphs)
+        self.graph_report = GraphReport(len(self._graphs), round(time.perf_counter() - began, 2),
+                                        round((free_before - torch.cuda.mem_get_info()[0]) / 2 ** 20, 1),
+                                        tuple(self._sizes), tuple(sorted(skipped)))
+        log.info("%s", self.graph_report.describe())
 
     def inputs(self, ints: torch.Tensor, path: torch.Tensor, tables: torch.Tensor, max_queries: int,
                max_len: int) -> PassInputs:
@@ -241,8 +396,8 @@ class TorchEngine:
         if not self._graphs or host.max_queries > GRAPH_GROUP_TOKENS or host.max_path > GRAPH_GROUP_TOKENS \
                 or host.max_pages > self.pages_per_sequence:
             return None
-        fitting = [t for t in self._graphs if t >= host.tokens]
-        return self._graphs[min(fitting)] if fitting else None
+        size = padded_size(host.tokens, self._sizes)
+        return self._graphs[size] if size is not None else None
 
 
 def engine_for(model: PreTrainedModel, kv_tokens: int, max_sequence_tokens: int = 0,

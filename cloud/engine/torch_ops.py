@@ -84,9 +84,19 @@ class TorchOps:
         values.index_copy_(0, rows, qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim))
         return q
 
+    def qkv_rope_cache(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, heads: int) -> torch.Tensor:
+        kv = keys.shape[1] * keys.shape[2]
+        qkv = self.linear(h, weight, bias, parts=(weight.shape[0] - 2 * kv, kv, kv))
+        return self.rope_and_cache(qkv, cos, sin, positions, rows, keys, values, heads)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.silu_mul(gate_up), weight)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: GroupTensors,
                   scale: float) -> torch.Tensor:

@@ -61,7 +61,8 @@ def model_info_to_pb(i: ModelInfo) -> pb.ModelInfo:
                         idle_timeout_s=i.idle_timeout_s, eos_token_ids=list(i.eos_token_ids),
                         device=i.device, dtype=i.dtype, feature_dim=i.feature_dim,
                         pass_costs=[pb.PassCost(tokens=m, ms=ms) for m, ms in i.pass_costs],
-                        max_tree_nodes=i.max_tree_nodes)
+                        max_tree_nodes=i.max_tree_nodes,
+                        batch_pass_costs=[pb.PassCost(sessions=b, tokens=m, ms=ms) for b, m, ms in i.batch_pass_costs])
 
 
 def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
@@ -72,7 +73,8 @@ def model_info_from_pb(m: pb.ModelInfo) -> ModelInfo:
                      max_draft=m.max_draft, max_sessions=m.max_sessions,
                      idle_timeout_s=m.idle_timeout_s, eos_token_ids=tuple(m.eos_token_ids),
                      device=m.device, dtype=m.dtype, feature_dim=m.feature_dim,
-                     pass_costs=_pass_costs(m.pass_costs), max_tree_nodes=m.max_tree_nodes)
+                     pass_costs=_pass_costs(m.pass_costs), max_tree_nodes=m.max_tree_nodes,
+                     batch_pass_costs=_batch_pass_costs(m.batch_pass_costs))
 
 
 def _pass_costs(points) -> tuple[tuple[int, float], ...]:
@@ -82,6 +84,17 @@ def _pass_costs(points) -> tuple[tuple[int, float], ...]:
     sane = all(m >= 1 and math.isfinite(ms) and ms > 0 for m, ms in curve) and all(
         a[0] < b[0] for a, b in zip(curve, curve[1:]))
     return curve if sane else ()
+
+
+def _batch_pass_costs(points) -> tuple[tuple[int, int, float], ...]:
+    """Passes of several sessions, as the edge may use them: nothing unless every group of one B is a
+    sane curve (as _pass_costs) and B > 1."""
+    groups: dict[int, list] = {}
+    for p in points:
+        groups.setdefault(int(p.sessions), []).append(p)
+    if any(b < 2 or not _pass_costs(group) for b, group in groups.items()):
+        return ()
+    return tuple((b, m, ms) for b, group in groups.items() for m, ms in _pass_costs(group))
 
 
 def session_to_pb(s: SessionSpec) -> pb.OpenSessionRequest:

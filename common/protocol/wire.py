@@ -167,6 +167,9 @@ class ModelInfo:
     # M increasing; empty when not measured. The shape of t_v(γ) = cost(γ + 1) for the edge's policy.
     pass_costs: tuple[tuple[int, float], ...] = ()
     max_tree_nodes: int = 0  # most nodes of a draft tree (depth at most max_draft); 0: chains only
+    # (B, M, milliseconds): passes of B sessions × M tokens each, grouped by B, M increasing in each
+    # group; the cost of γ when B sessions' rounds share a pass. Empty when not measured.
+    batch_pass_costs: tuple[tuple[int, int, float], ...] = ()
 
 
 def check_session_id(session_id: str, *, allow_empty: bool = False) -> None:
@@ -320,8 +323,8 @@ class VerifyResult:
     num_accepted: int
     next_token: int
     committed_len: int
-    # Set by the replica's scheduler alone (cloud/core/scheduler.py): from the round's arrival in its
-    # queue to its answer, queueing + the step; 0 from a verifier driven directly.
+    # Set by the replica's step alone (cloud/core/verifier.py): from the round's arrival in its queue
+    # to its answer, queueing + the step.
     verify_ms: float = 0.0
     batch_size: int = 1  # rounds scored in the same forward pass
     queue_ms: float = 0.0  # of verify_ms, the wait before the step that carried the round began

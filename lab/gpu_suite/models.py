@@ -9,8 +9,8 @@ from transformers import LlamaConfig
 
 from ...cloud.core.verifier import Verifier, VerifierLimits
 from ...cloud.engine.factory import ServedTarget
-from ...cloud.engine.llama import random_weights
-from ...cloud.engine.torch_engine import TorchEngine
+from ...cloud.engine.llama import LlamaWeights, random_weights
+from ...cloud.engine.torch_engine import EngineOptions, TorchEngine
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -58,11 +58,12 @@ class _Vocabulary:
 
 
 def build(shape: str, device: str, dtype: torch.dtype, limits: VerifierLimits, graphs: bool | None = None,
-          seed: int = 0) -> Bench:
-    """Random weights of `shape` on `device`, a torch engine over them (CUDA graphs captured on a
-    GPU unless `graphs` is False) and a verifier with `limits`."""
+          seed: int = 0, options: EngineOptions | None = None, weights: LlamaWeights | None = None) -> Bench:
+    """Random weights of `shape` on `device` (or `weights`, shared with another engine), a torch engine
+    over them (`options`; CUDA graphs captured on a GPU unless `graphs` is False) and a verifier with
+    `limits`."""
     config = config_of(shape, limits.max_context)
-    weights = random_weights(config, limits.max_context, dtype, device, seed)
-    engine = TorchEngine(weights, limits.kv_cache_tokens, limits.max_context, graphs)
+    weights = weights or random_weights(config, limits.max_context, dtype, device, seed)
+    engine = TorchEngine(weights, limits.kv_cache_tokens, limits.max_context, graphs, options=options)
     target = ServedTarget(f"random {shape}", _Vocabulary(), config.vocab_size, (), f"random-{shape}-{seed}")
     return Bench(shape, engine, Verifier(target, limits, engine))

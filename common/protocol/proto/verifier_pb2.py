@@ -25,47 +25,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybridspec/v1/verifier.proto\x12\rhybridspec.v1\"\x15\n\x13GetModelInfoRequest\"\xd3\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x11\n\tmax_draft\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x0c \x01(\r\x12+\n\npass_costs\x18\r \x03(\x0b\x32\x17.hybridspec.v1.PassCost\x12\x16\n\x0emax_tree_nodes\x18\x0e \x01(\r\"&\n\x08PassCost\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\n\n\x02ms\x18\x02 \x01(\x02\"\x94\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\"\x81\x01\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12,\n\x06\x66ormat\x18\x04 \x01(\x0e\x32\x1c.hybridspec.v1.FeatureFormat\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06scales\x18\x06 \x01(\x0c\"\xe1\x02\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12!\n\x04mode\x18\x04 \x01(\x0e\x32\x13.hybridspec.v1.Mode\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12rollback_threshold\x18\x06 \x01(\x02\x12\x10\n\x08lenience\x18\x07 \x01(\x02\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x12\n\nnext_round\x18\t \x01(\r\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12.\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0e\x32\x1c.hybridspec.v1.FeatureFormat\x12\x12\n\nprompt_len\x18\x0c \x01(\r\"\x80\x01\n\x10OpenSessionReply\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x16\n\x0everify_address\x18\x03 \x01(\t\x12)\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x17.hybridspec.v1.Features\"3\n\rDraftPosition\x12\x13\n\x0bsupport_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa6\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\r\x12\x31\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1c.hybridspec.v1.DraftPosition\x12\x15\n\rdraft_parents\x18\x06 \x03(\x11\"\xd9\x01\n\x0bVerifyReply\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\r\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x11\n\tverify_ms\x18\x05 \x01(\x02\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x02\x12)\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x17.hybridspec.v1.Features\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\t \x03(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"$\n\x11\x43loseSessionReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xaf\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nprompt_len\x18\x06 \x01(\r\"a\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"!\n\rGenerateReply\x12\x10\n\x08token_id\x18\x01 \x01(\r*v\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bMODE_GREEDY\x10\x01\x12\x14\n\x10MODE_SPECULATIVE\x10\x02\x12\r\n\tMODE_BILD\x10\x03\x12\x10\n\x0cMODE_LENIENT\x10\x04\x12\x10\n\x0cMODE_COUPLED\x10\x05*H\n\rFeatureFormat\x12\x11\n\rFEATURES_NONE\x10\x00\x12\x11\n\rFEATURES_INT8\x10\x01\x12\x11\n\rFEATURES_FP16\x10\x02\x32\xa7\x04\n\x08Verifier\x12L\n\x0cGetModelInfo\x12\".hybridspec.v1.GetModelInfoRequest\x1a\x18.hybridspec.v1.ModelInfo\x12Q\n\x0bOpenSession\x12!.hybridspec.v1.OpenSessionRequest\x1a\x1f.hybridspec.v1.OpenSessionReply\x12\x42\n\x06Verify\x12\x1c.hybridspec.v1.VerifyRequest\x1a\x1a.hybridspec.v1.VerifyReply\x12L\n\x0cVerifyStream\x12\x1c.hybridspec.v1.VerifyRequest\x1a\x1a.hybridspec.v1.VerifyReply(\x01\x30\x01\x12T\n\x0c\x43loseSession\x12\".hybridspec.v1.CloseSessionRequest\x1a .hybridspec.v1.CloseSessionReply\x12J\n\x08Generate\x12\x1e.hybridspec.v1.GenerateRequest\x1a\x1c.hybridspec.v1.GenerateReply0\x01\x12\x46\n\x06\x44\x65\x63ode\x12\x1c.hybridspec.v1.DecodeRequest\x1a\x1c.hybridspec.v1.GenerateReply0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybridspec/v1/verifier.proto\x12\rhybridspec.v1\"\x15\n\x13GetModelInfoRequest\"\x86\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x11\n\tmax_draft\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x16\n\x0eidle_timeout_s\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x0c \x01(\r\x12+\n\npass_costs\x18\r \x03(\x0b\x32\x17.hybridspec.v1.PassCost\x12\x16\n\x0emax_tree_nodes\x18\x0e \x01(\r\x12\x31\n\x10\x62\x61tch_pass_costs\x18\x0f \x03(\x0b\x32\x17.hybridspec.v1.PassCost\"8\n\x08PassCost\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\n\n\x02ms\x18\x02 \x01(\x02\x12\x10\n\x08sessions\x18\x03 \x01(\r\"\x94\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\"\x81\x01\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12,\n\x06\x66ormat\x18\x04 \x01(\x0e\x32\x1c.hybridspec.v1.FeatureFormat\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06scales\x18\x06 \x01(\x0c\"\xe1\x02\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12!\n\x04mode\x18\x04 \x01(\x0e\x32\x13.hybridspec.v1.Mode\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12rollback_threshold\x18\x06 \x01(\x02\x12\x10\n\x08lenience\x18\x07 \x01(\x02\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x12\n\nnext_round\x18\t \x01(\r\x12\x19\n\x11model_fingerprint\x18\n \x01(\t\x12.\n\x08\x66\x65\x61tures\x18\x0b \x01(\x0e\x32\x1c.hybridspec.v1.FeatureFormat\x12\x12\n\nprompt_len\x18\x0c \x01(\r\"\x80\x01\n\x10OpenSessionReply\x12\x15\n\rcommitted_len\x18\x01 \x01(\r\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x16\n\x0everify_address\x18\x03 \x01(\t\x12)\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x17.hybridspec.v1.Features\"3\n\rDraftPosition\x12\x13\n\x0bsupport_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xa6\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12\x11\n\tdraft_ids\x18\x04 \x03(\r\x12\x31\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32\x1c.hybridspec.v1.DraftPosition\x12\x15\n\rdraft_parents\x18\x06 \x03(\x11\"\xd9\x01\n\x0bVerifyReply\x12\r\n\x05round\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\r\x12\x15\n\rcommitted_len\x18\x04 \x01(\r\x12\x11\n\tverify_ms\x18\x05 \x01(\x02\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x02\x12)\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x17.hybridspec.v1.Features\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\t \x03(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"$\n\x11\x43loseSessionReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xaf\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12/\n\x08sampling\x18\x02 \x01(\x0b\x32\x1d.hybridspec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x12\n\nprompt_len\x18\x06 \x01(\r\"a\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"!\n\rGenerateReply\x12\x10\n\x08token_id\x18\x01 \x01(\r*v\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bMODE_GREEDY\x10\x01\x12\x14\n\x10MODE_SPECULATIVE\x10\x02\x12\r\n\tMODE_BILD\x10\x03\x12\x10\n\x0cMODE_LENIENT\x10\x04\x12\x10\n\x0cMODE_COUPLED\x10\x05*H\n\rFeatureFormat\x12\x11\n\rFEATURES_NONE\x10\x00\x12\x11\n\rFEATURES_INT8\x10\x01\x12\x11\n\rFEATURES_FP16\x10\x02\x32\xa7\x04\n\x08Verifier\x12L\n\x0cGetModelInfo\x12\".hybridspec.v1.GetModelInfoRequest\x1a\x18.hybridspec.v1.ModelInfo\x12Q\n\x0bOpenSession\x12!.hybridspec.v1.OpenSessionRequest\x1a\x1f.hybridspec.v1.OpenSessionReply\x12\x42\n\x06Verify\x12\x1c.hybridspec.v1.VerifyRequest\x1a\x1a.hybridspec.v1.VerifyReply\x12L\n\x0cVerifyStream\x12\x1c.hybridspec.v1.VerifyRequest\x1a\x1a.hybridspec.v1.VerifyReply(\x01\x30\x01\x12T\n\x0c\x43loseSession\x12\".hybridspec.v1.CloseSessionRequest\x1a .hybridspec.v1.CloseSessionReply\x12J\n\x08Generate\x12\x1e.hybridspec.v1.GenerateRequest\x1a\x1c.hybridspec.v1.GenerateReply0\x01\x12\x46\n\x06\x44\x65\x63ode\x12\x1c.hybridspec.v1.DecodeRequest\x1a\x1c.hybridspec.v1.GenerateReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridspec.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=2057
-  _globals['_MODE']._serialized_end=2175
-  _globals['_FEATUREFORMAT']._serialized_start=2177
-  _globals['_FEATUREFORMAT']._serialized_end=2249
+  _globals['_MODE']._serialized_start=2126
+  _globals['_MODE']._serialized_end=2244
+  _globals['_FEATUREFORMAT']._serialized_start=2246
+  _globals['_FEATUREFORMAT']._serialized_end=2318
   _globals['_GETMODELINFOREQUEST']._serialized_start=47
   _globals['_GETMODELINFOREQUEST']._serialized_end=68
   _globals['_MODELINFO']._serialized_start=71
-  _globals['_MODELINFO']._serialized_end=410
-  _globals['_PASSCOST']._serialized_start=412
-  _globals['_PASSCOST']._serialized_end=450
-  _globals['_SAMPLINGPARAMS']._serialized_start=453
-  _globals['_SAMPLINGPARAMS']._serialized_end=601
-  _globals['_FEATURES']._serialized_start=604
-  _globals['_FEATURES']._serialized_end=733
-  _globals['_OPENSESSIONREQUEST']._serialized_start=736
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1089
-  _globals['_OPENSESSIONREPLY']._serialized_start=1092
-  _globals['_OPENSESSIONREPLY']._serialized_end=1220
-  _globals['_DRAFTPOSITION']._serialized_start=1222
-  _globals['_DRAFTPOSITION']._serialized_end=1273
-  _globals['_VERIFYREQUEST']._serialized_start=1276
-  _globals['_VERIFYREQUEST']._serialized_end=1442
-  _globals['_VERIFYREPLY']._serialized_start=1445
-  _globals['_VERIFYREPLY']._serialized_end=1662
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1664
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1705
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1707
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1743
-  _globals['_GENERATEREQUEST']._serialized_start=1746
-  _globals['_GENERATEREQUEST']._serialized_end=1921
-  _globals['_DECODEREQUEST']._serialized_start=1923
-  _globals['_DECODEREQUEST']._serialized_end=2020
-  _globals['_GENERATEREPLY']._serialized_start=2022
-  _globals['_GENERATEREPLY']._serialized_end=2055
-  _globals['_VERIFIER']._serialized_start=2252
-  _globals['_VERIFIER']._serialized_end=2803
+  _globals['_MODELINFO']._serialized_end=461
+  _globals['_PASSCOST']._serialized_start=463
+  _globals['_PASSCOST']._serialized_end=519
+  _globals['_SAMPLINGPARAMS']._serialized_start=522
+  _globals['_SAMPLINGPARAMS']._serialized_end=670
+  _globals['_FEATURES']._serialized_start=673
+  _globals['_FEATURES']._serialized_end=802
+  _globals['_OPENSESSIONREQUEST']._serialized_start=805
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1158
+  _globals['_OPENSESSIONREPLY']._serialized_start=1161
+  _globals['_OPENSESSIONREPLY']._serialized_end=1289
+  _globals['_DRAFTPOSITION']._serialized_start=1291
+  _globals['_DRAFTPOSITION']._serialized_end=1342
+  _globals['_VERIFYREQUEST']._serialized_start=1345
+  _globals['_VERIFYREQUEST']._serialized_end=1511
+  _globals['_VERIFYREPLY']._serialized_start=1514
+  _globals['_VERIFYREPLY']._serialized_end=1731
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1733
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1774
+  _globals['_CLOSESESSIONREPLY']._serialized_start=1776
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1812
+  _globals['_GENERATEREQUEST']._serialized_start=1815
+  _globals['_GENERATEREQUEST']._serialized_end=1990
+  _globals['_DECODEREQUEST']._serialized_start=1992
+  _globals['_DECODEREQUEST']._serialized_end=2089
+  _globals['_GENERATEREPLY']._serialized_start=2091
+  _globals['_GENERATEREPLY']._serialized_end=2124
+  _globals['_VERIFIER']._serialized_start=2321
+  _globals['_VERIFIER']._serialized_end=2872
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype", "feature_dim", "pass_costs", "max_tree_nodes")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_fingerprint", "model_fingerprint", "max_context", "max_draft", "max_sessions", "idle_timeout_s", "eos_token_ids", "device", "dtype", "feature_dim", "pass_costs", "max_tree_nodes", "batch_pass_costs")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class ModelInfo(_message.Message):
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     PASS_COSTS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_PASS_COSTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -66,15 +67,18 @@ class ModelInfo(_message.Message):
     feature_dim: int
     pass_costs: _containers.RepeatedCompositeFieldContainer[PassCost]
     max_tree_nodes: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_dim: _Optional[int] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    batch_pass_costs: _containers.RepeatedCompositeFieldContainer[PassCost]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., max_context: _Optional[int] = ..., max_draft: _Optional[int] = ..., max_sessions: _Optional[int] = ..., idle_timeout_s: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., feature_dim: _Optional[int] = ..., pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ..., max_tree_nodes: _Optional[int] = ..., batch_pass_costs: _Optional[_Iterable[_Union[PassCost, _Mapping]]] = ...) -> None: ...
 
 class PassCost(_message.Message):
-    __slots__ = ("tokens", "ms")
+    __slots__ = ("tokens", "ms", "sessions")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     ms: float
-    def __init__(self, tokens: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+    sessions: int
+    def __init__(self, tokens: _Optional[int] = ..., ms: _Optional[float] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
