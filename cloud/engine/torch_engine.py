@@ -16,14 +16,18 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-from transformers import PreTrainedModel
 
 from .base import Capabilities, Feed, Scores
 from .batch import ROWS, GroupTensors, HostPass, lay_out, stage
 from .kvpool import PAGE_TOKENS, KVPool, PageTable
 from .llama import LlamaWeights, PassInputs, forward, from_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 class Kernels(enum.Enum):
     """Which kernels compute a pass."""
