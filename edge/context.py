@@ -111,7 +111,7 @@ def build_drafting(ctx: RunContext) -> Drafting:
     from .eagle import EagleDrafter
 
     cfg, info = ctx.cfg, ctx.info
-    settings = cfg.draft_settings(info.vocab_size, frozenset(info.eos_token_ids), ctx.spec.prompt_len)
+    settings = cfg.draft_settings(info.vocab_size, frozenset(info.eos_token_ids), ctx.spec.prompt_len, info.max_context)
     inner = make_drafter(cfg.model.drafter_kind, model, settings, fallback)
     drafter = Lookahead(inner)
     # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only
