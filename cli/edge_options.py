@@ -33,13 +33,18 @@ def build_worker(config, background: bool = False, require_cloud: bool = True):
     from ..edge.worker import EdgeWorker
 
     codec = fast_codec(config.model) if background else None
-    if codec is not None and config.policy.cloud_only:
+    if codec is None:  # the worker needs the loaded drafter's tokenizer from the start
+        load = DrafterLoad.start(config.model, background=False)
+    elif config.policy.cloud_only:
         load = DrafterLoad.skipped("--cloud-only loads no drafter: nothing can generate while the cloud is away")
     else:
-        load = DrafterLoad.start(config.model, background=background and codec is not None)
+        load = DrafterLoad()  # started once the cloud has agreed to the tokenizer: a wrong pair loads nothing
     client = VerifierClient(config.link.cloud, config.link.timeout_s, config.cloud_access())
     try:
-        return EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
+        worker = EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
     except BaseException:
         client.close()
         raise
+    if codec is not None and not config.policy.cloud_only:
+        load.begin(config.model, background=background)
+    return worker

@@ -32,11 +32,15 @@ class DrafterLoad:
     def start(cls, model: DrafterModel, background: bool = True) -> DrafterLoad:
         """Load what the config's `model` section names, on a daemon thread if `background`."""
         load = cls()
-        if background:
-            threading.Thread(target=load._run, args=(model,), daemon=True, name="drafter-load").start()
-        else:
-            load._run(model)
+        load.begin(model, background)
         return load
+
+    def begin(self, model: DrafterModel, background: bool = True) -> None:
+        """Start loading a DrafterLoad made empty (`DrafterLoad()`), on a daemon thread if `background`."""
+        if background:
+            threading.Thread(target=self._run, args=(model,), daemon=True, name="drafter-load").start()
+        else:
+            self._run(model)
 
     @classmethod
     def loaded(cls, model: LoadedModel, fallback: LoadedModel | None = None) -> DrafterLoad:

@@ -314,3 +314,23 @@ def test_cloud_only_worker_holds_no_drafter(bare, bare_server):
             worker.load.get()
     finally:
         worker.close()
+
+
+def test_an_edge_whose_drafter_cannot_draft_for_the_cloud_fails_before_loading_it(bare_server, tmp_path):
+    """`edge generate` with a GGUF drafter of another vocabulary: one line, before the drafter's
+    weights load (the process never imported torch or llama.cpp)."""
+    from hybridspec.lab.tinymodels import save_gguf
+
+    (tmp_path / "other").mkdir()
+    other = save_gguf(tmp_path / "other" / "other.gguf")
+    script = f"""
+import sys
+from hybridspec.cli.main import main
+code = main(["edge", "generate", "--cloud", {bare_server.address!r}, "--drafter", {str(other)!r}, "--prompt", "ab"])
+print("loaded:", "torch" in sys.modules, "llama_cpp" in sys.modules)
+sys.exit(code)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout.strip() == "loaded: False False", run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "drafter and target must share one tokenizer" in lines[0], run.stderr

@@ -21,7 +21,7 @@ import torch
 
 from ..config import DEVICE_AUTO, DType
 from ..protocol.fingerprints import fingerprint
-from .checkpoint import ensure_checkpoint
+from .checkpoint import ensure_checkpoint, progress_shown
 from .drafter_gguf import DrafterEngine, LlamaDraftFiles, gguf_drafter_files, pick_engine
 from .gguf_file import GgufHeader, file_identity, read_header, tokenizer_files
 from .sources import SourceKind, classify_model
@@ -134,9 +134,11 @@ def load_model(spec: str | Path, device: str = DEVICE_AUTO, dtype: str = DType.A
     try:
         if kind is SourceKind.GGUF:  # its tokenizer from its metadata, as every other GGUF user reads it
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_files(path)), local_files_only=True)
+            with progress_shown():
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         else:
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **tok_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load model {spec!r} offline: its files are incomplete or unreadable") from exc
     model.to(dev).eval()
