@@ -61,7 +61,8 @@ def table(report: dict):
         out.add_row("note", note)
     out.add_row("target engine", f"{report['engine']} ({report['weights']}), {report['threads']} thread(s)")
     out.add_row("t(1)..t(k) ms", " ".join(f"{t:.1f}" for t in report["target_pass_ms"]))
-    out.add_row("drafter", f"{report['drafter_ms_per_token']:.2f} ms per drafted token: c = {report['c']:.3f} of t(1)")
+    out.add_row("d(1)..d(k) ms", " ".join(f"{d:.1f}" for d in report["drafter_ms"])
+                + f"  (a draft after k new tokens; c = d(1)/t(1) = {report['c']:.3f})")
     out.add_row("acceptance α_j", " ".join(f"{a:.2f}" for a in acc["by_position"])
                 + f"  ({report['rounds']} rounds over {report['prompts']} prompts, "
                   f"{acc['mean_accepted']:.2f} accepted per round)")
@@ -71,7 +72,8 @@ def table(report: dict):
             out.add_row(label, "no recorded GPU pass table (docs/engine/gpu/)")
             continue
         where = "" if key == "here" else f"  [{p['where']}]"
-        out.add_row(label, f"hybrid {p['speedup']:.2f}x cloud-only at γ = {p['gamma']} (round trip + overhead "
-                           f"{report['rtt_ms']:g} ms); the edge would choose {p['choice']}{where}")
+        out.add_row(label, f"hybrid {p['speedup']:.2f}x cloud-only at γ = {p['gamma']} ({p['draft_ms']:.1f} ms per "
+                           f"drafted token, {report['rtt_ms']:g} ms per round beyond t); the edge would choose "
+                           f"{p['choice']}{where}")
     out.add_row("took", f"{report['seconds']:.0f} s")
     return out

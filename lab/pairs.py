@@ -8,12 +8,17 @@ a GPU? Measured here, then predicted with the edge's own speed-up model (edge/po
    and its greedy continuation of every prompt.
 3. The drafter as the edge runs it (edge/drafters.py): greedy rounds of γmax drafts along each
    continuation, each round starting after the tokens the last one got accepted, give the acceptance
-   α_j at each draft position (counted as the edge counts it, edge/estimates.py `observe_round`) and
-   the drafter's time per drafted token c (as edge/hybrid.py measures it: a block's time over its length).
+   α_j at each draft position (counted as the edge counts it, edge/estimates.py `observe_round`); and
+   its costs d(k): drafting one token after k new ones (a round's first draft feeds the tokens the
+   last round committed in one pass, its later drafts one token each).
 4. The predictions: edge/policy.py's rate of hybrid decoding at the γ it would choose over cloud-only's
-   1/T, with these α and c, a verify round costing rtt + t(γ + 1), and T = t(1). On a GPU: the same
-   drafter (the edge stays where it is) against the verify costs of the GPU suite's recorded pass
-   table (docs/engine/gpu/, lab/gpu_suite) for the shape nearest the target's parameter count.
+   1/T, with these α, a verify round costing rtt + t(γ + 1), T = t(1), and the drafter's time per
+   drafted token t_d(γ) = (d(E(γ)) + (γ − 1)·d(1)) / γ: what the edge measures at that γ (a block's
+   time over its length), E(γ) being the tokens a round commits. On a CPU a pass of a few tokens costs
+   several of one (llama.cpp's one-row kernels), so a drafter that is cheap per token can still be
+   dear in short blocks. On a GPU: the same drafter (the edge stays where it is) against the verify
+   costs of the GPU suite's recorded pass table (docs/engine/gpu/, lab/gpu_suite) for the shape
+   nearest the target's parameter count.
 
 Free of torch at import: the CLI builds its flags from `PairCheckConfig`.
 """
@@ -74,6 +79,7 @@ class Prediction:
     where: str  # "this machine", or the GPU table used
     t_ms: tuple[float, ...]  # t(1)..t(γmax + 1): the target's pass of k tokens
     gamma: int  # the block length the policy picks
+    draft_ms: float  # t_d at that γ: the drafter's time per drafted token
     speedup: float  # hybrid (at that γ, pipelined) over cloud-only
     choice: str  # what the edge would do: "hybrid" or "cloud-only" (hybrid must win by the policy's margin)
 
@@ -125,9 +131,12 @@ def check(cfg: PairCheckConfig, progress: Callable[[str, int], Callable[[], None
     step = progress("drafter: rounds", sum(len(t) for t in texts))
     counts = _rounds(drafter, ids, texts, cfg.max_draft, step)
     alphas = counts.alphas(cfg.max_draft)
+    step = progress("drafter: costs", 1)
+    d_ms = _draft_costs(drafter, ids, texts, sizes)
+    step()
     # 4. Predictions, here and on a GPU.
-    here = predict(alphas, counts.draft_s, cfg.rtt_ms / 1e3, t_ms, cfg.max_draft, "this machine")
-    gpu = gpu_prediction(target_files.parameters, alphas, counts.draft_s, cfg.rtt_ms / 1e3, cfg.max_draft)
+    here = predict(alphas, d_ms, cfg.rtt_ms / 1e3, t_ms, cfg.max_draft, "this machine")
+    gpu = gpu_prediction(target_files.parameters, alphas, d_ms, cfg.rtt_ms / 1e3, cfg.max_draft)
     return {"target": target_spec, "drafter": drafter_spec, "engine": engine.capabilities.name,
             "weights": engine.capabilities.dtype, "threads": cfg.threads,
             "pair": {"vocab_size": fit.vocab_size, "special_tokens": list(fit.special_tokens),
@@ -137,28 +146,38 @@ def check(cfg: PairCheckConfig, progress: Callable[[str, int], Callable[[], None
             "prompts": len(prompts), "target_tokens": sum(len(t) for t in texts), "rounds": counts.rounds,
             "acceptance": {"by_position": [round(a, 3) for a in alphas[:cfg.max_draft]],
                            "checked": counts.tries[:cfg.max_draft], "mean_accepted": round(counts.mean_accepted, 3)},
-            "drafter_ms_per_token": round(counts.draft_s * 1e3, 3), "target_pass_ms": list(t_ms),
-            "c": round(counts.draft_s * 1e3 / t_ms[0], 3), "rtt_ms": cfg.rtt_ms,
+            "drafter_ms": list(d_ms), "target_pass_ms": list(t_ms), "c": round(d_ms[0] / t_ms[0], 3),
+            "rtt_ms": cfg.rtt_ms,
             "here": asdict(here), "gpu": asdict(gpu) if gpu else None,
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def predict(alphas: list[float], draft_s: float, rtt_s: float, t_ms: tuple[float, ...], max_draft: int,
+def predict(alphas: list[float], d_ms: tuple[float, ...], rtt_s: float, t_ms: tuple[float, ...], max_draft: int,
             where: str) -> Prediction:
-    """Hybrid over cloud-only by edge/policy.py, with verify rounds of rtt + t(γ + 1) and T = t(1)."""
-    from ..edge.policy import Rates, choose_gamma, cloud_only_rate, hybrid_rate, prefer_cloud_only
+    """Hybrid over cloud-only by edge/policy.py at the best γ, with verify rounds of rtt + t(γ + 1),
+    T = t(1) and the drafter's time per drafted token at each γ from its costs d(k) (module docstring)."""
+    from dataclasses import replace
+
+    from ..edge.policy import Rates, cloud_only_rate, expected_tokens, hybrid_rate, interpolate, prefer_cloud_only
 
     curve = tuple(t / 1e3 for t in t_ms)
-    rates = Rates(alphas=alphas, draft_s=draft_s, rtt_s=rtt_s, verify_single_s=curve[0], verify_block_s=curve[-1],
-                  verify_per_draft_s=0.0, cloud_token_s=curve[0], verify_curve_s=curve)
-    gamma = choose_gamma(rates, max_draft, pipelined=True)
-    speedup = hybrid_rate(rates, gamma, True) / cloud_only_rate(rates)
-    stays = prefer_cloud_only(rates, max_draft, True, now_cloud_only=True)
-    return Prediction(where, tuple(round(t, 3) for t in t_ms), gamma, round(speedup, 3),
-                      "cloud-only" if stays else "hybrid")
+    rates = Rates(alphas=alphas, draft_s=d_ms[0] / 1e3, rtt_s=rtt_s, verify_single_s=curve[0],
+                  verify_block_s=curve[-1], verify_per_draft_s=0.0, cloud_token_s=curve[0], verify_curve_s=curve)
+    drafts = list(enumerate(d_ms, 1))
+
+    def at(gamma: int) -> Rates:
+        first = interpolate(drafts, expected_tokens(alphas, gamma))  # the round's first draft feeds E(γ) tokens
+        return replace(rates, draft_s=(first + (gamma - 1) * d_ms[0]) / gamma / 1e3)
+
+    gamma = max(range(1, max_draft + 1), key=lambda g: hybrid_rate(at(g), g, True))
+    best = at(gamma)
+    rate = hybrid_rate(best, gamma, True)
+    stays = prefer_cloud_only(best, max_draft, True, now_cloud_only=True, hybrid=rate)
+    return Prediction(where, tuple(round(t, 3) for t in t_ms), gamma, round(best.draft_s * 1e3, 3),
+                      round(rate / cloud_only_rate(best), 3), "cloud-only" if stays else "hybrid")
 
 
-def gpu_prediction(parameters: int, alphas: list[float], draft_s: float, rtt_s: float,
+def gpu_prediction(parameters: int, alphas: list[float], d_ms: tuple[float, ...], rtt_s: float,
                    max_draft: int) -> Prediction | None:
     """The prediction against the GPU suite's pass table for the shape nearest `parameters` (one
     session's passes), the drafter staying on this machine; None without a recorded table."""
@@ -170,7 +189,7 @@ def gpu_prediction(parameters: int, alphas: list[float], draft_s: float, rtt_s: 
     shape = min(tables, key=lambda s: abs(math.log(tables[s]["parameters"] / parameters)))
     table = tables[shape]
     t_ms = tuple(interpolate(table["points"], k) for k in range(1, max_draft + 2))
-    return predict(alphas, draft_s, rtt_s, t_ms, max_draft,
+    return predict(alphas, d_ms, rtt_s, t_ms, max_draft,
                    f"{table['device']}, shape {shape} ({table['parameters'] / 1e9:.2f} B parameters), {table['file']}")
 
 
@@ -204,14 +223,12 @@ def shape_parameters(shape: dict) -> int:
 @dataclass
 class RoundCounts:
     """Greedy rounds along the target's text: per draft position, drafts checked and accepted (the
-    edge's α_j without its prior and decay), and the drafter's time per drafted token."""
+    edge's α_j without its prior and decay)."""
 
     tries: list[int]
     hits: list[int]
     rounds: int = 0
     accepted: int = 0
-    draft_seconds: float = 0.0
-    drafted: int = 0
 
     def alphas(self, max_draft: int) -> list[float]:
         """α_1..α_{γmax + 1}: a position never reached takes the one before it (the bonus guess of a
@@ -223,31 +240,18 @@ class RoundCounts:
         return out
 
     @property
-    def draft_s(self) -> float:
-        """Seconds per drafted token."""
-        return self.draft_seconds / max(1, self.drafted)
-
-    @property
     def mean_accepted(self) -> float:
         """Drafts accepted per round."""
         return self.accepted / max(1, self.rounds)
 
 
 def _rounds(drafter, prompts: list[list[int]], texts: list[list[int]], max_draft: int, step) -> RoundCounts:
-    """Draft γmax after each round's committed text and count what the target's text accepts; the
-    first round of each prompt (which feeds the drafter the prompt) is not timed."""
+    """Draft γmax after each round's committed text and count what the target's text accepts."""
     counts = RoundCounts([0] * max_draft, [0] * max_draft)
     for prompt, text in zip(prompts, texts):
-        done, first = 0, True
+        done = 0
         while done < len(text):
-            started = time.perf_counter()
-            proposal = drafter.propose(prompt + text[:done], max_draft, fallback=False)
-            spent = time.perf_counter() - started
-            drafts = proposal.ids
-            if not first and drafts:
-                counts.draft_seconds += spent
-                counts.drafted += len(drafts)
-            first = False
+            drafts = drafter.propose(prompt + text[:done], max_draft, fallback=False).ids
             kept = next((j for j, (a, b) in enumerate(zip(drafts, text[done:])) if a != b),
                         min(len(drafts), len(text) - done))
             for j in range(min(kept + 1, len(drafts))):
@@ -260,6 +264,26 @@ def _rounds(drafter, prompts: list[list[int]], texts: list[list[int]], max_draft
             for _ in range(advance):
                 step()
     return counts
+
+
+REPEATS = 3  # timings of each drafter cost; the fastest is kept (the least disturbed, as for t(k))
+
+
+def _draft_costs(drafter, prompts: list[list[int]], texts: list[list[int]], sizes: int) -> tuple[float, ...]:
+    """d(1)..d(sizes) in ms: the drafter's time to draft one token after k tokens it has not seen
+    (fed in one pass), over a context it holds; timed as edge/hybrid.py times a block."""
+    longest = max(range(len(texts)), key=lambda i: len(texts[i]))
+    context = prompts[longest] + texts[longest][:len(texts[longest]) // 2]
+    news = texts[longest][len(texts[longest]) // 2:] * sizes  # tokens of the text, repeated if short
+    times: dict[int, list[float]] = {k: [] for k in range(1, sizes + 1)}
+    drafter.propose(context, 1, fallback=False)  # the context cached
+    for _ in range(REPEATS):
+        for k in times:
+            started = time.perf_counter()
+            drafter.propose(context + news[:k], 1, fallback=False)
+            times[k].append((time.perf_counter() - started) * 1e3)
+            drafter.propose(context, 1, fallback=False)  # back to the context (a cut: nothing fed but its last)
+    return tuple(round(min(times[k]), 3) for k in times)
 
 
 def _target(spec: str, cfg: PairCheckConfig):
