@@ -11,7 +11,8 @@ this checkout):
 
 - `cloud serve` in-process and (unless --no-ray) with one Ray replica, a small KV pool (one stream of
   2,048 cells): seconds until it prints its serving line, and the peak resident memory of its whole
-  process tree (Ray's processes included), sampled every 50 ms with psutil;
+  process tree (Ray's processes included), sampled every 50 ms with psutil; in-process once more
+  with `pass_cost_tokens: 0` (no pass-cost curve measured before serving: what loading alone costs);
 - `edge generate --drafter D --json` (32 new tokens), with --cloud-only twice, then with the default
   policy: the process's wall time minus the generation's own (`stats.wall_s`), and whether the
   drafter's file was ever mapped into the edge (its weights loaded: /proc/PID/maps, every 50 ms).
@@ -153,9 +154,9 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "hybridspec.cli.main", *args]
 
 
-def cloud(target: Path, backend: str, env: dict) -> tuple[Watch, dict]:
+def cloud(target: Path, backend: str, env: dict, **extra) -> tuple[Watch, dict]:
     """Start `cloud serve` on the bare target; (the running Watch, what its start cost)."""
-    keys = {**SMALL_KV, "target": str(target), "backend": backend}
+    keys = {**SMALL_KV, "target": str(target), "backend": backend, **extra}
     config = Path(tempfile.mkstemp(prefix="own-models-", suffix=".json")[1])
     config.write_text(json.dumps(keys))
     w = Watch(cli("cloud", "serve", "--config", str(config)), env, ready_line=parse_ready_line)
@@ -189,6 +190,8 @@ def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "") -> dic
         out["edge_default"] = edge(address, drafter, env)
     finally:
         w.stop()
+    w, out["cloud_inprocess_no_pass_costs"] = cloud(target, "inprocess", env, pass_cost_tokens=0)
+    w.stop()
     if ray:
         w, out["cloud_ray"] = cloud(target, "ray", env)
         w.stop()
