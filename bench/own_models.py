@@ -11,10 +11,11 @@ this checkout):
 
 - `cloud serve` in-process and (unless --no-ray) with one Ray replica, a small KV pool (one stream of
   2,048 cells): seconds until it prints its serving line, and the peak resident memory of its whole
-  process tree (Ray's processes included), sampled every 50 ms with psutil; in-process once more
+  process tree (Ray's processes included), and the CPU seconds the tree spent until then (what the
+  start costs whatever else the machine runs), sampled every 50 ms with psutil; in-process once more
   with `pass_cost_tokens: 0` (no pass-cost curve measured before serving: what loading alone costs);
 - `edge generate --drafter D --json` (32 new tokens), with --cloud-only twice, then with the default
-  policy: the process's wall time minus the generation's own (`stats.wall_s`), and whether the
+  policy: the process's wall time minus the generation's own (`stats.wall_s`), its CPU seconds, and whether the
   drafter's file was ever mapped into the edge (its weights loaded: /proc/PID/maps, every 50 ms).
   This code reads a GGUF's tokenizer from its header on a file's first use and keeps it: the
   tokenizers of both files are removed from that cache first, so the in-process cloud's start and the
@@ -86,6 +87,7 @@ class Watch:
     def __init__(self, cmd: list[str], env: dict, watched: Path | None = None, ready_line=None) -> None:
         self.watched = str(watched.resolve()) if watched else None
         self.peak_mib = 0.0
+        self.cpu_s = 0.0  # CPU seconds (user + system) of the tree: what the work costs whatever else runs
         self.touched = False
         self.ready_s: float | None = None
         self.lines: list[str] = []
@@ -119,15 +121,18 @@ class Watch:
             tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        total = 0
+        total, cpu = 0, 0.0
         for p in tree:
             try:
                 total += p.memory_info().rss
+                times = p.cpu_times()
+                cpu += times.user + times.system
                 if self.watched and not self.touched:
                     self.touched = self._uses(p.pid)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
         self.peak_mib = max(self.peak_mib, total / 2**20)
+        self.cpu_s = max(self.cpu_s, cpu)
 
     def _uses(self, pid: int) -> bool:
         """The file is mapped into the process: its weights loaded (llama.cpp and transformers' GGUF loader
@@ -162,7 +167,7 @@ def cloud(target: Path, backend: str, env: dict, **extra) -> tuple[Watch, dict]:
     w = Watch(cli("cloud", "serve", "--config", str(config)), env, ready_line=parse_ready_line)
     if w.ready_s is None:
         raise RuntimeError(f"cloud serve ({backend}) did not start: {w.stderr[-2000:]}")
-    return w, {"ready_s": round(w.ready_s, 2), "peak_tree_rss_mib": round(w.peak_mib, 1),
+    return w, {"ready_s": round(w.ready_s, 2), "cpu_s": round(w.cpu_s, 2), "peak_tree_rss_mib": round(w.peak_mib, 1),
                "peak_rss_over_file": round(w.peak_mib * 2**20 / target.stat().st_size, 2)}
 
 
@@ -174,7 +179,8 @@ def edge(address: str, drafter: Path, env: dict, *flags: str) -> dict:
         return {"error": w.stderr.strip().splitlines()[-1:] or ["exit status %d" % w.proc.returncode]}
     out = json.loads(w.lines[-1])
     gen_s = out["stats"]["wall_s"]
-    return {"wall_s": round(w.wall_s, 2), "generation_s": round(gen_s, 2), "wall_minus_generation_s":
+    return {"wall_s": round(w.wall_s, 2), "cpu_s": round(w.cpu_s, 2), "generation_s": round(gen_s, 2),
+            "wall_minus_generation_s":
             round(w.wall_s - gen_s, 2), "drafter_mapped": w.touched, "peak_rss_mib": round(w.peak_mib, 1),
             "tokens": len(out["token_ids"]), "rounds": out["stats"].get("rounds", 0), "token_ids": out["token_ids"]}
 
@@ -232,7 +238,7 @@ def forget_tokenizers(*files: Path) -> None:
 def llama_alone(target: Path) -> dict:
     """llama.cpp's own load of the target into a context of SMALL_KV's size, in a fresh process."""
     w = Watch([sys.executable, "-c", LLAMA_LOAD, str(target), str(SMALL_KV["max_context"])], dict(os.environ))
-    return {"process_wall_s": round(w.wall_s, 2), "load_s": round(float(w.lines[-1]), 2),
+    return {"process_wall_s": round(w.wall_s, 2), "cpu_s": round(w.cpu_s, 2), "load_s": round(float(w.lines[-1]), 2),
             "peak_rss_mib": round(w.peak_mib, 1), "peak_rss_over_file": round(w.peak_mib * 2**20 / target.stat().st_size, 2)}
 
 
