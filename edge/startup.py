@@ -80,15 +80,15 @@ class DrafterLoad:
         try:
             import torch
 
-            from ..common.models.loading import load_model
+            from ..common.models.loading import load_drafter
 
             if model.torch_threads:
                 torch.set_num_threads(model.torch_threads)
             engine = (model.drafter_engine, model.torch_threads)  # torch, or llama.cpp (its threads)
-            drafter = load_model(resolve(model.drafter, "drafter"), model.device, model.dtype, *engine)
+            drafter = load_drafter(resolve(model.drafter, "drafter"), model.device, model.dtype, *engine)
             fallback = None
             if drafter.is_eagle and model.fallback_drafter != "ngram":
-                fallback = load_model(resolve(model.fallback_drafter, "plain"), model.device, model.dtype, *engine)
+                fallback = load_drafter(resolve(model.fallback_drafter, "plain"), model.device, model.dtype, *engine)
             self._models = (drafter, fallback)
         except BaseException as exc:  # noqa: BLE001 — handed to whoever waits for the drafter
             self._error = exc

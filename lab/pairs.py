@@ -342,12 +342,12 @@ def _continuation(engine, prompt: list[int], new_tokens: int, eos: set[int]) -> 
 def _drafter(spec: str, vocab_size: int, stop_ids: frozenset[int], cfg: PairCheckConfig):
     """The drafter as `edge generate` runs it, drafting greedily."""
     from ..common.config import ConfigError
-    from ..common.models.loading import load_model
+    from ..common.models.loading import load_drafter
     from ..common.protocol.wire import SamplingParams
     from ..edge.drafters import make_drafter
     from ..edge.proposal import DraftSettings, DrafterKind
 
-    loaded = load_model(spec, "auto", "auto", "auto", cfg.threads)
+    loaded = load_drafter(spec, "auto", "auto", "auto", cfg.threads)
     if loaded.is_eagle:
         raise ConfigError(f"{spec} is an EAGLE head, which drafts from the verifier's features: pair check "
                           "measures drafter LMs")

@@ -150,14 +150,14 @@ def test_a_bare_gguf_drafter_drafts_on_llamacpp_without_its_tensors_read(bare, t
     """The target's own GGUF as a drafter: llama.cpp runs it fed ids, nothing is de-quantised, and its
     greedy block is the target engine's greedy continuation."""
     from hybridspec.cloud.engine.base import Feed
-    from hybridspec.common.models.loading import load_model
+    from hybridspec.common.models.loading import load_drafter
     from hybridspec.common.protocol.wire import SamplingParams
     from hybridspec.edge.drafters import make_drafter
     from hybridspec.edge.proposal import DraftSettings, DrafterKind
     from hybridspec.edge.textcodec import TextCodec
 
     drafter_file = bare_copy(bare["target"], tmp_path / "drafter", "drafter.gguf")
-    loaded = load_model(drafter_file, "cpu")
+    loaded = load_drafter(drafter_file, "cpu")
     assert tensor_reads == []
     assert loaded.model is None and loaded.llama.embeddings is None and loaded.llama.head_rows == 49152
     assert loaded.vocab_size == 49152 and loaded.eos_token_ids == (2,)
@@ -184,7 +184,7 @@ def test_a_compact_drafters_own_gguf_is_a_model_of_its_own(bare, exported):
     import numpy as np
 
     from hybridspec.common.models.gguf_file import read_header, tokenizer_files
-    from hybridspec.common.models.loading import load_model
+    from hybridspec.common.models.loading import load_drafter, load_model
     from hybridspec.common.models.pairing import describe
     from hybridspec.common.models.vocabulary import TokenizerFiles
     from hybridspec.common.protocol.wire import SamplingParams
@@ -196,7 +196,7 @@ def test_a_compact_drafters_own_gguf_is_a_model_of_its_own(bare, exported):
     assert TokenizerFiles(tokenizer_files(exported)).fingerprint() == describe(str(bare["pulled"])).tokenizer.fingerprint()
     settings = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=49152, stop_ids=frozenset(),
                              max_context=1024)
-    mine = make_drafter(DrafterKind.MODEL, load_model(exported, "cpu"), settings).lm
+    mine = make_drafter(DrafterKind.MODEL, load_drafter(exported, "cpu"), settings).lm
     compact_model = load_model(bare["compact"], "cpu")
     compact = make_drafter(DrafterKind.MODEL, compact_model, settings).lm
     head = compact_model.head_ids.numpy()
@@ -212,10 +212,10 @@ def test_a_compact_drafters_own_gguf_is_a_model_of_its_own(bare, exported):
 
 
 def test_a_compact_drafters_converted_head_alone_is_refused_in_one_line(bare):
-    from hybridspec.common.models.loading import load_model
+    from hybridspec.common.models.loading import load_drafter
 
     with pytest.raises(ConfigError, match="export-drafter"):
-        load_model(bare["compact"] / "drafter.gguf", "cpu")
+        load_drafter(bare["compact"] / "drafter.gguf", "cpu")
 
 
 def test_pairs_are_compared_file_to_file(bare, exported, tmp_path, model_dirs):
@@ -334,3 +334,34 @@ sys.exit(code)
     assert run.returncode == 2 and run.stdout.strip() == "loaded: False False", run.stderr[-2000:]
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "drafter and target must share one tokenizer" in lines[0], run.stderr
+
+
+def test_export_takes_what_it_needs_from_a_bare_gguf_target(bare, tmp_path):
+    """A drafter distilled from a bare GGUF target refers to that file; export-drafter copies the
+    embeddings and the tokenizer from it."""
+    import shutil
+
+    from hybridspec.common.models.drafter_gguf import export_drafter
+    from hybridspec.common.models.gguf_file import read_header, tokenizer_files
+    from hybridspec.common.models.vocabulary import TokenizerFiles
+
+    compact = tmp_path / "compact"
+    shutil.copytree(bare["compact"], compact)
+    manifest = json.loads((compact / "hybridspec-drafter.json").read_text())
+    (compact / "hybridspec-drafter.json").write_text(json.dumps({**manifest, "base": str(bare["target"])}))
+    out = export_drafter(compact, tmp_path / "drafter.gguf", "F16", log=lambda msg: None)
+    header, target = read_header(out), read_header(bare["target"])
+    assert header.tokens == target.tokens and header.weight_type == "F16" and header.arch_value("block_count") == 4
+    assert header.raw_data(header.tensor("token_embd.weight")) == target.raw_data(target.tensor("token_embd.weight"))
+    assert TokenizerFiles(tokenizer_files(out)).fingerprint() == TokenizerFiles(tokenizer_files(bare["target"])).fingerprint()
+
+
+def test_a_bare_gguf_loaded_into_torch_says_what_it_costs_first(bare, capsys):
+    """The torch engine and distillation still read a GGUF's tensors (load_model), saying first what
+    that takes; `load_drafter` is the one that leaves a GGUF to llama.cpp."""
+    from hybridspec.common.models.loading import load_model
+
+    loaded = load_model(bare["target"], "cpu")
+    assert loaded.model is not None and loaded.vocab_size == 49152 and loaded.eos_token_ids == (2,)
+    said = capsys.readouterr().err
+    assert "de-quantising its 272 tensors to float32, 513 MiB of memory" in said

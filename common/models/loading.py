@@ -93,14 +93,32 @@ def pick_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
     return torch.float32
 
 
+def load_drafter(spec: str | Path, device: str = DEVICE_AUTO, dtype: str = DType.AUTO,
+                 engine: str = DrafterEngine.AUTO, threads: int = 0) -> LoadedModel:
+    """A drafter as the edge drafts with it. A GGUF file whose `engine` resolves to llama.cpp (auto: on
+    a CPU with no dtype asked for) is not loaded into torch: `model` is None, llama.cpp maps the file
+    when it drafts (`llama`), and the tokenizer, end ids and size come from its header. Anything else
+    is `load_model`'s. threads: llama.cpp's, 0 = 1."""
+    from transformers import AutoTokenizer
+
+    path = Path(str(spec)).expanduser()
+    if classify_model(spec) is SourceKind.GGUF:
+        llama = gguf_drafter_files(path, engine, pick_device(device).type, dtype, threads or 1)
+        if llama is not None:
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_files(path)), local_files_only=True)
+            return LoadedModel(name=str(spec), model=None, tokenizer=tokenizer, device=torch.device("cpu"),
+                               llama=llama, gguf=read_header(path, strings=frozenset()))
+    return load_model(spec, device, dtype, engine, threads)
+
+
 def load_model(spec: str | Path, device: str = DEVICE_AUTO, dtype: str = DType.AUTO,
                engine: str = DrafterEngine.AUTO, threads: int = 0) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a directory, a .gguf file or a cached hub id.
+    """Load a causal LM and its tokenizer from a directory, a .gguf file or a cached hub id, into torch.
 
-    engine: what a drafter drafts with (drafter_gguf.DrafterEngine; auto = llama.cpp on a CPU for a
-    GGUF file, and for a compact drafter that has a converted GGUF), recorded as `llama`. A GGUF file
-    on llama.cpp is not loaded into torch (`model` is None); a compact drafter's torch model is loaded
-    either way (its tokenizer, identity and end-of-sequence ids, and the reference). threads:
+    engine: what a compact drafter drafts with (drafter_gguf.DrafterEngine; auto = llama.cpp on a CPU
+    when it has a converted GGUF), recorded as `llama`; its torch model is loaded either way (its
+    tokenizer, identity and end-of-sequence ids, and the reference). A GGUF file's tensors are
+    de-quantised into torch (`load_drafter` runs a GGUF drafter on llama.cpp instead). threads:
     llama.cpp's, 0 = 1. Raises FileNotFoundError with a one-line reason when nothing loadable is found.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,12 +137,6 @@ def load_model(spec: str | Path, device: str = DEVICE_AUTO, dtype: str = DType.A
         return LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev,
                            head_ids=None if head_ids is None else head_ids.to(dev), llama=llama)
     if kind is SourceKind.GGUF:
-        llama = gguf_drafter_files(path, engine, dev.type, dtype, threads or 1)
-        if llama is not None:
-            header = read_header(path, strings=frozenset())
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_files(path)), local_files_only=True)
-            return LoadedModel(name=spec, model=None, tokenizer=tokenizer, device=torch.device("cpu"), llama=llama,
-                               gguf=header)
         _say_dequantising(path)
     if kind is SourceKind.DIRECTORY:
         ensure_checkpoint(path)  # a pulled target keeps only its GGUF until torch needs the weights
