@@ -84,7 +84,7 @@ def _backend(config):
     """The backend the config asks for, and a few words describing it."""
     from ..cloud.engine.factory import pick_engine
     from ..common.models.embedded import resolve
-    from ..common.models.loading import classify_model
+    from ..common.models.sources import classify_model
 
     replica = config.replica
     target = resolve(config.server.target, "target")

@@ -70,7 +70,7 @@ def run_generate(args) -> int:
     if error is not None:
         print(f"hybridspec: error: {error} (the text above is what was verified before it)", file=sys.stderr)
         code = 2
-    if not worker.load.ready():
+    if worker.load.pending():
         # The generation ended before the drafter finished loading. Exiting while its thread is inside
         # torch's import can abort the interpreter, and waiting for it is pointless: leave now.
         sys.stdout.flush()

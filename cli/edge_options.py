@@ -25,16 +25,26 @@ def edge_config(args, **defaults):
 
 def build_worker(config, background: bool = False, require_cloud: bool = True):
     """Connect, load the drafter (on a background thread if `background`: generations start with the
-    cloud decoding alone meanwhile), and check the pair matches."""
+    cloud decoding alone meanwhile), and check the pair matches. With `background` and --cloud-only,
+    where the drafter's tokenizer is readable without it, no drafter is loaded at all: nothing drafts.
+    (`edge serve` renders chat templates with the loaded drafter's tokenizer: it loads it.)"""
     from ..edge.client import VerifierClient
     from ..edge.startup import DrafterLoad, fast_codec
     from ..edge.worker import EdgeWorker
 
     codec = fast_codec(config.model) if background else None
-    load = DrafterLoad.start(config.model, background=background and codec is not None)
+    if codec is None:  # the worker needs the loaded drafter's tokenizer from the start
+        load = DrafterLoad.start(config.model, background=False)
+    elif config.policy.cloud_only:
+        load = DrafterLoad.skipped("--cloud-only loads no drafter: nothing can generate while the cloud is away")
+    else:
+        load = DrafterLoad()  # started once the cloud has agreed to the tokenizer: a wrong pair loads nothing
     client = VerifierClient(config.link.cloud, config.link.timeout_s, config.cloud_access())
     try:
-        return EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
+        worker = EdgeWorker(load, client, config, codec=codec, require_cloud=require_cloud)
     except BaseException:
         client.close()
         raise
+    if codec is not None and not config.policy.cloud_only:
+        load.begin(config.model, background=background)
+    return worker

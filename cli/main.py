@@ -32,7 +32,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The full command tree."""
-    from . import cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd, token_cmd
+    from . import (cloud_cmd, demo_cmd, distill_cmd, edge_cmd, experiment_cmd, models_cmd, netem_cmd, pair_cmd,
+                   token_cmd)
 
     parser = OneLineParser(prog="hybridspec", description="Edge-cloud speculative decoding.")
     parser.add_argument("--version", action="version", version=f"hybridspec {_version()}")
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     models_cmd.register(sub)
     cloud_cmd.register(sub)
     edge_cmd.register(sub)
+    pair_cmd.register(sub)
     demo_cmd.register(sub)
     distill_cmd.register(sub)
     netem_cmd.register(sub)

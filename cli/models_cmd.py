@@ -1,5 +1,6 @@
 """`hybridspec models pull`: make the embedded default checkpoints ready; `models convert-drafter`: write a
-compact drafter's GGUF for the edge's llama.cpp drafter engine."""
+compact drafter's GGUF for the edge's llama.cpp drafter engine; `models export-drafter`: write a
+compact drafter as a GGUF model of its own (docs/models.md)."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,16 @@ def register(sub) -> None:
     convert.add_argument("--weights", choices=list(GGUF_WEIGHTS), default=DEFAULT_GGUF_WEIGHTS,
                          help=f"the type of its matrices (default: {DEFAULT_GGUF_WEIGHTS})")
     convert.set_defaults(run=run_convert)
+    export = msub.add_parser("export-drafter", help="write a compact drafter LM as a GGUF model of its own (its "
+                                                    "target's embeddings and tokenizer inside), for a pair given as "
+                                                    ".gguf files, or any llama.cpp tool")
+    export.add_argument("path", type=Path, help="the compact drafter's directory (as `hybridspec distill` writes it), "
+                                                "or embedded:plain")
+    export.add_argument("out", type=Path, help="the .gguf file to write")
+    export.add_argument("--weights", choices=list(GGUF_WEIGHTS), default=DEFAULT_GGUF_WEIGHTS,
+                        help=f"the type of its layers' matrices (default: {DEFAULT_GGUF_WEIGHTS}); the embeddings "
+                             "keep the target's")
+    export.set_defaults(run=run_export)
 
 
 def run_pull(args) -> int:
@@ -58,4 +69,20 @@ def run_convert(args) -> int:
         raise ConfigError(f"{args.path} is an EAGLE head, which drafts on torch only")
     files = convert_drafter(args.path, args.weights, log=lambda msg: print(msg, file=sys.stderr))
     print(files.gguf)
+    return 0
+
+
+def run_export(args) -> int:
+    """Export one compact drafter; prints the GGUF's path."""
+    from ..common.config import ConfigError
+    from ..common.models.drafter_gguf import export_drafter
+    from ..common.models.embedded import resolve
+    from ..common.models.manifest import is_compact
+
+    path = Path(resolve(str(args.path), "plain"))
+    if not is_compact(path):
+        raise FileNotFoundError(f"{args.path} is not a compact drafter directory")
+    if args.out.suffix != ".gguf":
+        raise ConfigError(f"{args.out}: the file to write must end in .gguf")
+    print(export_drafter(path, args.out, args.weights, log=lambda msg: print(msg, file=sys.stderr)))
     return 0

@@ -188,12 +188,14 @@ class EdgeConfig(Sections):
         """TLS and the token for this config's cloud (`AccessSettings.resolve`)."""
         return self.access.resolve(self.link.cloud)
 
-    def draft_settings(self, vocab_size: int, stop_ids: frozenset[int], prompt_len: int = 0) -> DraftSettings:
-        """How this config drafts against a target with this vocabulary and these stop ids, after a
-        prompt of `prompt_len` tokens (0: all of the first context drafted after)."""
+    def draft_settings(self, vocab_size: int, stop_ids: frozenset[int], prompt_len: int = 0,
+                       max_context: int = 0) -> DraftSettings:
+        """How this config drafts against a target with this vocabulary, these stop ids and this limit
+        on a session's tokens (0: none known), after a prompt of `prompt_len` tokens (0: all of the first
+        context drafted after)."""
         return DraftSettings(sampling=self.sampling, vocab_size=vocab_size, stop_ids=stop_ids, drafting=self.drafting,
                              seed=self.resolved().generation.seed, prompt_len=prompt_len,
-                             coupled=self.resolved_mode is Mode.COUPLED)
+                             coupled=self.resolved_mode is Mode.COUPLED, max_context=max_context)
 
     @property
     def resolved_mode(self) -> Mode:

@@ -17,7 +17,8 @@ def make_drafter(kind: DrafterKind, loaded: LoadedModel | None, settings: DraftS
                  fallback: LoadedModel | None = None) -> Drafter:
     """The drafter of one generation (kind: model or ngram; ngram needs no model). An eagle head
     gives an EagleDrafter, whose `log` takes the verifier's features; `fallback` (else n-gram) drafts
-    while it has none. A drafter LM loaded for llama.cpp gets a fresh llama.cpp context of its own."""
+    while it has none. A drafter LM loaded for llama.cpp gets a fresh llama.cpp context of its own, of
+    the target's max_context tokens."""
     if kind is DrafterKind.NGRAM:
         return NgramDrafter(settings.sampling, max_ngram=settings.drafting.ngram_max, stop_ids=settings.stop_ids)
     if loaded is None:
@@ -28,5 +29,6 @@ def make_drafter(kind: DrafterKind, loaded: LoadedModel | None, settings: DraftS
     if loaded.llama is not None:
         from .llamacpp_lm import LlamaCppLM
 
-        return ModelDrafter(loaded, settings, LlamaCppLM.open(loaded.llama, loaded.head_ids, settings.vocab_size))
+        lm = LlamaCppLM.open(loaded.llama, loaded.head_ids, settings.vocab_size, settings.max_context)
+        return ModelDrafter(loaded, settings, lm)
     return ModelDrafter(loaded, settings)

@@ -728,7 +728,7 @@ class Generation:
         from .eagle import EagleDrafter
 
         cfg, info = self.cfg, self.info
-        settings = cfg.draft_settings(info.vocab_size, frozenset(info.eos_token_ids), len(self.prompt))
+        settings = cfg.draft_settings(info.vocab_size, frozenset(info.eos_token_ids), len(self.prompt), info.max_context)
         drafter = make_drafter(cfg.model.drafter_kind, model, settings, fallback)
         # An eagle head gets features only from verify rounds, so it cannot guess alongside cloud-only
         # decoding, and it drafts chains; so does prompt lookup. Which one the checkpoint holds is known

@@ -1,10 +1,12 @@
-"""A compact drafter's converted GGUF (common/models/drafter_gguf.py) run by llama.cpp: a `DraftLM`.
+"""A drafter LM run by llama.cpp: a `DraftLM`. Either a compact drafter's converted GGUF
+(common/models/drafter_gguf.py), or a GGUF model of its own (a user's drafter file).
 
-The GGUF's vocabulary is the drafter's head (its `head_ids` rows of the target's vocabulary), so the
+A converted drafter's vocabulary is its head (its `head_ids` rows of the target's vocabulary), so the
 model is fed input embeddings, not ids: for each token the row of the target's embedding matrix,
 gathered in numpy from the fp16 file saved beside the GGUF. Logits come back over the head's rows and
-are spread over the target's vocabulary as the torch drafter's are; the edge samples from them in
-Python exactly as it does for torch, so the q it sends is exactly what it sampled from.
+are spread over the target's vocabulary as the torch drafter's are. A GGUF model of its own is fed its
+token ids and scores its whole vocabulary (padded to the target's if shorter). The edge samples from
+the logits in Python exactly as it does for torch, so the q it sends is exactly what it sampled from.
 
 Built on llama-cpp-python's low-level API, like the cloud's engine (cloud/engine/llamacpp_engine.py).
 The model is loaded once per process and file; each `LlamaCppLM` (one per generation's drafter) has
@@ -52,10 +54,11 @@ _MODELS: dict[tuple, LlamaDraftModel] = {}
 
 
 class LlamaDraftModel:
-    """A converted drafter loaded once: the llama.cpp model, the input embeddings (memory-mapped) and
-    the vocabulary ids of the head's rows."""
+    """A drafter loaded once: the llama.cpp model and, for a converted compact drafter, the input
+    embeddings (memory-mapped) and the vocabulary ids of the head's rows (both None for a GGUF model
+    of its own, which is fed ids)."""
 
-    def __init__(self, files: LlamaDraftFiles, head_ids: np.ndarray) -> None:
+    def __init__(self, files: LlamaDraftFiles, head_ids: np.ndarray | None) -> None:
         llama.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
         llama.llama_backend_init()
         self.files = files
@@ -64,10 +67,13 @@ class LlamaDraftModel:
             raise ValueError(f"llama.cpp cannot load {files.gguf}")
         self.hidden = llama.llama_model_n_embd(self.model)
         self.n_ctx_train = llama.llama_model_n_ctx_train(self.model)
-        rows = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
+        self.rows = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
+        self.embeddings = self.head_ids = None
+        if files.embeddings is None:
+            return
         self.embeddings = np.load(files.embeddings, mmap_mode="r")
-        if rows != len(head_ids) or self.embeddings.shape[1] != self.hidden:
-            raise ValueError(f"{files.gguf} does not fit its drafter ({rows} head rows for {len(head_ids)} "
+        if self.rows != len(head_ids) or self.embeddings.shape[1] != self.hidden:
+            raise ValueError(f"{files.gguf} does not fit its drafter ({self.rows} head rows for {len(head_ids)} "
                              f"head ids, embeddings {self.embeddings.shape}): convert it again")
         self.head_ids = torch.as_tensor(np.asarray(head_ids, dtype=np.int64))
 
@@ -76,7 +82,7 @@ class LlamaDraftModel:
             llama.llama_model_free(self.model)
 
     @classmethod
-    def shared(cls, files: LlamaDraftFiles, head_ids: np.ndarray) -> LlamaDraftModel:
+    def shared(cls, files: LlamaDraftFiles, head_ids: np.ndarray | None) -> LlamaDraftModel:
         """The process's one copy of these files' model (a drafter is built per generation)."""
         key = (str(files.gguf), files.gguf.stat().st_mtime_ns, str(files.embeddings))
         with _LOCK:
@@ -90,7 +96,8 @@ class LlamaCppLM:
     sequence 0 and a draft tree's branches as sequences of their own (see the module's docstring)."""
 
     def __init__(self, model: LlamaDraftModel, vocab_size: int, threads: int = 1, n_ctx: int = 0) -> None:
-        """n_ctx: tokens the context holds; 0 = what the drafter was trained for (its target's)."""
+        """n_ctx: tokens the context holds (the target's max_context: a session never grows beyond it,
+        whatever the drafter was trained for); 0 = what the drafter was trained for."""
         self.model = model
         self.vocab_size = vocab_size
         params = llama.llama_context_default_params()
@@ -110,18 +117,19 @@ class LlamaCppLM:
         self._batch_size = params.n_batch
         self._sequences = params.n_seq_max
         # A batch of embeddings (embd = hidden): llama.cpp reads batch.embd instead of batch.token.
-        self._batch = llama.llama_batch_init(self._batch_size, model.hidden, 1)
-        self._rows = model.head_ids.numel()
+        self._batch = llama.llama_batch_init(self._batch_size, 0 if model.embeddings is None else model.hidden, 1)
+        self._rows = model.rows
         self.cached: list[int] = []  # the context's tokens whose KV is in sequence 0
         self.tree = TreeNodes()
         self._seq_of: list[int] = []  # each tree node's sequence
         self._tip: dict[int, int] = {0: ROOT}  # each sequence's newest node (ROOT: the context's last token)
 
     @classmethod
-    def open(cls, files: LlamaDraftFiles, head_ids, vocab_size: int) -> LlamaCppLM:
-        """A fresh context over the process's copy of `files`; `head_ids`: the drafter's (tensor or array)."""
-        ids = head_ids.cpu().numpy() if isinstance(head_ids, torch.Tensor) else np.asarray(head_ids)
-        return cls(LlamaDraftModel.shared(files, ids), vocab_size, files.threads)
+    def open(cls, files: LlamaDraftFiles, head_ids, vocab_size: int, n_ctx: int = 0) -> LlamaCppLM:
+        """A fresh context of `n_ctx` tokens (0: the drafter's trained length) over the process's copy of
+        `files`; `head_ids`: the drafter's (tensor or array; None for a GGUF model of its own)."""
+        ids = head_ids.cpu().numpy() if isinstance(head_ids, torch.Tensor) else head_ids
+        return cls(LlamaDraftModel.shared(files, ids), vocab_size, files.threads, n_ctx)
 
     def __del__(self) -> None:
         if getattr(self, "_batch", None) is not None:
@@ -224,11 +232,16 @@ class LlamaCppLM:
         return to_vocab(torch.stack(out), self.model.head_ids, self.vocab_size)
 
     def _decode(self, chunk: list[int], positions, seqs: list[int], outputs: int) -> None:
-        """One llama_decode of `chunk`'s embeddings at `positions`, row i in sequence seqs[i]; logits
-        for the last `outputs` rows (a chain reads only its final row's, a tree every node's)."""
+        """One llama_decode of `chunk` (its embeddings, or its ids for a model of its own) at `positions`,
+        row i in sequence seqs[i]; logits for the last `outputs` rows (a chain reads only its final
+        row's, a tree every node's)."""
         batch, n, hidden = self._batch, len(chunk), self.model.hidden
-        rows = np.ascontiguousarray(self.model.embeddings[chunk], dtype=np.float32)
-        ctypes.memmove(batch.embd, rows.ctypes.data, n * hidden * 4)
+        if self.model.embeddings is None:
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+        else:
+            rows = np.ascontiguousarray(self.model.embeddings[chunk], dtype=np.float32)
+            ctypes.memmove(batch.embd, rows.ctypes.data, n * hidden * 4)
         for i, (pos, seq) in enumerate(zip(positions, seqs)):
             batch.pos[i] = pos
             batch.n_seq_id[i] = 1

@@ -66,6 +66,9 @@ class DraftSettings:
     # Draw each token by Gumbel-max with the noise of its position (mode coupled: docs/design.md §2.2)
     # instead of from a generator.
     coupled: bool = False
+    # The target's limit on a session's tokens (ModelInfo.max_context): a llama.cpp drafter's context
+    # holds as many, whatever length the drafter was trained for; 0 = its trained length.
+    max_context: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
+from ..common.models.vocabulary import TOKENIZER_FILE, TokenizerFiles
 from ..common.protocol.fingerprints import fingerprint
-
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The clean-up Hugging Face applies after decoding when a tokenizer asks for it (clean_up_tokenization_spaces).
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -30,21 +24,13 @@ class TextCodec:
 
     def __init__(self, directory: str | Path) -> None:
         """FileNotFoundError when `directory` holds no tokenizer.json."""
-        d = Path(directory)
-        if not (d / TOKENIZER_FILE).is_file():
-            raise FileNotFoundError(f"no {TOKENIZER_FILE} in {d}")
-        self.directory = d
-        self._tok = Tokenizer.from_file(str(d / TOKENIZER_FILE))
-        config = json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
-        template = config.get("chat_template")
-        if (d / TEMPLATE_FILE).is_file():
-            template = (d / TEMPLATE_FILE).read_text()
-        self.chat_template: str | None = template if isinstance(template, str) else None
-        self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
-        self._special = {k: _content(v) for k, v in config.items() if k.endswith("_token") and _content(v)}
-        extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
-        named = [self._special[k] for k in SPECIAL_NAMES if k in self._special]
-        self.special_tokens = tuple(dict.fromkeys(named + [_content(t) for t in extra if _content(t)]))
+        files = TokenizerFiles(directory)
+        self.directory = files.directory
+        self._tok = files.tokenizer
+        self.chat_template = files.chat_template
+        self._cleanup = bool(files.config.get("clean_up_tokenization_spaces", False))
+        self._special = files.named
+        self.special_tokens = files.special_tokens
         self._compiled = None
 
     def encode(self, text: str) -> list[int]:
@@ -103,13 +89,6 @@ class HFCodec:
         return fingerprint(self.tokenizer.get_vocab(), self.tokenizer.all_special_tokens)
 
 
-def _content(value) -> str:
-    """A special token's text, whether the config holds it as a string or as an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""
-
-
 def _compile(template: str):
     """A sandboxed jinja template with the environment Hugging Face gives chat templates."""
     from jinja2.exceptions import TemplateError
@@ -127,11 +106,15 @@ def _compile(template: str):
 
 
 def tokenizer_dir(spec: str | Path) -> Path | None:
-    """The directory whose tokenizer a drafter spec uses (a compact drafter's is its target's), or
-    None when it is not a local directory with a tokenizer.json (a .gguf file, a hub id)."""
+    """The directory whose tokenizer a drafter spec uses (a compact drafter's is its target's; a .gguf
+    file's, the files made from its metadata: common/models/gguf_file.py), or None when it is not a
+    local directory with a tokenizer.json (a hub id). ConfigError for a .gguf carrying no vocabulary."""
+    from ..common.models.gguf_file import tokenizer_files
     from ..common.models.manifest import MANIFEST, Manifest, resolve_base
 
     path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return tokenizer_files(path)
     if not path.is_dir():
         return None
     if (path / MANIFEST).is_file():

@@ -58,3 +58,58 @@ def greedy_reference(target: LoadedModel, prompt: list[int], max_new_tokens: int
 # Edge settings that send every token through verification rounds of exactly max_draft (no adaptive
 # block length, no hand-over to cloud-only decoding): what the verification tests exercise.
 EVERY_ROUND = dict(gamma_policy="fixed", cloud_only_switch=False)
+
+
+def save_gguf(out: Path, letters: str = "abcdefghij", layers: int = 1, hidden: int = 64, seed: int = 0,
+              chat_template: str | None = None) -> Path:
+    """A tiny random Llama as a GGUF file (F32) with a byte-level BPE vocabulary of its own: `letters`,
+    every pair of them (and the merge making it), then the end-of-sequence token `</s>`. Enough for its
+    tokenizer to be read and compared and for llama.cpp to load and run it: what a user's GGUF of
+    another family looks like to the pair check."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    merges = [f"{a} {b}" for a in letters for b in letters]
+    tokens = [*letters, *(m.replace(" ", "") for m in merges), "</s>"]
+    heads, kv_heads, n = 4, 2, len(tokens)
+    kv_dim = hidden // heads * kv_heads
+
+    def matrix(rows: int, cols: int):
+        return (rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name(out.stem)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (n - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(n - 1)
+    writer.add_bos_token_id(n - 1)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.add_tensor("token_embd.weight", matrix(n, hidden))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output.weight", matrix(n, hidden))
+    for i in range(layers):
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv_dim, hidden)), ("attn_v", (kv_dim, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (2 * hidden, hidden)),
+                            ("ffn_up", (2 * hidden, hidden)), ("ffn_down", (hidden, 2 * hidden))):
+            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(*shape))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

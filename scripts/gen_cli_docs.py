@@ -18,6 +18,8 @@ WIDTH = "100"  # argparse wraps at $COLUMNS: fixed, so the page does not depend 
 EXPLAINED = {
     "models pull": "[distill.md](distill.md#the-embedded-pair)",
     "models convert-drafter": "[engine.md](engine.md#the-edges-drafter-on-llamacpp)",
+    "models export-drafter": "[models.md](models.md)",
+    "pair check": "[models.md](models.md)",
     "cloud serve": "[deploy.md](deploy.md), [security.md](security.md)",
     "edge generate": "[edge.md](edge.md)",
     "edge serve": "[serve.md](serve.md)",

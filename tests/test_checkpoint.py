@@ -64,11 +64,16 @@ def test_the_torch_engine_writes_the_checkpoint_once_and_it_equals_the_old_one(d
     # Two processes loading at once (as two Ray replicas starting together do): one writes, one waits.
     load = ("import sys; from hybridspec.common.models.loading import load_model; "
             "load_model(sys.argv[1], device='cpu')")
-    procs = [subprocess.Popen([sys.executable, "-c", load, str(target)], stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # as the CLI runs
+    procs = [subprocess.Popen([sys.executable, "-c", load, str(target)], stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     logs = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
     assert sum("writing the torch checkpoint" in log for log in logs) == 1
+    # The size it takes is said first, then the de-quantisation shows its progress (the CLI hides bars).
+    writer = next(log for log in logs if "writing the torch checkpoint" in log)
+    said = writer.index("writing the torch checkpoint")
+    assert "538 MB on disk" in writer[said:said + 200] and writer.index("de-quantizing", said) > said
     assert deferred(target) is None and not (target / ".checkpoint.partial").exists()
     ours, reference = load_model(target, device="cpu"), load_model(real["target"], device="cpu")
     ids = torch.tensor([[1, 504, 3290, 314, 260]])

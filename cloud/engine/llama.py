@@ -11,12 +11,13 @@ other sessions or scored as a node of a draft tree (docs/engine.md, "Exactness b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+if TYPE_CHECKING:  # transformers is imported when weights are read: a llama.cpp replica never needs it
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 
 SERVED_MODEL_TYPES = ("llama", "qwen2")  # the same block; Qwen2 adds q/k/v biases
 
@@ -158,6 +159,8 @@ def rope_tables(config: PretrainedConfig, positions: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position, computed by Hugging Face's own rotary module for the config (so
     every rope scaling it knows is honoured) in float32 and rounded to `dtype` as its models do."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     rotary = LlamaRotaryEmbedding(config).to(device)
     probe = torch.zeros(1, device=device, dtype=torch.float32)
     cos, sin = rotary(probe, torch.arange(positions, device=device)[None])

@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 # cuBLAS turns split-K off when its workspace is this small (vLLM's batch-invariant mode on Hopper does
 # the same); read once, when the process first multiplies on the GPU, so set before any product runs.
@@ -34,7 +35,6 @@ os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import PreTrainedModel  # noqa: E402
 
 from .base import Capabilities, Feed, Scores  # noqa: E402
 from .batch import ROWS, GroupTensors, HostPass, lay_out, stage  # noqa: E402
@@ -42,7 +42,11 @@ from .kinds import Products  # noqa: E402
 from .kvpool import PAGE_TOKENS, KVPool, PageTable  # noqa: E402
 from .llama import LlamaWeights, PassInputs, forward, from_model  # noqa: E402
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
+
 
 class Kernels(enum.Enum):
     """Which kernels compute a pass."""

@@ -72,8 +72,11 @@ def ensure_checkpoint(directory: Path, log: Callable[[str], None] | None = None)
         gguf = deferred(directory)
         if gguf is None:  # another process wrote it while this one waited
             return
-        log(f"writing the torch checkpoint of {directory.name} from {gguf.name}, once (the torch engine and "
-            "distillation read it)")
+        from .gguf_file import read_header
+
+        size = read_header(gguf, strings=frozenset()).parameters * 4  # float32
+        log(f"writing the torch checkpoint of {directory.name} from {gguf.name}, once: {size / 1e6:,.0f} MB on disk "
+            "(the torch engine and distillation read it; llama.cpp serves the GGUF as it is)")
         staging = directory / ".checkpoint.partial"
         shutil.rmtree(staging, ignore_errors=True)
         dequantise(gguf, staging)
@@ -92,13 +95,29 @@ def dequantise(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     src, name = str(gguf.parent), gguf.name
-    loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32, local_files_only=True)
+    with progress_shown():
+        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32, local_files_only=True)
     config = AutoConfig.from_pretrained(src, gguf_file=name, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def progress_shown() -> Iterator[None]:
+    """transformers' progress bars on (the CLI turns them off), for the one long step they show: the
+    GGUF's tensors de-quantised one by one."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        yield
+    finally:
+        if not shown:
+            hf_logging.disable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Choice, choice
-from .gguf import llama_cpp_loads
-from .manifest import EAGLE_KIND, MANIFEST, WEIGHTS
+from .gguf import find_gguf, llama_cpp_loads
+from .manifest import EAGLE_KIND, MANIFEST, WEIGHTS, Manifest, resolve_base
 
 GGUF_NAME = "drafter.gguf"
 EMBEDDINGS_NAME = "input-embeddings.npy"
@@ -51,12 +51,13 @@ class DrafterEngine(Choice):
 
 @dataclass(frozen=True)
 class LlamaDraftFiles:
-    """A converted drafter: its files and how llama.cpp should run it."""
+    """What llama.cpp drafts with, and how: a compact drafter's converted GGUF fed the target's input
+    embeddings, or a GGUF model of its own (`embeddings` None), fed token ids over its own vocabulary."""
 
     gguf: Path
-    embeddings: Path  # the target's input embeddings, fp16 [target vocab, hidden]
-    weights: str  # a GGUF_WEIGHTS type
-    head_rows: int  # the GGUF's vocabulary: len(head_ids)
+    embeddings: Path | None  # the target's input embeddings, fp16 [target vocab, hidden]; None: fed ids
+    weights: str  # the GGUF's weight type (a GGUF_WEIGHTS type for a converted drafter)
+    head_rows: int  # the GGUF's vocabulary: len(head_ids), or a whole model's vocabulary
     threads: int = 1  # llama.cpp threads
 
 
@@ -101,6 +102,29 @@ def pick_engine(engine: str, path: Path, device_type: str, dtype: str, threads: 
         return files
     usable = device_type == "cpu" and str(dtype) == "auto" and files is not None
     return files if usable and llama_cpp_loads() else None
+
+
+def gguf_drafter_files(path: Path, engine: str, device_type: str, dtype: str, threads: int = 1) -> LlamaDraftFiles | None:
+    """How llama.cpp drafts with the GGUF model at `path` (its own vocabulary, fed ids) when `engine`
+    resolves to llama.cpp, None for torch: auto = llama.cpp on a CPU with no dtype asked for, when
+    llama-cpp-python loads. ConfigError in one line for a GGUF that is no model of its own (a compact
+    drafter's converted head, fed embeddings), and for llamacpp where it cannot run."""
+    from ..config import ConfigError
+    from .gguf_file import read_header
+
+    engine = choice(DrafterEngine, engine, "drafter_engine")
+    header = read_header(path, strings=frozenset())
+    if not header.has_vocabulary:
+        raise ConfigError(f"{path} is a compact drafter's head converted for llama.cpp (it is fed its target's "
+                          "embeddings, and carries no vocabulary): give the drafter's directory instead, or write "
+                          "a GGUF of its own with `hybridspec models export-drafter`")
+    if engine is DrafterEngine.TORCH:
+        return None
+    if engine is DrafterEngine.LLAMACPP and not llama_cpp_loads():
+        raise ConfigError("the llama.cpp drafter engine needs llama-cpp-python, which does not load")
+    if engine is DrafterEngine.AUTO and not (device_type == "cpu" and str(dtype) == "auto" and llama_cpp_loads()):
+        return None
+    return LlamaDraftFiles(path, None, header.weight_type, header.vocab_size, threads)
 
 
 def convertible(path: Path) -> bool:
@@ -181,14 +205,33 @@ def write_gguf(out: Path, config, state: dict, weights: str, name: str, int8: di
     # The head is a quarter of the work; Q4_0 keeps it at Q8_0, as llama.cpp's quantiser keeps heads finer.
     _add_matrix(writer, "token_embd.weight", head, "Q8_0" if weights == "Q4_0" else weights)
     writer.add_tensor("output_norm.weight", state["model.norm.weight"].astype(np.float32))
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     expected = {"lm_head.weight", "model.norm.weight", "model.embed_tokens.weight"}
-    for i in range(config.num_hidden_layers):
-        for hf, ours in names.items():
+    expected |= _add_layers(writer, state, config.num_hidden_layers, n_head, n_kv, weights, int8)
+    unused = sorted(set(state) - expected)
+    if unused:
+        raise ValueError(f"the drafter has weights a Llama GGUF has no place for: {', '.join(unused[:3])}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _add_layers(writer, state: dict, layers: int, n_head: int, n_kv: int, weights: str, int8: dict | None) -> set[str]:
+    """The decoder layers of a Llama numpy state dict (Hugging Face names) as llama.cpp's `blk.*`
+    tensors, q/k rows in llama.cpp's rope order; int8 matrices as Q8_0 exactly. The keys written."""
+    import gguf
+    import numpy as np
+
+    written = set()
+    for i in range(layers):
+        for hf, ours in LAYER_NAMES.items():
             key = f"model.layers.{i}.{hf}.weight"
-            expected.add(key)
+            written.add(key)
             heads = {"self_attn.q_proj": n_head, "self_attn.k_proj": n_kv}.get(hf)
             rows = (lambda t: permute_rope(t, heads)) if heads else (lambda t: t)  # noqa: E731
             tensor = rows(state[key])
@@ -200,13 +243,80 @@ def write_gguf(out: Path, config, state: dict, weights: str, name: str, int8: di
                 writer.add_tensor(f"blk.{i}.{ours}.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             else:
                 _add_matrix(writer, f"blk.{i}.{ours}.weight", tensor, weights)
-    unused = sorted(set(state) - expected)
+    return written
+
+
+# Keys of the target's header the exported drafter does not copy: the writer sets these itself.
+_NOT_COPIED = ("general.architecture", "general.file_type", "general.name", "general.alignment")
+
+
+def export_drafter(path: Path, out: Path, weights: str = DEFAULT_GGUF_WEIGHTS, log=print) -> Path:
+    """The compact drafter LM at `path` as a GGUF model of its own at `out`, which llama.cpp (the
+    edge's drafter engine, or any llama.cpp tool) runs fed token ids: its layers and final norm in
+    `weights`, and from its target's GGUF the token embeddings, the output head (when not tied to
+    them) and every tokenizer and architecture key, copied as stored (nothing is de-quantised). The
+    head is then the target's whole head, not the drafter's slice of it: the drafter predicts the same
+    over the slice and may now pick tokens outside it. Llama-architecture targets only; ConfigError,
+    in one line, otherwise and for a target with no GGUF."""
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    from ..config import ConfigError
+    from .compact import SCALE_SUFFIX
+    from .gguf_file import read_header
+
+    if weights not in GGUF_WEIGHTS:
+        raise ConfigError(f"weights must be one of {', '.join(GGUF_WEIGHTS)}, got {weights!r}")
+    if not convertible(path):
+        raise ConfigError(f"{path} is not a compact drafter LM (an EAGLE head drafts from its target's features)")
+    manifest = Manifest(**json.loads((path / MANIFEST).read_text()))
+    base = resolve_base(path, manifest)
+    base_gguf = find_gguf(base)
+    if base_gguf is None:
+        raise ConfigError(f"the drafter's target {base} has no GGUF file to take the embeddings and tokenizer from")
+    target = read_header(base_gguf, strings=None)
+    if target.architecture != "llama":
+        raise ConfigError(f"export-drafter writes llama-architecture drafters; the target {base_gguf} is "
+                          f"{target.architecture}")
+    log(f"writing {out}: the drafter's {manifest.num_layers} layers in {weights}, the embeddings and tokenizer of "
+        f"{base_gguf.name} as stored")
+    with safe_open(path / WEIGHTS, framework="np") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    int8 = {k: (v, stored[k + SCALE_SUFFIX]) for k, v in stored.items() if k + SCALE_SUFFIX in stored}
+    state = {k: (v.astype(np.float32) * stored[k + SCALE_SUFFIX].astype(np.float32)[:, None] if k in int8
+                 else v.astype(np.float32))
+             for k, v in stored.items() if k != "head_ids" and not k.endswith(SCALE_SUFFIX)}
+    partial = out.with_name(out.name + ".partial")
+    writer = gguf.GGUFWriter(str(partial), "llama")
+    for key, value in target.metadata.items():
+        if key in _NOT_COPIED or key == "llama.block_count":
+            continue
+        kind, inner = target.types[key]
+        writer.add_key_value(key, value, gguf.GGUFValueType(kind), None if inner is None else gguf.GGUFValueType(inner))
+    writer.add_name(out.stem)
+    writer.add_block_count(manifest.num_layers)
+    writer.add_file_type({"F16": gguf.LlamaFileType.MOSTLY_F16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[weights])
+    for name in ("token_embd.weight", "output.weight"):  # no output.weight: the head is tied to the embeddings
+        info = target.tensor(name)
+        if info is not None:
+            raw = np.frombuffer(target.raw_data(info), dtype=np.uint8)
+            rows = info.shape[1] if len(info.shape) > 1 else 1
+            writer.add_tensor(name, raw.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType(info.ggml_type))
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    written = _add_layers(writer, state, manifest.num_layers, int(target.arch_value("attention.head_count")),
+                          int(target.arch_value("attention.head_count_kv")), weights, int8)
+    unused = sorted(set(state) - written - {"model.norm.weight"})
     if unused:
-        raise ValueError(f"the drafter has weights a Llama GGUF has no place for: {', '.join(unused[:3])}")
+        partial.unlink(missing_ok=True)
+        raise ConfigError(f"the drafter has weights a Llama GGUF has no place for: {', '.join(unused[:3])}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    os.replace(partial, out)
+    return out
 
 
 def permute_rope(weight, heads: int):

@@ -3,15 +3,18 @@
 
 A target option names a `.gguf` file, or a checkpoint directory holding one as `model.gguf` beside its
 tokenizer (what `hybridspec models pull` installs). The tokenizer and the end-of-sequence ids come from
-the same files the torch path reads, so an edge sees the same vocabulary whichever engine serves.
+that directory's files, or, for a bare `.gguf`, from the file's own metadata (common/models/gguf_file.py):
+the same vocabulary the torch path and an edge see, and no tensor is read to find it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+
+from .gguf_file import end_ids_of, file_identity, tokenizer_files
+from .vocabulary import TokenizerFiles
 
 
 GGUF_FILE = "model.gguf"  # a checkpoint directory's GGUF weights: a link to one of its model.<TYPE>.gguf
@@ -83,18 +86,25 @@ class GgufTarget:
     vocab_size: int  # rows of the output head (the engine reads it from the file)
 
     @cached_property
-    def tokenizer(self):
-        """The checkpoint directory's tokenizer, else the one transformers builds from the GGUF."""
-        from transformers import AutoTokenizer  # here: the CLI reads WEIGHT_TYPES without transformers
-
+    def tokenizer_dir(self) -> Path:
+        """The checkpoint directory when it holds the tokenizer beside model.gguf, else the files made
+        from the GGUF's own metadata (gguf_file.tokenizer_files: no tensor is read)."""
         if self.path.name == GGUF_FILE and (self.path.parent / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(str(self.path.parent), local_files_only=True)
-        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name, local_files_only=True)
+            return self.path.parent
+        return tokenizer_files(self.path)
+
+    @cached_property
+    def tokenizer(self) -> TokenizerFiles:
+        """`tokenizer_dir` read without transformers: the vocabulary and special tokens the verifier's
+        fingerprint covers, and the end-of-sequence token."""
+        return TokenizerFiles(self.tokenizer_dir)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """Every id that ends a generation: the directory's generation config and the tokenizer's."""
+        """Every id that ends a generation: the tokenizer's, and the directory's generation config or
+        the GGUF's end-of-turn ids."""
         ids = {self.tokenizer.eos_token_id} - {None}
+        ids.update(end_ids_of(self.tokenizer_dir))
         config = self.path.parent / "generation_config.json"
         if self.path.name == GGUF_FILE and config.is_file():
             eos = json.loads(config.read_text()).get("eos_token_id")
@@ -103,15 +113,8 @@ class GgufTarget:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 over the file's size and 64 KiB samples spread through it: the weights' identity,
-        cheap to compute for a file of gigabytes."""
-        size = self.path.stat().st_size
-        h = hashlib.sha256(f"gguf:{size}".encode())
-        with self.path.open("rb") as f:
-            for i in range(16):
-                f.seek(size * i // 16)
-                h.update(f.read(1 << 16))
-        return h.hexdigest()[:32]
+        """The weights' identity (gguf_file.file_identity: sampled, cheap for a file of gigabytes)."""
+        return file_identity(self.path)
 
 
 def requantize(src: Path, dst: Path, weights: str, threads: int = 2) -> None:
