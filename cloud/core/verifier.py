@@ -90,7 +90,7 @@ from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
 from .session import Phase, Session, SessionStore
-from .telemetry import ReplicaTelemetry, Tally, Telemetry
+from .telemetry import Part, ReplicaTelemetry, StepClock, Tally, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +218,7 @@ class Verifier:
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
                                       self._retire)
         self.telemetry = Telemetry()
+        self.clock = StepClock(enabled=False)  # a benchmark swaps in an enabled one (bench/hop_overhead.py host)
         self.cost = StepCost()  # of the steps that fed a prompt
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
@@ -359,6 +360,8 @@ class Verifier:
         """One turn of the stepping thread (the module's docstring lists its seven steps): the model
         thread, or a blocking caller while none runs (`wait`), never anyone else. Returns False when
         nothing was queued."""
+        clock = self.clock  # swapped by a benchmark between steps, never within one
+        clock.start()
         # 1. Take what is queued. Bookkeeping runs first, so a close or a stats call never waits
         #    behind a long queue; a new open is admitted (validated, a session slot) so it can be planned.
         with self._cv:
@@ -384,6 +387,7 @@ class Verifier:
             if opens:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
             return True
+        clock.lap(Part.SCHEDULE)
         started = time.perf_counter()
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(taken)
         try:
@@ -391,8 +395,10 @@ class Verifier:
             rounds_in = self._admit(work.rounds, results)
             # 4. Room in the cache for every feed; a feed that cannot get it fails alone.
             feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
+            clock.lap(Part.ADMIT)
             # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
             scores = self._forward(feeds, rounds_in, work.openings, results)
+            clock.lap(Part.FORWARD)
             if scores is not None:
                 # 6. Each round's rule; its session commits the accepted drafts and the new token;
                 #    prompt chunks keep the features their session asked for.
@@ -407,6 +413,7 @@ class Verifier:
             if work.prefill_tokens:
                 self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
             self._fed_last_step = work.prefill_tokens > 0
+            clock.lap(Part.RULES)
         except Exception as exc:  # a bug the step did not contain: fail this step's items, keep serving
             error = incident(log, exc, "a verification step")
             results = [error] * len(taken)
@@ -424,6 +431,8 @@ class Verifier:
             _resolve(item.future, result)
         if opens:
             self._settle_opens(opens)
+        clock.lap(Part.ANSWER)
+        clock.done(len(taken))
         return True
 
     # ---- 1. taking work ------------------------------------------------------------------------
@@ -727,7 +736,9 @@ class Verifier:
                     self._cv.wait()
                 if self._stopping:
                     return
+                self.clock.start()
                 self._wait_for_company(free_since)
+                self.clock.lap(Part.HOLD)
             self.step()
 
     def _wait_for_company(self, free_since: float) -> None:
