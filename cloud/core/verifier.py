@@ -23,7 +23,9 @@ held only to queue, to take and to hand work back. Everything else (the engine, 
 prefix cache, telemetry, the batching state) belongs to the one thread that steps: the model thread
 while the verifier is started (`start`: a replica serving), else a blocking caller, which runs the
 steps itself until its answer is in (tests, benchmarks, a co-located baseline); never two at once.
-Answers reach event loops through their futures, and a decode stream's tokens through its loop.
+Answers reach an event loop through its `_Mail`: a step queues its answers (awaited rounds' results, decode
+streams' tokens) and hands each loop all of its own in one call at the step's end, so a step that
+answers 64 rounds wakes their loop once, not 64 times, and is not interrupted by that loop meanwhile.
 
 Two ways in. Blocking: `open_session`, `verify`, `verify_batch`, `close_session`, `stats`. Awaited:
 `aopen_session`, `averify`, `adecode`, `aclose_session`, `astats` (an `a` marks the awaited twin, as
@@ -69,6 +71,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -88,7 +91,7 @@ from .costs import measure_pass_costs
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
 from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
-from .rules import apply_rule, greedy_argmaxes
+from .rules import Prepared, apply_rule, prepare_pass
 from .session import Phase, Session, SessionStore
 from .telemetry import Part, ReplicaTelemetry, StepClock, Tally, Telemetry
 
@@ -112,14 +115,69 @@ class VerifierStats:
     parked_tokens: int = 0  # tokens of idle sessions parked in host memory (an engine that parks)
 
 
+class _Mail:
+    """What the stepping thread hands one event loop: queued as a step answers (`post`) and run on the loop
+    in one call when the step ends (`send`). Each call across threads is a write to the loop's wake-up pipe
+    and lets the loop's thread take the interpreter in the middle of the step: once per step, not per round."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._items: list[tuple[Callable[[object], None], object]] = []
+        self._due = False  # a delivery is scheduled and has not run yet
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """The loop is gone or closed: nothing sent would run."""
+        loop = self._loop()
+        return loop is None or loop.is_closed()
+
+    def post(self, fn: Callable[[object], None], arg: object) -> None:
+        """Run fn(arg) on the loop at the next `send`."""
+        with self._lock:
+            self._items.append((fn, arg))
+
+    def send(self) -> None:
+        """Hand the loop what is posted, in one call (dropped if the loop is closed: nobody waits for it)."""
+        with self._lock:
+            if self._due or not self._items:
+                return
+            self._due = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._items.clear()
+                self._due = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._due = self._items, [], False
+        for fn, arg in items:
+            fn(arg)
+
+
+_MAILS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mail] = weakref.WeakKeyDictionary()
+
+
+def _mail() -> _Mail:
+    """The running loop's mail (called on that loop)."""
+    loop = asyncio.get_running_loop()
+    mail = _MAILS.get(loop)
+    return mail if mail is not None else _MAILS.setdefault(loop, _Mail(loop))
+
+
 class DecodeStream:
     """One session's decode steps; `answered` runs on the model thread, `tokens` on the consumer's loop."""
 
-    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], mail: _Mail) -> None:
         self.first = first  # an empty block at the session's current length
+        self.mail = mail  # the consumer's loop's
         self._left = max_tokens
         self._eos = eos
-        self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._gone = False  # the consumer stopped listening
 
@@ -132,7 +190,7 @@ class DecodeStream:
         token = result.next_token
         self._left -= 1
         self._push(token)
-        if self._left > 0 and token not in self._eos and not self._gone:
+        if self._left > 0 and token not in self._eos and not self._gone and not self.mail.closed:
             return replace(block, round=block.round + 1, committed_len=block.committed_len + 1)
         self._push(_END)
         return None
@@ -151,18 +209,25 @@ class DecodeStream:
             self._gone = True
 
     def _push(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            self._gone = True
+        self.mail.post(self._queue.put_nowait, item)
 
 
 @dataclass
 class _Round:
     block: DraftBlock
-    future: Future
+    future: Future | asyncio.Future  # an awaited round's is its loop's, answered through `mail`
     arrived: float
     stream: DecodeStream | None = None  # a cloud-only stream's round: its answer queues the next one
+    mail: _Mail | None = None  # the loop an awaited round's answer (or its stream's token) goes to
+
+    def answer(self, result: VerifyResult | HybridSpecError) -> _Mail | None:
+        """Resolve the round: a blocking caller's future at once, an awaited one's through its loop's
+        mail; returns the mail the step must send (an awaited round's or its decode stream's), if any."""
+        if isinstance(self.future, Future):
+            _resolve(self.future, result)
+        else:
+            self.mail.post(_settle, (self.future, result))
+        return self.mail
 
 
 @dataclass
@@ -329,15 +394,17 @@ class Verifier:
         return await _awaited("OpenSession", self._put(self._opens, _Open(spec, Future()), awaited=True))
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
-        """`verify`, awaited."""
-        return await _awaited("Verify", self._put(self._rounds, _Round(block, Future(), time.perf_counter()),
-                                                  awaited=True))
+        """`verify`, awaited; cancelling the await cancels the round. Its answer comes with the others
+        of its step (`_Mail`)."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(self._rounds, _Round(block, future, time.perf_counter(), mail=_mail()), awaited=True)
+        return _raised(await future)
 
     async def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding of up to `max_tokens` tokens from the empty block `block`, each the next
         round's bonus token, queued by the model thread itself (`DecodeStream`)."""
-        stream = DecodeStream(block, max_tokens, eos, asyncio.get_running_loop())
-        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream), awaited=True)
+        stream = DecodeStream(block, max_tokens, eos, _mail())
+        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream, stream.mail), awaited=True)
         async for token in stream.tokens():
             yield token
 
@@ -422,13 +489,15 @@ class Verifier:
         # 7. Answer, timing each round here, where it is answered (the one place `verify_ms` and
         #    `queue_ms` are set): the wait before this step is its queueing.
         done = time.perf_counter()
+        mails = set()
         for item, result in zip(taken, results):
             if isinstance(result, VerifyResult):
                 result = replace(result, verify_ms=(done - item.arrived) * 1e3,
                                  queue_ms=max(0.0, started - item.arrived) * 1e3)
             if item.stream is not None:
                 self._continue(item.stream, item.stream.answered(item.block, result), done)
-            _resolve(item.future, result)
+            mails.add(item.answer(result))
+        _send(mails)
         if opens:
             self._settle_opens(opens)
         clock.lap(Part.ANSWER)
@@ -599,23 +668,24 @@ class Verifier:
     # ---- 6. rules and commit -------------------------------------------------------------------
 
     def _conclude_all(self, rounds: list[Round], scores: list[Scores], results: list) -> None:
-        """Every round's rule on its rows, the greedy ones' argmaxes taken together (one wait for the
-        device, not one per round)."""
+        """Every round's rule on its rows, what the rules read from the logits taken for the whole pass
+        at once (`prepare_pass`: one argmax over the greedy rounds' rows, the sampling rounds'
+        probabilities in one copy to the host; one wait for the device, not one per round)."""
         answered = time.monotonic()
         try:
-            bests = greedy_argmaxes([session.spec for _, _, session in rounds], [s.logits for s in scores])
-        except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
-            log.warning("batched argmax failed (%s); rules take their own", exc)
-            bests = [None] * len(rounds)
-        for (i, block, session), round_scores, best in zip(rounds, scores, bests):
-            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
+            prepared = prepare_pass([session.spec for _, _, session in rounds], [s.logits for s in scores])
+        except Exception as exc:  # each rule then reads its own logits, and fails alone if it must
+            log.warning("preparing the pass's rules failed (%s); each rule reads its own logits", exc)
+            prepared = [Prepared()] * len(rounds)
+        for (i, block, session), round_scores, ready in zip(rounds, scores, prepared):
+            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, ready)
 
     def _conclude(self, block: DraftBlock, session: Session, scores: Scores, batch_size: int, answered: float,
-                  best: list[int] | None = None) -> VerifyResult | HybridSpecError:
+                  prepared: Prepared) -> VerifyResult | HybridSpecError:
         """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
         token is fed at the head of the next block) and commit. A failure is this session's alone."""
         try:
-            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, best)
+            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, prepared)
             # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
             # features are the session's next committed context, and only their keys stay cached.
             rows = [0, *(node + 1 for node in nodes)]
@@ -661,7 +731,7 @@ class Verifier:
         if follow is None:
             return
         try:
-            self._put(self._rounds, _Round(follow, Future(), now, stream))
+            self._put(self._rounds, _Round(follow, Future(), now, stream, stream.mail))
         except Unavailable as exc:
             stream.answered(follow, exc)
 
@@ -774,9 +844,9 @@ class Verifier:
             self._calls.clear()
         gone = Unavailable("the verifier is shutting down")
         for item in rounds:
-            _resolve(item.future, gone)
             if item.stream is not None:
                 item.stream.answered(item.block, gone)
+        _send({item.answer(gone) for item in rounds})
         for item in opens:
             if item.session is not None and item.session.phase is Phase.PREFILLING:
                 item.session.fail(gone, self.engine.release)
@@ -817,6 +887,20 @@ def _resolve(future: Future, value: object) -> None:
     """Set a result unless the caller cancelled or it is answered already."""
     if not future.done() and future.set_running_or_notify_cancel():
         future.set_result(value)
+
+
+def _settle(answer: tuple[asyncio.Future, object]) -> None:
+    """`_resolve` for an awaited round's future, on its loop."""
+    future, value = answer
+    if not future.done():
+        future.set_result(value)
+
+
+def _send(mails: set[_Mail | None]) -> None:
+    """Hand every loop in `mails` what the step posted for it."""
+    for mail in mails:
+        if mail is not None:
+            mail.send()
 
 
 def _raised(result):
