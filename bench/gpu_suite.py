@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from hybridspec.cloud.core.limits import DEFAULT_HOLD, Hold
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.lab.gpu_suite import capacity, exactness, models, passes, report
 from harness import arguments, commit
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agree", type=float, nargs="+", default=[0.6, 0.8], help="oracle drafter agreement (d)")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--draft-ms", type=float, default=1.0, help="drafting time per token on the edge (d)")
+    parser.add_argument("--hold", type=Hold, choices=list(Hold), default=DEFAULT_HOLD,
+                        help="which rounds a queued round waits for (d; cloud/core/holding.py)")
     args = parser.parse_args(argv)
     plan = dict(QUICK if args.quick else FULL if args.device.startswith("cuda") else CPU)
     if args.device == "cpu":
@@ -135,11 +138,13 @@ def _capacity(results: dict, plan: dict, args, dtype, limits) -> None:
     from hybridspec.cloud.core.verifier import Verifier
 
     bench = models.build(plan["capacity_shape"], args.device, dtype, limits)
-    verifier = Verifier(bench.verifier.target, limits, bench.engine, max_batch=max(plan["edges"]), max_wait_ms=1.0)
+    verifier = Verifier(bench.verifier.target, limits, bench.engine, max_batch=max(plan["edges"]), max_wait_ms=1.0,
+                        hold=args.hold)
     verifier.measure_pass_costs(8)
     server = BackgroundServer(verifier)
     fleet = capacity.EdgeFleet(plan["processes"])
-    results["capacity"] = {"shape": plan["capacity_shape"], "gamma": args.gamma, "draft_ms_per_token": args.draft_ms,
+    results["capacity"] = {"shape": plan["capacity_shape"], "hold": args.hold.value, "gamma": args.gamma,
+                           "draft_ms_per_token": args.draft_ms,
                            "new_tokens": plan["new_tokens"], "rows": []}
     try:
         results["capacity"]["rows"] = capacity.capacity(

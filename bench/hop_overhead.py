@@ -4,6 +4,7 @@ replica's own endpoint, in-process), and per security setup (plaintext, TLS, tok
     python bench/hop_overhead.py [--rounds 300] [--gamma 4] [--target tiny|PATH] [--pin] [--out FILE]
     python bench/hop_overhead.py --security [--rounds 400] [--connects 40] [--gamma 4] [--target tiny|PATH] [--out FILE]
     python bench/hop_overhead.py --host [--edges 1,8,64] [--seconds 5] [--repeats 3] [--draft-ms 0] [--out FILE]
+    python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--out FILE]
 
 Every lane is a real gRPC client (edge/client.py) on localhost sending one round of γ draft tokens at a
 time; the lanes take turns round by round, so load from other work on the machine hits all of them
@@ -36,6 +37,10 @@ process on the edge core. Over a window of --seconds after 2 s of warm-up: per s
 part of the step, the forward pass apart, and "grpc": the process's CPU outside the model thread (the
 servicer's decoding and encoding, the event loop, gRPC's threads, the hand-offs to and from the model
 thread); means over the repeats with 95 % t intervals.
+
+--meet: the same edges, drafting --draft-ms (8) before each round, against replicas holding rounds for
+company by each of --holds (cloud/core/holding.py), each policy and edge count in turn: passes per round
+of every edge, rounds per pass, tokens/s and the edges' p95 round time.
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ import torch
 import trustme
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
-from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS
+from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS, Hold
 from hybridspec.cloud.core.telemetry import Part, StepClock
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.pool import inprocess_pool
@@ -339,7 +344,7 @@ def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
     steps = max(1, clock.steps)
     cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
     cpu_ms["grpc"] = 1e3 * (cpu - sum(clock.cpu.values())) / steps
-    return {"steps": clock.steps, "rounds": clock.rounds, "cpu_ms": cpu_ms,
+    return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
             "wall_ms": {part.value: 1e3 * clock.wall[part] / steps for part in Part},
             "tokens_per_s": seen["tokens"] / args.seconds, "passes_per_round": clock.steps * edges / max(1, seen["rounds"]),
             "p95_round_ms": percentile(seen["latency_ms"], 95) if seen["latency_ms"] else None, "opens": seen["opens"]}
@@ -384,7 +389,7 @@ def host(args) -> dict:
         host_parts = [p for p in [*(part.value for part in Part), "grpc"] if p != Part.FORWARD.value]
         per_step = [sum(r["cpu_ms"][p] for p in host_parts) for r in runs]
         rows.append({"edges": n, "steps": [r["steps"] for r in runs],
-                     "rounds_per_step": interval([r["rounds"] / max(1, r["steps"]) for r in runs]),
+                     "rounds_per_step": interval([r["rounds_per_step"] for r in runs]),
                      "host_cpu_ms_per_step": interval(per_step),
                      "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"])
                                                         for h, r in zip(per_step, runs)]),
@@ -396,27 +401,46 @@ def host(args) -> dict:
             "rows": rows}
 
 
+def meet(args) -> dict:
+    """Each --hold policy at each --edges count, in turns, the edges drafting --draft-ms before each round:
+    passes per round of every edge, rounds per pass, tokens/s and the edges' p95 round time."""
+    runs = [(f"{hold}, B={n}", n, {"hold": Hold(hold), "max_wait_ms": args.max_wait_ms})
+            for n in args.edges for hold in args.holds]
+    out = windows(args, runs)
+    keys = ("passes_per_round", "rounds_per_step", "tokens_per_s", "p95_round_ms")
+    rows = [{"hold": settings["hold"].value, "edges": n, **{key: interval([r[key] for r in out[label]]) for key in keys}}
+            for label, n, settings in runs]
+    return {"target": args.target, "gamma": args.gamma, "draft_ms": args.draft_ms, "max_wait_ms": args.max_wait_ms,
+            "seconds": args.seconds, "repeats": args.repeats, "cores": args.cores,
+            "load_average": [args.load_before, os.getloadavg()], "rows": rows}
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--security", action="store_true", help="the four security setups instead of the paths")
     parser.add_argument("--host", action="store_true", help="a replica's host time per step under many edges")
+    parser.add_argument("--meet", action="store_true", help="the batching policies (--holds) under many edges")
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
     parser.add_argument("--rounds", type=int, help="timed rounds per lane (default: 300 per path, 400 per setup)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     parser.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
-                        help="paths: the scheduler's wait for recently active sessions' rounds")
+                        help="paths, --meet: the replica's wait for other sessions' rounds (max_wait_ms)")
     parser.add_argument("--pin", action="store_true", help="paths: replicas on the second core, the rest on the first")
     parser.add_argument("--connects", type=int, default=40, help="--security: timed fresh connections per setup")
     parser.add_argument("--edges", type=lambda s: [int(n) for n in s.split(",")], default=[1, 8, 64],
-                        help="--host: concurrent edges (sessions), comma-separated")
-    parser.add_argument("--seconds", type=float, default=5.0, help="--host: the timed window of each run")
-    parser.add_argument("--repeats", type=int, default=3, help="--host: runs of each edge count, in turns")
-    parser.add_argument("--draft-ms", type=float, default=0.0, help="--host: each edge's drafting time per round")
+                        help="--host, --meet: concurrent edges (sessions), comma-separated")
+    parser.add_argument("--holds", type=lambda s: s.split(","), default=[h.value for h in Hold],
+                        help="--meet: the batching policies to compare (cloud/core/holding.py)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="--host, --meet: the timed window of each run")
+    parser.add_argument("--repeats", type=int, default=3, help="--host, --meet: runs of each setting, in turns")
+    parser.add_argument("--draft-ms", type=float, help="--host, --meet: each edge's drafting time per round "
+                                                       "(default 0 and 8)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     args.rounds = args.rounds or (400 if args.security else 300)
+    args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
     torch.set_num_threads(1)
-    result = security(args) if args.security else host(args) if args.host else paths(args)
+    result = security(args) if args.security else host(args) if args.host else meet(args) if args.meet else paths(args)
     report({**header(), **result}, args.out, indent=2)
 
 

@@ -88,7 +88,8 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
-from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
+from .holding import Waiting, policy
+from .limits import DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits
 from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import Prepared, apply_rule, prepare_pass
@@ -250,10 +251,11 @@ class Verifier:
 
     def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,
                  max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, name: str = "in-process") -> None:
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, hold: Hold = DEFAULT_HOLD,
+                 name: str = "in-process") -> None:
         """`engine` defaults to the torch engine over `target`'s model (a LoadedModel). The batching
-        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`); `name` is the
-        replica's in a pool."""
+        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`; `hold`: which
+        rounds a queued one waits for, cloud/core/holding.py); `name` is the replica's in a pool."""
         if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
             raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
                              f"{max_wait_ms}, {prefill_budget_ms}")
@@ -277,6 +279,7 @@ class Verifier:
             max_tree_nodes=tree_nodes(self.limits.max_tree_nodes, caps))
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1e3
+        self.hold = policy(hold, self.max_wait_s)
         self.prefill_budget_ms = prefill_budget_ms
         # The stepping thread's state.
         self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
@@ -288,6 +291,9 @@ class Verifier:
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
+        self._cohort: dict[str, int] = {}  # session -> the pass that carried its last round
+        self._passes = 0  # passes run so far
+        self._last_pass_s = 0.0  # the last pass's time, from admission to answers
         # Under `_cv`: the queues (made once, changed only in place) and who steps.
         self._cv = threading.Condition()
         self._rounds: deque[_Round] = deque()
@@ -450,6 +456,7 @@ class Verifier:
         work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
+            self._cohort[item.block.session_id] = self._passes
         if not taken and not work.openings:
             if opens:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
@@ -489,6 +496,7 @@ class Verifier:
         # 7. Answer, timing each round here, where it is answered (the one place `verify_ms` and
         #    `queue_ms` are set): the wait before this step is its queueing.
         done = time.perf_counter()
+        self._passes, self._last_pass_s = self._passes + 1, done - started
         mails = set()
         for item, result in zip(taken, results):
             if isinstance(result, VerifyResult):
@@ -760,6 +768,7 @@ class Verifier:
         """Close a session: it is no longer company to wait for, nor a reason to cut another session's
         prefill into small chunks."""
         self._recent.pop(session_id, None)
+        self._cohort.pop(session_id, None)
         return self._sessions.pop(session_id)
 
     def _stats(self) -> VerifierStats:
@@ -812,20 +821,24 @@ class Verifier:
             self.step()
 
     def _wait_for_company(self, free_since: float) -> None:
-        """Hold queued rounds while recently active sessions have none queued (cv held): at most
-        max_wait after the model became free or the oldest round arrived, whichever is later. The
-        sessions answered by the step that just ended need that moment to send their next round."""
+        """Hold queued rounds for the company of others' while the batching policy says so (cv held;
+        cloud/core/holding.py), asked again at each arrival: its holding starts when the model became
+        free or the oldest round arrived, whichever is later. The sessions answered by the step that
+        just ended need that moment to send their next round."""
         if not self._rounds or self.max_wait_s == 0 or self._split:
             return  # (the rounds the last pass could not carry were ready for it: they go at once)
-        deadline = max(free_since, self._rounds[0].arrived) + self.max_wait_s
+        since = max(free_since, self._rounds[0].arrived)
         while not self._stopping:
             now = time.perf_counter()
             for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
                 del self._recent[sid]
-            queued = {r.block.session_id for r in self._rounds}
-            if len(queued) >= min(self.max_batch, len(self._recent | dict.fromkeys(queued))) or now >= deadline:
+                self._cohort.pop(sid, None)
+            queued = frozenset(r.block.session_id for r in self._rounds)
+            until = self.hold.hold_until(Waiting(now, since, queued, queued.union(self._recent), self.max_batch,
+                                                 self._last_pass_s, self._cohort))
+            if until is None:
                 return
-            self._cv.wait(deadline - now)
+            self._cv.wait(until - now)
 
     def _halt(self) -> None:
         """`stop` on a thread of its own: the last stop ends the model thread, then fails what is queued."""
