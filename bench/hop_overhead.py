@@ -4,7 +4,8 @@ replica's own endpoint, in-process), and per security setup (plaintext, TLS, tok
     python bench/hop_overhead.py [--rounds 300] [--gamma 4] [--target tiny|PATH] [--pin] [--out FILE]
     python bench/hop_overhead.py --security [--rounds 400] [--connects 40] [--gamma 4] [--target tiny|PATH] [--out FILE]
     python bench/hop_overhead.py --host [--edges 1,8,64] [--seconds 5] [--repeats 3] [--draft-ms 0] [--out FILE]
-    python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--out FILE]
+    python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--pass-ms 0]
+                                        [--repeats 3] [--out FILE]
 
 Every lane is a real gRPC client (edge/client.py) on localhost sending one round of γ draft tokens at a
 time; the lanes take turns round by round, so load from other work on the machine hits all of them
@@ -40,7 +41,9 @@ thread); means over the repeats with 95 % t intervals.
 
 --meet: the same edges, drafting --draft-ms (8) before each round, against replicas holding rounds for
 company by each of --holds (cloud/core/holding.py), each policy and edge count in turn: passes per round
-of every edge, rounds per pass, tokens/s and the edges' p95 round time.
+of every edge, rounds per pass, the time a pass was held for company, tokens/s (and its ratio to the
+first policy's in the same repeat) and the edges' p95 round time. --pass-ms makes every pass last at
+least that long, as on a GPU, where a pass costs about the same for few rounds as for many.
 """
 from __future__ import annotations
 
@@ -329,6 +332,8 @@ def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
     edges for one window: its steps' time part by part (thread CPU and wall, from StepClock), the
     process's CPU outside the model thread (gRPC, the event loop, the hop), and what the edges saw."""
     replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
+    if args.pass_ms:
+        at_least(replica.engine, args.pass_ms / 1e3)
     server = BackgroundServer(replica)
     try:
         conn.send({"address": server.address, "edges": edges, "gamma": args.gamma, "draft_ms": args.draft_ms})
@@ -345,9 +350,25 @@ def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
     cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
     cpu_ms["grpc"] = 1e3 * (cpu - sum(clock.cpu.values())) / steps
     return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
+            "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps,
             "wall_ms": {part.value: 1e3 * clock.wall[part] / steps for part in Part},
-            "tokens_per_s": seen["tokens"] / args.seconds, "passes_per_round": clock.steps * edges / max(1, seen["rounds"]),
+            "tokens_per_s": seen["tokens"] / args.seconds,
+            "passes_per_round": clock.steps * edges / max(1, seen["rounds"]),
             "p95_round_ms": percentile(seen["latency_ms"], 95) if seen["latency_ms"] else None, "opens": seen["opens"]}
+
+
+def at_least(engine, seconds: float) -> None:
+    """Make every pass of `engine` last at least `seconds` (a sleep after it, the interpreter free
+    meanwhile): a device whose pass time hardly grows with its rows, as a GPU's up to its batch size."""
+    forward = engine.forward
+
+    def flat(feeds):
+        start = time.perf_counter()
+        scores = forward(feeds)
+        time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
+        return scores
+
+    engine.forward = flat
 
 
 def windows(args, runs: list[tuple[str, int, dict]]) -> dict[str, list[dict]]:
@@ -397,20 +418,27 @@ def host(args) -> dict:
                      "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
                      "reopens": [r["opens"] for r in runs]})
     return {"target": args.target, "gamma": args.gamma, "seconds": args.seconds, "repeats": args.repeats,
-            "draft_ms": args.draft_ms, "cores": args.cores, "load_average": [args.load_before, os.getloadavg()],
+            "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": args.cores, "load_average": [args.load_before, os.getloadavg()],
             "rows": rows}
 
 
 def meet(args) -> dict:
     """Each --hold policy at each --edges count, in turns, the edges drafting --draft-ms before each round:
-    passes per round of every edge, rounds per pass, tokens/s and the edges' p95 round time."""
+    passes per round of every edge, rounds per pass, tokens/s (also over the first policy's in the same
+    repeat) and the edges' p95 round time."""
     runs = [(f"{hold}, B={n}", n, {"hold": Hold(hold), "max_wait_ms": args.max_wait_ms})
             for n in args.edges for hold in args.holds]
     out = windows(args, runs)
-    keys = ("passes_per_round", "rounds_per_step", "tokens_per_s", "p95_round_ms")
-    rows = [{"hold": settings["hold"].value, "edges": n, **{key: interval([r[key] for r in out[label]]) for key in keys}}
-            for label, n, settings in runs]
-    return {"target": args.target, "gamma": args.gamma, "draft_ms": args.draft_ms, "max_wait_ms": args.max_wait_ms,
+    keys = ("passes_per_round", "rounds_per_step", "hold_ms", "tokens_per_s", "p95_round_ms")
+    rows = []
+    for label, n, settings in runs:
+        first = out[f"{args.holds[0]}, B={n}"]  # the same repeat's run of the first policy: load hits both alike
+        rows.append({"hold": settings["hold"].value, "edges": n,
+                     **{key: interval([r[key] for r in out[label]]) for key in keys},
+                     "tokens_per_s_over_first": interval([r["tokens_per_s"] / f["tokens_per_s"]
+                                                          for r, f in zip(out[label], first)])})
+    return {"target": args.target, "gamma": args.gamma, "draft_ms": args.draft_ms, "pass_ms": args.pass_ms,
+            "max_wait_ms": args.max_wait_ms,
             "seconds": args.seconds, "repeats": args.repeats, "cores": args.cores,
             "load_average": [args.load_before, os.getloadavg()], "rows": rows}
 
@@ -427,18 +455,21 @@ def main() -> None:
                         help="paths, --meet: the replica's wait for other sessions' rounds (max_wait_ms)")
     parser.add_argument("--pin", action="store_true", help="paths: replicas on the second core, the rest on the first")
     parser.add_argument("--connects", type=int, default=40, help="--security: timed fresh connections per setup")
-    parser.add_argument("--edges", type=lambda s: [int(n) for n in s.split(",")], default=[1, 8, 64],
-                        help="--host, --meet: concurrent edges (sessions), comma-separated")
+    parser.add_argument("--edges", type=lambda s: [int(n) for n in s.split(",")],
+                        help="--host, --meet: concurrent edges (sessions), comma-separated (default 1,8,64 and 16,64)")
     parser.add_argument("--holds", type=lambda s: s.split(","), default=[h.value for h in Hold],
                         help="--meet: the batching policies to compare (cloud/core/holding.py)")
     parser.add_argument("--seconds", type=float, default=5.0, help="--host, --meet: the timed window of each run")
     parser.add_argument("--repeats", type=int, default=3, help="--host, --meet: runs of each setting, in turns")
     parser.add_argument("--draft-ms", type=float, help="--host, --meet: each edge's drafting time per round "
                                                        "(default 0 and 8)")
+    parser.add_argument("--pass-ms", type=float, default=0.0, help="--host, --meet: every pass lasts at least this "
+                                                                   "long (a flat-cost device; 0: the target's own)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     args.rounds = args.rounds or (400 if args.security else 300)
     args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
+    args.edges = args.edges or ([16, 64] if args.meet else [1, 8, 64])
     torch.set_num_threads(1)
     result = security(args) if args.security else host(args) if args.host else meet(args) if args.meet else paths(args)
     report({**header(), **result}, args.out, indent=2)

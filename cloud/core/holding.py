@@ -11,11 +11,17 @@ waits, so every policy is bounded, and a lone edge never waits (nobody else is a
 - company (the default): hold while a recently active session has no round queued, at most `max_wait`
   after the model became free or the oldest round arrived, whichever is later.
 - cohort: the same, but wait only for the sessions the same pass answered as a queued round's session:
-  its cohort. Sessions a pass could not wait for are answered by the next one and become a cohort of
-  their own, so the edges split into groups that draft while another group is verified (SpecEdge's two
-  cohorts, formed by the passes themselves), and no pass waits for a group that is still drafting.
+  its cohort (a session no pass has answered yet waits for everyone). Sessions a pass could not wait
+  for are answered by the next one and become a cohort of their own, so the edges split into groups
+  that draft while another group is verified (SpecEdge's two cohorts, formed by the passes
+  themselves), and no pass waits for a group that is still drafting. Where a pass's cost grows with its
+  rows (a CPU), two groups cost little more than one and overlap drafting with verification.
 - quorum: hold until QUORUM of the active sessions have a round queued, at most the longer of `max_wait`
-  and HOLD_SHARE of the last pass's time: the bound grows with what a fragment of a pass would cost.
+  and HOLD_SHARE of the last pass's time: long enough for a group that is drafting to come back, so
+  groups merge into one and stay merged. Where a pass costs about the same for few rounds as for many
+  (a GPU below its batch size), one pass per round of every edge is what pays.
+
+Measured (docs/measurements.md, "Rounds that meet"): which wins depends on that cost curve.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from typing import Protocol
 from .limits import Hold
 
 QUORUM = 0.9  # the share of active sessions a quorum pass waits for
-HOLD_SHARE = 0.25  # of the last pass's time: how long a quorum pass may hold beyond max_wait
+HOLD_SHARE = 1.0  # of the last pass's time: how long a quorum pass may hold (at least max_wait)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class Cohort:
 
     def hold_until(self, w: Waiting) -> float | None:
         passes = {w.cohorts.get(s) for s in w.queued}
-        cohort = frozenset(s for s in w.active if w.cohorts.get(s) in passes)
+        # A session no pass has answered yet belongs to no cohort: it waits for everyone, as with company.
+        cohort = w.active if None in passes else frozenset(s for s in w.active if w.cohorts.get(s) in passes)
         return _until(w, cohort, w.since + self.max_wait_s, 1.0)
 
 

@@ -34,9 +34,9 @@ class ReplicaSettings:
     max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, "a round waits at most this long for others to batch with",
                                  ge=0)
     hold: Hold = setting(DEFAULT_HOLD, "which others a queued round waits for: company = every session that "
-                                       "sent a round lately; cohort = those the same pass answered (groups that "
-                                       "draft while another is verified); quorum = 90 % of them, up to max_wait "
-                                       "or a quarter of the last pass")
+                                       "sent a round lately, up to max_wait; cohort = those the same pass "
+                                       "answered (groups that draft while another is verified); quorum = nine in ten "
+                                       "of them, up to the last pass's time (one group)")
     pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
                                         "the curve to edges, which size their blocks by it; 0 = do not measure",
                                     ge=0)
