@@ -418,7 +418,8 @@ def host(args) -> dict:
                      "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
                      "reopens": [r["opens"] for r in runs]})
     return {"target": args.target, "gamma": args.gamma, "seconds": args.seconds, "repeats": args.repeats,
-            "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": args.cores, "load_average": [args.load_before, os.getloadavg()],
+            "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": args.cores,
+            "load_average": [args.load_before, os.getloadavg()],
             "rows": rows}
 
 

@@ -89,7 +89,8 @@ from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
 from .holding import Waiting, policy
-from .limits import DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits
+from .limits import (DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold,
+                     VerifierLimits)
 from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import Prepared, apply_rule, prepare_pass
