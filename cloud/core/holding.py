@@ -8,9 +8,9 @@ weights' streaming hides), and edges answered together come back together, a dra
 spread by their links and the server's own reading of their requests. Why not long: a held round's edge
 waits, so every policy is bounded, and a lone edge never waits (nobody else is active). The policies:
 
-- company (the default): hold while a recently active session has no round queued, at most `max_wait`
-  after the model became free or the oldest round arrived, whichever is later.
-- cohort: the same, but wait only for the sessions the same pass answered as a queued round's session:
+- company: hold while a recently active session has no round queued, at most `max_wait` after the
+  model became free or the oldest round arrived, whichever is later.
+- cohort (the default): the same, but wait only for the sessions the same pass answered as a queued round's session:
   its cohort (a session no pass has answered yet waits for everyone). Sessions a pass could not wait
   for are answered by the next one and become a cohort of their own, so the edges split into groups
   that draft while another group is verified (SpecEdge's two cohorts, formed by the passes
