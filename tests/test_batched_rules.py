@@ -103,10 +103,11 @@ def test_adjacent_rows_are_joined_without_a_copy_and_others_are_copied():
     assert torch.equal(joined([whole[:, :3]]), whole[:, :3])  # not contiguous: copied
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # numpy's path, and the device path's
 @pytest.mark.parametrize("adjacent", [True, False])
-def test_row_argmaxes_break_ties_by_the_first_maximum_as_torch_does(adjacent):
+def test_row_argmaxes_break_ties_by_the_first_maximum_as_torch_does(adjacent, dtype):
     g = torch.Generator().manual_seed(3)
-    whole = torch.randint(0, 3, (12, 40), generator=g).float()
+    whole = torch.randint(0, 3, (12, 40), generator=g).to(dtype)
     parts = list(whole.split([1, 5, 2, 4]))
     parts = parts if adjacent else [p.clone() for p in parts]
     assert row_argmaxes(parts) == [p.argmax(dim=-1).tolist() for p in parts]

@@ -29,10 +29,10 @@ class Prepared:
 
 def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor]) -> list[Prepared]:
     """What every round of a pass reads, for all of them at once, with one wait for the device: the
-    greedy rounds' row argmaxes from one argmax over their rows (`row_argmaxes`), and the sampling
-    rounds' target probabilities, their rows brought to the host in one copy and transformed together
-    per sampling setting. The transform reads each row alone, so a row's probabilities are the very bits
-    its round would compute by itself (tests/test_batched_verification.py). Penalized rounds are left
+    greedy rounds' row argmaxes (`row_argmaxes`: on a device one argmax over all their rows), and the
+    sampling rounds' target probabilities, their rows brought to the host in one copy and transformed
+    together per sampling setting. The transform reads each row alone, so a row's probabilities are the
+    very bits its round would compute by itself (tests/test_batched_rules.py). Penalized rounds are left
     to their rule: each row's history, and so its penalty, is its own."""
     out = [Prepared()] * len(specs)
     greedy = [i for i, spec in enumerate(specs) if spec.mode is Mode.GREEDY and not spec.sampling.penalized]
@@ -54,19 +54,14 @@ def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor]) -
 
 
 def row_argmaxes(parts: Sequence[torch.Tensor]) -> list[list[int]]:
-    """Each part's row argmaxes, brought to the host together. Parts that lie one after another in one
-    buffer (a torch engine's pass) take one argmax over all their rows, else one per part; on the CPU
-    numpy's (6 against torch's 77 us for a 49,152-token row, and a cloud-only token pays it once),
-    which breaks ties as torch does, by the first maximum."""
-    if not parts:
-        return []
+    """Each part's row argmaxes, brought to the host together. On a device, parts that lie one after
+    another in one buffer (a torch engine's pass) take one argmax over all their rows and one copy,
+    else one argmax per part and one copy. On the CPU numpy's, per part (6 against torch's 77 us for a
+    49,152-token row, and no copy of the rows), which breaks ties as torch does, by the first maximum."""
+    if all(part.is_cpu and part.dtype == torch.float32 for part in parts):
+        return [part.numpy().argmax(axis=-1).tolist() for part in parts]
     whole = _adjacent(parts)
-    if all(part.device.type == "cpu" and part.dtype == torch.float32 for part in parts):
-        flat = [int(i) for block in ([whole] if whole is not None else parts) for i in block.numpy().argmax(axis=-1)]
-    elif whole is not None:
-        flat = whole.argmax(dim=-1).tolist()
-    else:
-        flat = torch.cat([part.argmax(dim=-1) for part in parts]).tolist()
+    flat = (whole.argmax(dim=-1) if whole is not None else torch.cat([part.argmax(dim=-1) for part in parts])).tolist()
     return [flat[start:start + n] for start, n in _starts([part.shape[0] for part in parts])]
 
 
