@@ -48,6 +48,7 @@ least that long, as on a GPU, where a pass costs about the same for few rounds a
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import os
 import sys
@@ -335,6 +336,7 @@ def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
     if args.pass_ms:
         at_least(replica.engine, args.pass_ms / 1e3)
     server = BackgroundServer(replica)
+    gc.freeze()  # as a serving process does once started (cloud/api/server.py serve_forever)
     try:
         conn.send({"address": server.address, "edges": edges, "gamma": args.gamma, "draft_ms": args.draft_ms})
         assert conn.recv() == "warm"

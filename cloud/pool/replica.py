@@ -12,6 +12,7 @@ directly, saving the front door's hop and the Ray call per round. Protobuf stays
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -87,6 +88,7 @@ class VerifierReplica:
             if not self._started:
                 await self.verifier.start()
                 self._started = True
+                gc.freeze()  # start-up's objects out of the collector's sight (cloud/api/server.py serve_forever)
             if self._starter is not None and self._endpoint is None:
                 self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
         return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")
