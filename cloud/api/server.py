@@ -192,9 +192,8 @@ async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, met
                         access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
     running = await start_server(backend, host, port, metrics_port, metrics_host, access)
-    # What start-up loaded (torch, the model, gRPC: about 400,000 objects) lives as long as the process:
-    # frozen, a full collection no longer scans it. One took 205 ms of the model thread's CPU on the
-    # 2-core box, a stall of every session's round (bench/hop_overhead.py --host).
+    # What start-up loaded (torch, the model, gRPC: hundreds of thousands of objects) lives as long as
+    # the process: frozen, a full collection no longer scans it, holding every session's round meanwhile.
     gc.freeze()
     # Installed after the backend started, so they replace any handler Ray installed meanwhile.
     stop = asyncio.Event()
