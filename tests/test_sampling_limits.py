@@ -131,13 +131,13 @@ def test_a_vanishing_repetition_penalty_verifies_and_generates(stub, temperature
 def test_greedy_argmaxes_match_torch_on_the_cpu_ties_included(rows_per_round, seed, penalized):
     """The CPU path takes argmaxes with numpy (a tenth of torch's per-call cost): it must pick what
     torch picks, the first of tied maxima included, and leave penalized rounds to the full rule."""
-    from hybridspec.cloud.core.rules import greedy_argmaxes
+    from hybridspec.cloud.core.rules import prepare_pass
 
     g = torch.Generator().manual_seed(seed)
     logits = [torch.randint(0, 3, (n, 50), generator=g).float() for n in rows_per_round]  # many ties
     sampling = SamplingParams(repetition_penalty=1.3) if penalized else SamplingParams()
     specs = [SessionSpec("s", (1, 2), sampling=sampling if r == 0 else SamplingParams()) for r in range(len(logits))]
-    got = greedy_argmaxes(specs, logits)
+    got = [prepared.best for prepared in prepare_pass(specs, logits)]
     for r, rows in enumerate(logits):
         expected = None if (penalized and r == 0) else rows.argmax(dim=-1).tolist()
         assert got[r] == expected

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -191,6 +192,9 @@ async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, met
                         access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
     running = await start_server(backend, host, port, metrics_port, metrics_host, access)
+    # What start-up loaded (torch, the model, gRPC: hundreds of thousands of objects) lives as long as
+    # the process: frozen, a full collection no longer scans it, holding every session's round meanwhile.
+    gc.freeze()
     # Installed after the backend started, so they replace any handler Ray installed meanwhile.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -233,8 +233,11 @@ class VerifierService:
     async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Awaitable[T]) -> T:
         """Await `work` within the call's deadline; every failure becomes one status with a message."""
         try:
+            remaining = context.time_remaining()
+            if remaining is None:  # no deadline (an edge's VerifyStream): no timer per message either
+                return await work
             # asyncio.timeout, not wait_for: no task per call (Generate guards every token).
-            async with asyncio.timeout(context.time_remaining()):
+            async with asyncio.timeout(remaining):
                 return await work
         except HybridSpecError as exc:
             code, message = exc.code, str(exc)

@@ -18,8 +18,17 @@ class PrefixScope(Choice):
     SHARED = "shared"  # any identity's: an operator's choice, never a client's (a timing side channel)
 
 
+class Hold(Choice):
+    """Which policy holds a replica's queued rounds for the company of others' (cloud/core/holding.py)."""
+
+    COMPANY = "company"  # every recently active session's, at most max_wait
+    COHORT = "cohort"  # those of the sessions the same pass answered, at most max_wait
+    QUORUM = "quorum"  # most active sessions', at most max_wait or the last pass's time
+
+
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
+DEFAULT_HOLD = Hold.COHORT  # which ones it waits for (docs/measurements.md, "Rounds that meet")
 # A step with a prompt chunk takes about this long while others wait: about one round on a CPU core.
 DEFAULT_PREFILL_BUDGET_MS = 60.0
 

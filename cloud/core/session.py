@@ -168,6 +168,7 @@ class SessionStore:
         if old is not None:
             self._release(old.kv)
         session.phase = Phase.LIVE
+        session.last_used = time.monotonic()  # appended as the most recently used (see expire_idle)
         self._sessions[session.spec.session_id] = session
 
     def pop(self, session_id: str) -> bool:
@@ -187,9 +188,15 @@ class SessionStore:
                 self._evict(sid)
 
     def expire_idle(self) -> int:
-        """Drop sessions idle longer than the timeout; returns how many."""
+        """Drop sessions idle longer than the timeout; returns how many. The store is in order of last
+        use (`get` moves a session to the end, `go_live` appends one), so only its stale head is read:
+        every round's `get` asks, and a scan of every session would make a step quadratic."""
         deadline = time.monotonic() - self.idle_timeout_s
-        stale = [sid for sid, s in self._sessions.items() if s.last_used < deadline]
+        stale = []
+        for sid, session in self._sessions.items():
+            if session.last_used >= deadline:
+                break
+            stale.append(sid)
         for sid in stale:
             self._evict(sid)
         return len(stale)

@@ -23,7 +23,9 @@ held only to queue, to take and to hand work back. Everything else (the engine, 
 prefix cache, telemetry, the batching state) belongs to the one thread that steps: the model thread
 while the verifier is started (`start`: a replica serving), else a blocking caller, which runs the
 steps itself until its answer is in (tests, benchmarks, a co-located baseline); never two at once.
-Answers reach event loops through their futures, and a decode stream's tokens through its loop.
+Answers reach an event loop through its `_Mail`: a step queues its answers (awaited rounds' results, decode
+streams' tokens) and hands each loop all of its own in one call at the step's end, so a step that
+answers 64 rounds wakes their loop once, not 64 times, and is not interrupted by that loop meanwhile.
 
 Two ways in. Blocking: `open_session`, `verify`, `verify_batch`, `close_session`, `stats`. Awaited:
 `aopen_session`, `averify`, `adecode`, `aclose_session`, `astats` (an `a` marks the awaited twin, as
@@ -69,6 +71,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -85,12 +88,14 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import BATCH_SESSIONS, measure_batch_costs, measure_pass_costs
-from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
+from .holding import Waiting, policy
+from .limits import (DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold,
+                     VerifierLimits)
 from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
-from .rules import apply_rule, greedy_argmaxes
+from .rules import Prepared, apply_rule, prepare_pass
 from .session import Phase, Session, SessionStore
-from .telemetry import ReplicaTelemetry, Tally, Telemetry
+from .telemetry import Part, ReplicaTelemetry, StepClock, Tally, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +117,69 @@ class VerifierStats:
     parked_tokens: int = 0  # tokens of idle sessions parked in host memory (an engine that parks)
 
 
+class _Mail:
+    """What the stepping thread hands one event loop: queued as a step answers (`post`) and run on the loop
+    in one call when the step ends (`send`). Each call across threads is a write to the loop's wake-up pipe
+    and lets the loop's thread take the interpreter in the middle of the step: once per step, not per round."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._items: list[tuple[Callable[[object], None], object]] = []
+        self._due = False  # a delivery is scheduled and has not run yet
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """The loop is gone or closed: nothing sent would run."""
+        loop = self._loop()
+        return loop is None or loop.is_closed()
+
+    def post(self, fn: Callable[[object], None], arg: object) -> None:
+        """Run fn(arg) on the loop at the next `send`."""
+        with self._lock:
+            self._items.append((fn, arg))
+
+    def send(self) -> None:
+        """Hand the loop what is posted, in one call (dropped if the loop is closed: nobody waits for it)."""
+        with self._lock:
+            if self._due or not self._items:
+                return
+            self._due = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._items.clear()
+                self._due = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._due = self._items, [], False
+        for fn, arg in items:
+            fn(arg)
+
+
+_MAILS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mail] = weakref.WeakKeyDictionary()
+
+
+def _mail() -> _Mail:
+    """The running loop's mail (called on that loop)."""
+    loop = asyncio.get_running_loop()
+    mail = _MAILS.get(loop)
+    return mail if mail is not None else _MAILS.setdefault(loop, _Mail(loop))
+
+
 class DecodeStream:
     """One session's decode steps; `answered` runs on the model thread, `tokens` on the consumer's loop."""
 
-    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], mail: _Mail) -> None:
         self.first = first  # an empty block at the session's current length
+        self.mail = mail  # the consumer's loop's
         self._left = max_tokens
         self._eos = eos
-        self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._gone = False  # the consumer stopped listening
 
@@ -132,7 +192,7 @@ class DecodeStream:
         token = result.next_token
         self._left -= 1
         self._push(token)
-        if self._left > 0 and token not in self._eos and not self._gone:
+        if self._left > 0 and token not in self._eos and not self._gone and not self.mail.closed:
             return replace(block, round=block.round + 1, committed_len=block.committed_len + 1)
         self._push(_END)
         return None
@@ -151,18 +211,25 @@ class DecodeStream:
             self._gone = True
 
     def _push(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            self._gone = True
+        self.mail.post(self._queue.put_nowait, item)
 
 
 @dataclass
 class _Round:
     block: DraftBlock
-    future: Future
+    future: Future | asyncio.Future  # an awaited round's is its loop's, answered through `mail`
     arrived: float
     stream: DecodeStream | None = None  # a cloud-only stream's round: its answer queues the next one
+    mail: _Mail | None = None  # the loop an awaited round's answer (or its stream's token) goes to
+
+    def answer(self, result: VerifyResult | HybridSpecError) -> _Mail | None:
+        """Resolve the round: a blocking caller's future at once, an awaited one's through its loop's
+        mail; returns the mail the step must send (an awaited round's or its decode stream's), if any."""
+        if isinstance(self.future, Future):
+            _resolve(self.future, result)
+        else:
+            self.mail.post(_settle, (self.future, result))
+        return self.mail
 
 
 @dataclass
@@ -185,10 +252,11 @@ class Verifier:
 
     def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,
                  max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, name: str = "in-process") -> None:
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, hold: Hold = DEFAULT_HOLD,
+                 name: str = "in-process") -> None:
         """`engine` defaults to the torch engine over `target`'s model (a LoadedModel). The batching
-        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`); `name` is the
-        replica's in a pool."""
+        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`; `hold`: which
+        rounds a queued one waits for, cloud/core/holding.py); `name` is the replica's in a pool."""
         if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
             raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
                              f"{max_wait_ms}, {prefill_budget_ms}")
@@ -212,16 +280,21 @@ class Verifier:
             max_tree_nodes=tree_nodes(self.limits.max_tree_nodes, caps))
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1e3
+        self.hold = policy(hold, self.max_wait_s)
         self.prefill_budget_ms = prefill_budget_ms
         # The stepping thread's state.
         self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
                                       self._retire)
         self.telemetry = Telemetry()
+        self.clock = StepClock(enabled=False)  # a benchmark swaps in an enabled one (bench/hop_overhead.py host)
         self.cost = StepCost()  # of the steps that fed a prompt
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
+        self._cohort: dict[str, int] = {}  # session -> the pass that carried its last round
+        self._passes = 0  # passes run so far
+        self._last_pass_s = 0.0  # the last pass's time, from admission to answers
         # Under `_cv`: the queues (made once, changed only in place) and who steps.
         self._cv = threading.Condition()
         self._rounds: deque[_Round] = deque()
@@ -328,15 +401,17 @@ class Verifier:
         return await _awaited("OpenSession", self._put(self._opens, _Open(spec, Future()), awaited=True))
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
-        """`verify`, awaited."""
-        return await _awaited("Verify", self._put(self._rounds, _Round(block, Future(), time.perf_counter()),
-                                                  awaited=True))
+        """`verify`, awaited; cancelling the await cancels the round. Its answer comes with the others
+        of its step (`_Mail`)."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(self._rounds, _Round(block, future, time.perf_counter(), mail=_mail()), awaited=True)
+        return _raised(await future)
 
     async def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding of up to `max_tokens` tokens from the empty block `block`, each the next
         round's bonus token, queued by the model thread itself (`DecodeStream`)."""
-        stream = DecodeStream(block, max_tokens, eos, asyncio.get_running_loop())
-        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream), awaited=True)
+        stream = DecodeStream(block, max_tokens, eos, _mail())
+        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream, stream.mail), awaited=True)
         async for token in stream.tokens():
             yield token
 
@@ -359,6 +434,8 @@ class Verifier:
         """One turn of the stepping thread (the module's docstring lists its seven steps): the model
         thread, or a blocking caller while none runs (`wait`), never anyone else. Returns False when
         nothing was queued."""
+        clock = self.clock  # swapped by a benchmark between steps, never within one
+        clock.start()
         # 1. Take what is queued. Bookkeeping runs first, so a close or a stats call never waits
         #    behind a long queue; a new open is admitted (validated, a session slot) so it can be planned.
         with self._cv:
@@ -380,10 +457,12 @@ class Verifier:
         work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
+            self._cohort[item.block.session_id] = self._passes
         if not taken and not work.openings:
             if opens:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
             return True
+        clock.lap(Part.SCHEDULE)
         started = time.perf_counter()
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(taken)
         try:
@@ -391,8 +470,10 @@ class Verifier:
             rounds_in = self._admit(work.rounds, results)
             # 4. Room in the cache for every feed; a feed that cannot get it fails alone.
             feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
+            clock.lap(Part.ADMIT)
             # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
             scores = self._forward(feeds, rounds_in, work.openings, results)
+            clock.lap(Part.FORWARD)
             if scores is not None:
                 # 6. Each round's rule; its session commits the accepted drafts and the new token;
                 #    prompt chunks keep the features their session asked for.
@@ -407,6 +488,7 @@ class Verifier:
             if work.prefill_tokens:
                 self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
             self._fed_last_step = work.prefill_tokens > 0
+            clock.lap(Part.RULES)
         except Exception as exc:  # a bug the step did not contain: fail this step's items, keep serving
             error = incident(log, exc, "a verification step")
             results = [error] * len(taken)
@@ -415,15 +497,20 @@ class Verifier:
         # 7. Answer, timing each round here, where it is answered (the one place `verify_ms` and
         #    `queue_ms` are set): the wait before this step is its queueing.
         done = time.perf_counter()
+        self._passes, self._last_pass_s = self._passes + 1, done - started
+        mails = set()
         for item, result in zip(taken, results):
             if isinstance(result, VerifyResult):
                 result = replace(result, verify_ms=(done - item.arrived) * 1e3,
                                  queue_ms=max(0.0, started - item.arrived) * 1e3)
             if item.stream is not None:
                 self._continue(item.stream, item.stream.answered(item.block, result), done)
-            _resolve(item.future, result)
+            mails.add(item.answer(result))
+        _send(mails)
         if opens:
             self._settle_opens(opens)
+        clock.lap(Part.ANSWER)
+        clock.done(len(taken))
         return True
 
     # ---- 1. taking work ------------------------------------------------------------------------
@@ -590,23 +677,24 @@ class Verifier:
     # ---- 6. rules and commit -------------------------------------------------------------------
 
     def _conclude_all(self, rounds: list[Round], scores: list[Scores], results: list) -> None:
-        """Every round's rule on its rows, the greedy ones' argmaxes taken together (one wait for the
-        device, not one per round)."""
+        """Every round's rule on its rows, what the rules read from the logits taken for the whole pass
+        at once (`prepare_pass`: one argmax over the greedy rounds' rows, the sampling rounds'
+        probabilities in one copy to the host; one wait for the device, not one per round)."""
         answered = time.monotonic()
         try:
-            bests = greedy_argmaxes([session.spec for _, _, session in rounds], [s.logits for s in scores])
-        except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
-            log.warning("batched argmax failed (%s); rules take their own", exc)
-            bests = [None] * len(rounds)
-        for (i, block, session), round_scores, best in zip(rounds, scores, bests):
-            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
+            prepared = prepare_pass([session.spec for _, _, session in rounds], [s.logits for s in scores])
+        except Exception as exc:  # each rule then reads its own logits, and fails alone if it must
+            log.warning("preparing the pass's rules failed (%s); each rule reads its own logits", exc)
+            prepared = [Prepared()] * len(rounds)
+        for (i, block, session), round_scores, ready in zip(rounds, scores, prepared):
+            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, ready)
 
     def _conclude(self, block: DraftBlock, session: Session, scores: Scores, batch_size: int, answered: float,
-                  best: list[int] | None = None) -> VerifyResult | HybridSpecError:
+                  prepared: Prepared) -> VerifyResult | HybridSpecError:
         """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
         token is fed at the head of the next block) and commit. A failure is this session's alone."""
         try:
-            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, best)
+            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, prepared)
             # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
             # features are the session's next committed context, and only their keys stay cached.
             rows = [0, *(node + 1 for node in nodes)]
@@ -652,7 +740,7 @@ class Verifier:
         if follow is None:
             return
         try:
-            self._put(self._rounds, _Round(follow, Future(), now, stream))
+            self._put(self._rounds, _Round(follow, Future(), now, stream, stream.mail))
         except Unavailable as exc:
             stream.answered(follow, exc)
 
@@ -681,6 +769,7 @@ class Verifier:
         """Close a session: it is no longer company to wait for, nor a reason to cut another session's
         prefill into small chunks."""
         self._recent.pop(session_id, None)
+        self._cohort.pop(session_id, None)
         return self._sessions.pop(session_id)
 
     def _stats(self) -> VerifierStats:
@@ -735,24 +824,31 @@ class Verifier:
                     self._cv.wait()
                 if self._stopping:
                     return
+                clock = self.clock  # swapped by a benchmark between waits, never within one
+                clock.start()
                 self._wait_for_company(free_since)
+                clock.lap(Part.HOLD)
             self.step()
 
     def _wait_for_company(self, free_since: float) -> None:
-        """Hold queued rounds while recently active sessions have none queued (cv held): at most
-        max_wait after the model became free or the oldest round arrived, whichever is later. The
-        sessions answered by the step that just ended need that moment to send their next round."""
+        """Hold queued rounds for the company of others' while the batching policy says so (cv held;
+        cloud/core/holding.py), asked again at each arrival: its holding starts when the model became
+        free or the oldest round arrived, whichever is later. The sessions answered by the step that
+        just ended need that moment to send their next round."""
         if not self._rounds or self.max_wait_s == 0 or self._split:
             return  # (the rounds the last pass could not carry were ready for it: they go at once)
-        deadline = max(free_since, self._rounds[0].arrived) + self.max_wait_s
+        since = max(free_since, self._rounds[0].arrived)
         while not self._stopping:
             now = time.perf_counter()
             for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
                 del self._recent[sid]
-            queued = {r.block.session_id for r in self._rounds}
-            if len(queued) >= min(self.max_batch, len(self._recent | dict.fromkeys(queued))) or now >= deadline:
+                self._cohort.pop(sid, None)
+            queued = frozenset(r.block.session_id for r in self._rounds)
+            until = self.hold.hold_until(Waiting(now, since, queued, queued.union(self._recent), self.max_batch,
+                                                 self._last_pass_s, self._cohort))
+            if until is None:
                 return
-            self._cv.wait(deadline - now)
+            self._cv.wait(until - now)
 
     def _halt(self) -> None:
         """`stop` on a thread of its own: the last stop ends the model thread, then fails what is queued."""
@@ -771,9 +867,9 @@ class Verifier:
             self._calls.clear()
         gone = Unavailable("the verifier is shutting down")
         for item in rounds:
-            _resolve(item.future, gone)
             if item.stream is not None:
                 item.stream.answered(item.block, gone)
+        _send({item.answer(gone) for item in rounds})
         for item in opens:
             if item.session is not None and item.session.phase is Phase.PREFILLING:
                 item.session.fail(gone, self.engine.release)
@@ -814,6 +910,20 @@ def _resolve(future: Future, value: object) -> None:
     """Set a result unless the caller cancelled or it is answered already."""
     if not future.done() and future.set_running_or_notify_cancel():
         future.set_result(value)
+
+
+def _settle(answer: tuple[asyncio.Future, object]) -> None:
+    """`_resolve` for an awaited round's future, on its loop."""
+    future, value = answer
+    if not future.done():
+        future.set_result(value)
+
+
+def _send(mails: set[_Mail | None]) -> None:
+    """Hand every loop in `mails` what the step posted for it."""
+    for mail in mails:
+        if mail is not None:
+            mail.send()
 
 
 def _raised(result):

@@ -12,6 +12,7 @@ directly, saving the front door's hop and the Ray call per round. Protobuf stays
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -61,7 +62,8 @@ def load_verifier(spec: ReplicaSpec) -> Verifier:
     target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
                                  settings.torch_threads, spec.limits)
     verifier = Verifier(target, spec.limits, engine, max_batch=settings.max_batch_size,
-                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms)
+                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms,
+                        hold=settings.hold)
     verifier.measure_pass_costs(settings.pass_cost_tokens)
     return verifier
 
@@ -86,6 +88,7 @@ class VerifierReplica:
             if not self._started:
                 await self.verifier.start()
                 self._started = True
+                gc.freeze()  # start-up's objects out of the collector's sight (cloud/api/server.py serve_forever)
             if self._starter is not None and self._endpoint is None:
                 self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
         return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...common.config import DType, check_fields, device_setting, setting
-from ..core.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
+from ..core.limits import (DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold,
+                           VerifierLimits)
 from ..engine.kinds import EngineKind
 
 
@@ -32,6 +33,10 @@ class ReplicaSettings:
                                   ge=1)
     max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, "a round waits at most this long for others to batch with",
                                  ge=0)
+    hold: Hold = setting(DEFAULT_HOLD, "which others a queued round waits for: company = every session that "
+                                       "sent a round lately, up to max_wait; cohort = those the same pass "
+                                       "answered (groups that draft while another is verified); quorum = nine in ten "
+                                       "of them, up to the last pass's time (one group)")
     pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
                                         "the curve to edges, which size their blocks by it; 0 = do not measure",
                                     ge=0)
