@@ -49,7 +49,7 @@ MAX_DRAFT = 8  # pair check's default block
 def prompt_sets() -> list[tuple[str, list[str], int]]:
     """(name, prompts, new tokens) of every set measured."""
     heldout = heldout_prompts(24, seed=7)  # bench/acceptance_trace.py's (and drafter_quality's first 24)
-    return [("held-out templates", heldout, 48), ("held-out templates, 128 tokens", heldout, 128),
+    return [("held-out templates", heldout, 48), ("held-out templates at 128 tokens", heldout, 128),
             ("free-form chat", list(FREEFORM_PROMPTS), 48),
             ("pair check's built-in prompts", [*pairs.CHAT_PROMPTS, *pairs.CODE_PROMPTS], 48),
             ("pair check's chat prompts", list(pairs.CHAT_PROMPTS), 48),
