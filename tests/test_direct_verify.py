@@ -7,11 +7,12 @@ import pytest
 import ray
 
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.cloud.pool.ray_pool import RayPool
+from hybridspec.cloud.pool.ray_pool import ACTOR, RayPool, RayReplica
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.wire import SessionSpec
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.edge.client import VerifierClient
@@ -253,3 +254,27 @@ def test_a_killed_replica_mid_stream_is_recovered_at_the_front_door(direct_pool,
         gen = EdgeWorker(target, client, config).generate(PROMPT)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
     assert gen.stats.reopens >= 1 and killed
+
+
+
+def test_a_replica_ray_restarted_unseen_serves_at_its_new_endpoint(direct_pool, model_dirs):
+    """CI found it: a replica killed while no call of the pool reached it is restarted by Ray and the
+    pool never hears of it, so nobody calls the new actor's `ready`. Its first open must still start it
+    (model thread, endpoint) and name its new endpoint, and the pool must learn that address."""
+    server, pool = direct_pool
+    spec = PoolSpec(ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
+                                VerifierLimits(max_context=512, max_draft=16, max_sessions=8)),
+                    PoolSettings(replicas=1, replica_num_cpus=0.25), name="unseen")
+    replica = RayReplica("unseen-replica", spec, ReplicaEndpoint("127.0.0.1"))
+    replica.handle = ACTOR.options(num_cpus=0.25).remote(spec.replica, replica.endpoint)  # as Ray restarts it
+    replica.alive, replica.address = True, "127.0.0.1:1"  # what the pool believes: the dead actor's endpoint
+    try:
+        opened = server.call(replica.aopen_session(SessionSpec("s", (5, 6))))
+        assert opened.verify_address not in ("", "127.0.0.1:1")
+        assert replica.verify_address == opened.verify_address
+        with grpc.insecure_channel(opened.verify_address) as channel:
+            replies = list(pb_grpc.VerifierStub(channel).VerifyStream(iter([
+                pb.VerifyRequest(session_id="s", round=0, committed_len=2)]), timeout=60))
+        assert [r.committed_len for r in replies] == [3]
+    finally:
+        ray.kill(replica.handle, no_restart=True)

@@ -134,8 +134,11 @@ class RayReplica:
         await self._back.wait()
 
     async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
-        """Open or re-open a session on the actor."""
-        return await self._call(self.handle.open_session.remote(spec), "OpenSession")
+        """Open or re-open a session on the actor, learning its endpoint from the answer: Ray may have
+        restarted it (on a new port) without any call of ours seeing it die."""
+        opened: SessionOpened = await self._call(self.handle.open_session.remote(spec), "OpenSession")
+        self.address = opened.verify_address
+        return opened
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
         """Verify one round on the actor."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
@@ -98,16 +98,24 @@ class VerifierReplica:
         return self._endpoint.take_tally() if self._endpoint else Tally()
 
     async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
-        """Open or re-open a session."""
-        return await _as_value(self.verifier.aopen_session(spec))
+        """Open or re-open a session; the answer names this replica's endpoint, which a restart moves.
+        Ray restarts a dead actor without anyone calling `ready` unless the pool saw it die, so every
+        call starts what `ready` starts first."""
+        ready = await self.ready()
+        opened = await _as_value(self.verifier.aopen_session(spec))
+        if isinstance(opened, SessionOpened):
+            opened = replace(opened, verify_address=ready.verify_address)
+        return opened
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch."""
+        await self.ready()
         return await _as_value(self.verifier.averify(block))
 
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
         """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"); a domain
         error is the last item."""
+        await self.ready()
         try:
             async for token in self.verifier.adecode(block, max_tokens, eos):
                 yield token
@@ -116,10 +124,12 @@ class VerifierReplica:
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
+        await self.ready()
         return await _as_value(self.verifier.aclose_session(session_id))
 
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
+        await self.ready()
         return await _as_value(self.verifier.astats())
 
 
