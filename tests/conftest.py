@@ -16,7 +16,7 @@ from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.loading import LoadedModel, load_model
 
-from hybridspec.lab.tinymodels import make_model, save_model
+from tinymodels import make_model, save_model
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()

@@ -68,7 +68,7 @@ def served(model_dirs):
 
 
 def test_generate_json(served, model_dirs, target):
-    from hybridspec.lab.tinymodels import greedy_reference
+    from tinymodels import greedy_reference
 
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
@@ -85,7 +85,7 @@ def test_generate_json(served, model_dirs, target):
 
 
 def test_generate_cloud_only_baseline(served, model_dirs, target):
-    from hybridspec.lab.tinymodels import greedy_reference
+    from tinymodels import greedy_reference
 
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",

@@ -17,7 +17,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 from test_verification import FALSE_ALARM, cases, p_value
-from hybridspec.lab.tinymodels import EVERY_ROUND
+from tinymodels import EVERY_ROUND
 
 U64 = (1 << 64) - 1
 

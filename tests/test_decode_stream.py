@@ -15,7 +15,7 @@ from hybridspec.common.protocol.errors import FailedPrecondition, Unavailable
 from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.edge.client import VerifierClient
 
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 LIMITS = VerifierLimits(max_context=512, max_draft=8, max_sessions=8)

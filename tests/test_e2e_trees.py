@@ -9,7 +9,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.generation import Origin
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference, make_model, save_model
+from tinymodels import EVERY_ROUND, greedy_reference, make_model, save_model
 
 PROMPTS = [[7], [5, 17, 33, 80], [9, 200, 31, 31, 64, 12, 100, 8, 41, 77, 5, 190, 6]]
 NEW_TOKENS = 24

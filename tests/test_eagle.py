@@ -23,7 +23,7 @@ from hybridspec.edge.eagle import EagleDrafter, FeatureLog
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.lab.baselines import colocated
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, VOCAB, greedy_reference
+from tinymodels import EVERY_ROUND, VOCAB, greedy_reference
 
 PROMPT = [5, 17, 33, 80, 41, 9]
 

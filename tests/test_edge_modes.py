@@ -16,7 +16,7 @@ from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
 
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW = 40

@@ -17,7 +17,7 @@ from hybridspec.lab.rows import read_rows
 from hybridspec.lab.runner import run_experiment
 from hybridspec.lab.spec import load_spec
 from hybridspec.lab.stats import crossing, mean_ci, t_quantile
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
 

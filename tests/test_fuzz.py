@@ -15,8 +15,8 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.fuzzing import Fuzzer, calls
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from fuzzing import Fuzzer, calls
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW_TOKENS = 16

@@ -25,7 +25,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=32)
 POISON_TOKEN = 7  # the broken model's logit for this token is NaN

@@ -237,7 +237,7 @@ def test_greedy_generation_through_the_verifier_is_the_targets(converted, server
     from hybridspec.edge.client import VerifierClient
     from hybridspec.edge.config import EdgeConfig
     from hybridspec.edge.worker import EdgeWorker
-    from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+    from tinymodels import EVERY_ROUND, greedy_reference
 
     _, path = converted
     drafter = load_model(path, device="cpu")

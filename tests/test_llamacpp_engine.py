@@ -137,7 +137,7 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
     from hybridspec.edge.config import EdgeConfig
     from hybridspec.edge.prompt import encode_prompt
     from hybridspec.edge.worker import EdgeWorker
-    from hybridspec.lab.tinymodels import EVERY_ROUND
+    from tinymodels import EVERY_ROUND
 
     limits = VerifierLimits(max_sessions=4, kv_cache_tokens=4096)
     target, served = load_engine(str(default_paths()["target"]), EngineKind.LLAMACPP, "cpu", DType.AUTO, 1, limits)

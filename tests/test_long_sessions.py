@@ -10,7 +10,7 @@ from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.common.protocol.errors import InvalidArgument, ResourceExhausted
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
-from hybridspec.lab.tinymodels import VOCAB, greedy_reference
+from tinymodels import VOCAB, greedy_reference
 
 LENGTHS = [4096, 8192]
 TAIL = 3  # tokens decoded after the prompt, the last of them at position max_context - 1

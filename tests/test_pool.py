@@ -21,7 +21,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 MAX_SESSIONS = 8  # per replica
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 80] for i in range(8)]

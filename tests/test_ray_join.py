@@ -24,7 +24,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 from raynodes import CloudServe, Operator, free_port, private_dir
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 STARTS_WITHIN_S = 180  # a local cluster and one tiny replica on a loaded 2-core machine take 15-40 s
 FAILS_WITHIN_S = 45  # a join that cannot work: connection check + the head check + Python's start

@@ -30,7 +30,7 @@ from hybridspec.edge.config import CloudAccess, EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
 from test_cli import ENV
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [7, 19, 40, 81]
 NEW_TOKENS = 12

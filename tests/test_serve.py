@@ -30,7 +30,7 @@ from hybridspec.edge.serve.generation import warm_up
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from hybridspec.lab.tinymodels import EOS_ID, EVERY_ROUND, greedy_reference
+from tinymodels import EOS_ID, EVERY_ROUND, greedy_reference
 
 CHAT = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": "w5 w17 w33"}]
 NEW = 16

@@ -13,7 +13,7 @@ from hybridspec.edge.prompt import encode_messages
 
 from conftest import require_embedded
 from test_serve import make_worker, serving
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 
 @pytest.mark.embedded
