@@ -4,6 +4,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -83,6 +86,23 @@ def started(verifier: Verifier):
         asyncio.run(verifier.stop())
 
 
+T = TypeVar("T")
+# A bounded wait's deadline, for an event that comes within a second or two on a quiet machine: generous,
+# so that load never fails a test that would pass, while an event that never comes still fails it.
+EVENT_TIMEOUT_S = 60.0
+
+
+def eventually(condition: Callable[[], T], what: str, timeout_s: float = EVENT_TIMEOUT_S, poll_s: float = 0.02) -> T:
+    """Poll `condition` until it returns something true, and return that; fail naming `what` (the event
+    waited for) if it has not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s", pytrace=False)
+        time.sleep(poll_s)
+    return value
+
+
 def require_embedded() -> None:
     """Fail, naming the fix, when the embedded models are missing: `make test` pulls them first, so a
     test of the real model that silently skipped would hide a broken pull. Without them, deselect
@@ -94,6 +114,10 @@ def require_embedded() -> None:
         pytest.fail(f"embedded models not pulled into {models_home()}: run `make models` "
                     "(or deselect these tests with -m 'not embedded')", pytrace=False)
 
+
+# A target `cloud serve` cannot load: a check it makes before loading the model fails with its own
+# message, while one made after (or a start that loads the model first) fails on the target instead.
+UNLOADABLE = "/nonexistent/hybridspec-target"
 
 LLAMA_CAPACITY = 4096  # the llama.cpp engine fixture's cache: four sessions' streams of 1,024 tokens
 
