@@ -217,10 +217,10 @@ def test_a_refused_open_leaves_the_model_thread_idle(target):
         assert time.clock_gettime(clock) - before < 0.05  # the model thread sleeps when there is no work
 
 
-def slow_engine(target, seconds: float):
+def slow_engine(target, seconds: float, max_context: int = 512):
     """The real torch engine, each pass taking `seconds` longer, as a big target's would: the model
     thread's timing is under test."""
-    engine = engine_for(target.model, VerifierLimits().kv_cache_tokens, 512)
+    engine = engine_for(target.model, VerifierLimits().kv_cache_tokens, max_context)
     forward = engine.forward
 
     def slow(feeds):
