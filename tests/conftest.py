@@ -90,6 +90,7 @@ T = TypeVar("T")
 # A bounded wait's deadline, for an event that comes within a second or two on a quiet machine: generous,
 # so that load never fails a test that would pass, while an event that never comes still fails it.
 EVENT_TIMEOUT_S = 60.0
+REPLICA_RESTART_S = 120.0  # Ray restarting a killed replica, and the pool counting it alive again
 
 
 def eventually(condition: Callable[[], T], what: str, timeout_s: float = EVENT_TIMEOUT_S, poll_s: float = 0.02) -> T:

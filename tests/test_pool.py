@@ -21,6 +21,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
+from conftest import REPLICA_RESTART_S
 from tinymodels import EVERY_ROUND, greedy_reference
 
 MAX_SESSIONS = 8  # per replica
@@ -114,7 +115,7 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
     assert gen.stats.reopens >= 1
     assert metric(server, "hybridspec_session_reopens_total") > reopens_before
     assert metric(server, "hybridspec_replica_failures_total") > failures_before
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + REPLICA_RESTART_S
     while not all(r.alive for r in pool.replicas.values()):  # Ray restarts it; later tests want both back
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.5)
