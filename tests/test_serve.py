@@ -313,9 +313,17 @@ def test_cloud_lost_mid_generation_gives_503_with_the_partial_text(link, target,
     prompt = _long_prompt(target, 400)
     text, _, _ = expected(target, prompt, 400)
     worker = make_worker(link.address, random_drafter, max_draft=1, timeout_s=3)
+    answer = worker.client.wait
+
+    def cut_after_round_3(round_, *args, **kwargs):  # mid-generation: some text is verified, most is not
+        result = answer(round_, *args, **kwargs)
+        if result.round == 3:
+            link.set_down(True)
+        return result
+
+    worker.client.wait = cut_after_round_3
     with serving(worker) as (base, model):
         request = {"model": model, "prompt": prompt, "max_tokens": 400}
-        threading.Timer(0.5, link.set_down, args=(True,)).start()  # the 400 tokens take seconds
         r = httpx2.post(f"{base}/v1/completions", json=request, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"]
         error = r.json()["error"]
