@@ -139,6 +139,7 @@ def test_an_identity_holds_at_most_its_calls_and_others_are_served(target, token
         srv.stop()
 
 
+@pytest.mark.slow
 def test_a_stream_that_sends_nothing_is_ended(target):
     srv = BackgroundServer(Verifier(target, LIMITS), access=AccessSpec(stream_idle_s=IDLE_S))
     flood = IdleStreams(srv.address, 3)

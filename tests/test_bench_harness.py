@@ -84,6 +84,7 @@ print(json.dumps(failed))
 """
 
 
+@pytest.mark.slow
 def test_every_bench_script_answers_help():
     """Each script's imports resolve and its --help prints usage: all in one interpreter, so torch and
     the package are imported once, not once per script."""

@@ -149,6 +149,7 @@ def stream_pool(ray_cluster, model_dirs):
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_client_leaving_early_stops_the_replicas_stream(stream_pool):
     server, pool = stream_pool
     with VerifierClient(server.address) as client:
@@ -161,6 +162,7 @@ def test_a_client_leaving_early_stops_the_replicas_stream(stream_pool):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_stream_is_recovered_from_the_tokens_so_far(stream_pool, target):
     server, pool = stream_pool
     new_tokens = 400  # long enough that the kill lands mid-stream

@@ -30,6 +30,7 @@ def test_drafter_that_always_agrees(server, target, gamma, pipeline):
         assert Origin.CORRECTED not in gen.origins
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 @pytest.mark.parametrize("gamma", range(1, 9))
 def test_drafter_that_never_agrees(server, target, random_drafter, gamma, pipeline):

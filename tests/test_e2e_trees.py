@@ -23,6 +23,7 @@ def run(server, drafter, prompts=PROMPTS, **cfg):
         return [worker.generate(p) for p in prompts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes, top_k, depth", [(4, 2, 3), (8, 4, 4), (16, 4, 8)])
 @pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 def test_greedy_trees_give_the_targets_text(server, target, random_drafter, nodes, top_k, depth, pipeline):

@@ -40,6 +40,7 @@ def smoke(model_dirs, tmp_path_factory):
     return path, out
 
 
+@pytest.mark.slow
 def test_every_strategy_ran_and_greedy_rows_match_the_independent_reference(smoke, target):
     _, out = smoke
     rows = read_rows(out)
@@ -59,6 +60,7 @@ def test_every_strategy_ran_and_greedy_rows_match_the_independent_reference(smok
     assert json.loads((out / "meta.json").read_text())["versions"]["torch"]
 
 
+@pytest.mark.slow
 def test_rows_carry_what_the_edge_measured_and_one_trace_per_strategy_and_point(smoke):
     _, out = smoke
     linked = [r for r in read_rows(out) if r["kind"] in ("hybrid", "cloud_only")]
@@ -71,6 +73,7 @@ def test_rows_carry_what_the_edge_measured_and_one_trace_per_strategy_and_point(
                           for t in traces)
 
 
+@pytest.mark.slow
 def test_strategies_take_turns_on_each_prompt_over_the_link(smoke):
     """Over a link, every strategy runs a prompt before any runs the next one, so drift between
     strategies cannot pose as a speed-up; the order rotates, so none always goes first."""
@@ -86,6 +89,7 @@ def test_strategies_take_turns_on_each_prompt_over_the_link(smoke):
     assert len({names[0] for names in groups.values()}) > 1
 
 
+@pytest.mark.slow
 def test_smoke_varies_every_dimension_and_the_report_gives_each_value_its_panel(smoke):
     _, out = smoke
     rows = aggregate.ok_rows(read_rows(out))
@@ -102,6 +106,7 @@ def test_smoke_varies_every_dimension_and_the_report_gives_each_value_its_panel(
     assert summary.count("\n## ") == len(panels)
 
 
+@pytest.mark.slow
 def test_report_writes_non_empty_plots_and_a_summary(smoke):
     _, out = smoke
     pngs = {p.name: p for p in out.glob("*.png")}
@@ -112,6 +117,7 @@ def test_report_writes_non_empty_plots_and_a_summary(smoke):
     assert "| cloud-only | cloud_only |" in summary and "Greedy exactness" in summary
 
 
+@pytest.mark.slow
 def test_a_cloud_only_row_is_never_its_own_reference(smoke, model_dirs):
     """Regression: the first greedy cloud-only row became the reference, so it always matched itself."""
     from hybridspec.lab.runner import Lab
@@ -128,6 +134,7 @@ def test_a_cloud_only_row_is_never_its_own_reference(smoke, model_dirs):
     assert lab.references[0] == reference  # and the row did not become the reference either
 
 
+@pytest.mark.slow
 def test_a_rerun_resumes_instead_of_repeating(smoke):
     path, out = smoke
     before = len(read_rows(out))
@@ -266,6 +273,7 @@ def test_the_worst_prompts_interval_resamples_its_repeats_in_pairs():
     assert noisy.lo < noisy.value < 0.9 and noisy.hi > noisy.value
 
 
+@pytest.mark.slow
 def test_report_keeps_bandwidths_apart(tmp_path):
     """Regression: rows at different bandwidths were averaged together into one tokens/s per RTT."""
     from hybridspec.lab.report import report
@@ -284,6 +292,7 @@ def test_report_keeps_bandwidths_apart(tmp_path):
     assert "| hybrid | 0.50 [0.50, 0.50] |" in summary  # 5 / 10 at 1 Mbit/s; pooled it would read 17.5 / 15
 
 
+@pytest.mark.slow
 def test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool(model_dirs, tmp_path, monkeypatch):
     """Regression: with the Ray pool's direct verify on (its default), an edge streamed its rounds to
     the replica's own port and bypassed the emulated link: rows at RTT 60 ms measured about 2 ms. Every
@@ -320,6 +329,7 @@ def test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool(model_dirs, tmp_p
     assert dialled and set(dialled) <= set(links), (dialled, links)  # none to a replica's own port
 
 
+@pytest.mark.slow
 def test_edges_can_run_as_processes_of_their_own(model_dirs, tmp_path):
     """edge_processes: each concurrent edge slot is a process (N devices), kept across strategies and
     prompts; its rows are as exact as a thread's."""
@@ -354,6 +364,7 @@ def test_direct_verify_in_an_experiment_is_refused(tmp_path):
         load_spec(path)
 
 
+@pytest.mark.slow
 def test_the_cloud_and_every_prompt_are_warm_before_the_first_timed_generation_and_orders_rotate(
         model_dirs, tmp_path, monkeypatch):
     """Regression: the first generation after the cloud started paid its one-time costs (the first

@@ -6,6 +6,7 @@ CI runs a few hundred derandomized cases; `bench/soak.py fuzz` runs 10^4 and mor
 import threading
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from hybridspec.cloud.pool.pool import inprocess_pool
@@ -22,6 +23,7 @@ PROMPT = [5, 17, 33, 80]
 NEW_TOKENS = 16
 
 
+@pytest.mark.slow
 def test_every_rpc_survives_fuzzing_beside_an_honest_edge(target):
     backend = inprocess_pool(Verifier(target, VerifierLimits(max_context=512, max_draft=16, max_sessions=48),
                                       max_batch=16, max_wait_ms=5.0))

@@ -38,6 +38,7 @@ def grow_to_the_limit(verifier: Verifier, prompt: list[int], max_context: int) -
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_context", LENGTHS)
 def test_torch_sessions_grow_to_max_context(target, max_context):
     prompt = [4 + (i * 37) % (VOCAB - 4) for i in range(max_context - TAIL)]
@@ -46,6 +47,7 @@ def test_torch_sessions_grow_to_max_context(target, max_context):
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 @pytest.mark.parametrize("max_context", LENGTHS)
 def test_llamacpp_sessions_grow_to_max_context(max_context, tmp_path):
     require_embedded()

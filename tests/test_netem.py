@@ -327,6 +327,7 @@ def test_a_trace_sets_half_the_rtt_in_force_each_way_and_keeps_bytes_in_order():
         DirectionSpec(delay_ms=5, trace=parse_trace("0,10\n", "x"))
 
 
+@pytest.mark.slow
 def test_the_cli_replays_a_trace_file(echo, tmp_path):
     trace = tmp_path / "trace.csv"
     trace.write_text("0,60\n")  # one sample: 60 ms for as long as the link runs

@@ -98,6 +98,7 @@ def test_tc_netem_shapes_a_real_round_trip_and_comes_off_again():
     assert "netem" not in shown["after"] and "prio" not in shown["after"], shown["after"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not NETNS or REASON is None, reason="this kernel has tc netem (the other test runs)")
 def test_without_sch_netem_the_cli_and_an_experiment_refuse_in_one_line(tmp_path):
     r = subprocess.run(["unshare", "--net", sys.executable, "-m", "hybridspec.cli.main", "netem", "--backend", "tc",

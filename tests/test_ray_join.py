@@ -27,6 +27,7 @@ from conftest import REPLICA_RESTART_S
 from raynodes import CloudServe, Operator, free_port, private_dir
 from tinymodels import EVERY_ROUND, greedy_reference
 
+pytestmark = pytest.mark.slow  # Ray clusters of our own, started with Ray's CLI
 STARTS_WITHIN_S = 180  # a local cluster and one tiny replica on a loaded 2-core machine take 15-40 s
 FAILS_WITHIN_S = 45  # a join that cannot work: connection check + the head check + Python's start
 PROMPTS = [[5, 17, 33, 80], [7, 19, 40, 81], [9, 21, 47, 82], [11, 23, 54, 83]]

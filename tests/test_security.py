@@ -320,6 +320,7 @@ def secure_pool(ray_cluster, model_dirs, pki, tokens):
     server.stop()
 
 
+@pytest.mark.slow
 def test_direct_rounds_use_tls_and_tokens_and_stay_exact(secure_pool, pki, tokens, target, random_drafter):
     server, pool = secure_pool
     endpoint = next(iter(pool.replicas.values())).verify_address

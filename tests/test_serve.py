@@ -309,6 +309,7 @@ def test_cloud_lost_mid_stream_ends_it_with_an_error_event(link, target, random_
         assert httpx2.get(f"{base}/health/ready").status_code == 503
 
 
+@pytest.mark.slow
 def test_cloud_lost_mid_generation_gives_503_with_the_partial_text(link, target, random_drafter):
     prompt = _long_prompt(target, 400)
     text, _, _ = expected(target, prompt, 400)
@@ -352,6 +353,7 @@ def test_allow_unverified_keeps_generating_and_says_so_in_usage(link, target, mo
         link.set_down(False)
 
 
+@pytest.mark.slow
 def test_the_cli_serves_and_drains_on_sigterm(server, model_dirs):
     env = {**os.environ, "HYBRIDSPEC_HOME": "/nonexistent-hybridspec-home"}
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "edge", "serve", "--cloud", server.address,

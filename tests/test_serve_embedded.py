@@ -17,6 +17,7 @@ from tinymodels import greedy_reference
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_pair_answers_a_chat_completion_exactly():
     require_embedded()
     target = load_model(default_paths()["target"], device="cpu")
