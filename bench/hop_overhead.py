@@ -9,7 +9,7 @@ replica's own endpoint, in-process), and per security setup (plaintext, TLS, tok
 
 Every lane is a real gRPC client (edge/client.py) on localhost sending one round of γ draft tokens at a
 time; the lanes take turns round by round, so load from other work on the machine hits all of them
-alike. --target tiny (default) is a random 2-layer Llama built from a config (lab/tinymodels.py), so the
+alike. --target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py), so the
 forward pass is short and the hop dominates.
 
 Paths (the default), three in one run:

@@ -13,7 +13,7 @@ random moments it SIGKILLs a replica actor process (Ray restarts it) and cuts th
 5 s it samples the resident memory of the front door and of the replica. Writes soak.csv (samples),
 soak.json (summary) and soak.png (memory over time, with the chaos events marked).
 
-fuzz: `--messages` hostile messages (the suite of lab/fuzzing.py that tests/test_fuzz.py runs too: every RPC; random, plausible and
+fuzz: `--messages` hostile messages (the suite of tests/fuzzing.py that tests/test_fuzz.py runs too: every RPC; random, plausible and
 undecodable bodies; fresh randomness) while one honest edge generates beside them; with --cloud, against
 that running server instead. Writes fuzz.json: the count of every status, any reply that broke the rules
 (UNKNOWN, INTERNAL, a long or traceback-bearing message), whether every honest generation equalled the
@@ -49,10 +49,9 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
-from hybridspec.lab.fuzzing import Fuzzer, calls
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from harness import arguments, cloud, figure, save_figure, series, write_json
+from harness import arguments, cloud, figure, fuzz_suite, save_figure, series, write_json
 
 CHAOS_TOKENS, FUZZ_TOKENS = 48, 32
 FUZZ_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well."]
@@ -241,6 +240,7 @@ def fuzz(args) -> int:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
         channel = grpc.insecure_channel(address)
+        Fuzzer, calls = fuzz_suite()
         fuzzer = Fuzzer(channel)
         bar = tqdm(total=args.messages, desc="fuzz", unit="msg")
 

@@ -19,7 +19,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [7, 19, 40, 81]
 NEW_TOKENS = 20
@@ -54,6 +54,7 @@ def edge_config(address):
     return EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
 
 
+@pytest.mark.slow
 def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_pool, target, random_drafter):
     server, pool = direct_pool
     assert all(r.verify_address.startswith("127.0.0.1:") for r in pool.replicas.values())
@@ -72,6 +73,7 @@ def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_poo
     assert server.running.metrics.drafts._value.get() - rounds_before >= 2 * NEW_TOKENS / 4
 
 
+@pytest.mark.slow
 def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(direct_pool):
     server, pool = direct_pool
     with grpc.insecure_channel(server.address) as front:
@@ -115,6 +117,7 @@ def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(dir
     refused(owner.verify_address, second, grpc.StatusCode.FAILED_PRECONDITION)
 
 
+@pytest.mark.slow
 def test_features_travel_through_the_pool_and_the_replica_endpoint(direct_pool, target):
     """Asked-for features survive the Ray hop (open) and the replica's own endpoint (rounds), and count."""
     server, _ = direct_pool
@@ -136,6 +139,7 @@ def test_features_travel_through_the_pool_and_the_replica_endpoint(direct_pool, 
     assert server.running.metrics.feature_bytes._value.get() - bytes_before == sum(b.nbytes for b in blocks)
 
 
+@pytest.mark.slow
 def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, target, random_drafter):
     server, pool = direct_pool
     with VerifierClient(server.address) as client:
@@ -185,6 +189,7 @@ def count_front_door_decodes(pool):
     return calls, lambda: vars(pool).pop("adecode")
 
 
+@pytest.mark.slow
 def test_cloud_only_tokens_come_straight_from_the_replica(direct_pool, target):
     """Issue "serve real conversations": cloud-only tokens crossed the front door and Ray one by one;
     now the edge opens the stream's session at the front door and decodes on its replica's endpoint."""
@@ -211,6 +216,7 @@ def wait_for_replicas(pool, timeout_s=60.0):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_decode_stream_serves_only_a_session_its_replica_holds(direct_pool):
     server, pool = direct_pool
     wait_for_replicas(pool)
@@ -236,6 +242,7 @@ def test_a_decode_stream_serves_only_a_session_its_replica_holds(direct_pool):
         stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
 
 
+@pytest.mark.slow
 def test_a_killed_replica_mid_stream_is_recovered_at_the_front_door(direct_pool, target):
     server, pool = direct_pool
     with VerifierClient(server.address) as client:

@@ -52,6 +52,7 @@ def test_a_pass_carries_at_most_the_engines_sessions_and_keeps_one_for_a_prompt(
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_llamacpp_sessions_beyond_the_streams_are_served_and_parked_exactly():
     """Two streams, three live sessions and a new one: every round is answered (the third waits for
     the pass after), idle sessions are parked and restored, and each session's tokens equal those it

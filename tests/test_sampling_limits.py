@@ -58,6 +58,7 @@ def assert_distribution(probs: torch.Tensor) -> None:
     torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(scored_block())
 def test_the_transform_is_a_distribution_for_every_accepted_setting(case):
@@ -73,6 +74,7 @@ def test_the_transform_is_a_distribution_for_every_accepted_setting(case):
 @settings(max_examples=300, deadline=None)
 @given(scored_block(), scored_block(), st.sampled_from([Mode.SPECULATIVE, Mode.COUPLED, Mode.BILD, Mode.LENIENT]),
        st.integers(0, 2**63 - 1))
+@pytest.mark.slow
 def test_drafting_and_every_rule_run_for_every_accepted_setting(target_case, draft_case, mode, seed):
     """The edge drafts as edge/drafter.py does (penalise, transform, truncate, sample); the cloud
     applies the session's rule to its own logits (cloud/core/verifier.py)."""
