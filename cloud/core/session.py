@@ -6,15 +6,17 @@ a session of the same id: a re-open). A session that cannot be opened is FAILED 
 for the caller. Everything that changes a session is a method here; the verifier only decides when.
 
 The KV cache is a soft cache (docs/design.md §3): the store drops sessions that sit idle too long,
-and evicts the least recently used ones when the engine has no room for a pass. A dropped session's
-next round gets FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The
-session count itself is a hard limit: past it, new sessions get RESOURCE_EXHAUSTED.
+and evicts idle ones when the engine has no room for a pass: first those of the tenant (identity)
+holding the most cells beyond its share of the cache, least recently used first, and never one of a
+tenant within its share while another is over its own. A dropped session's next round gets
+FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The session count
+itself is a hard limit: past it, new sessions get RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from ...common.maths.features import join_blocks
@@ -139,6 +141,10 @@ class SessionStore:
         """Committed tokens held by all sessions (a proxy for KV memory)."""
         return sum(len(s.committed) for s in self._sessions.values())
 
+    def find(self, session_id: str) -> Session | None:
+        """The live session of that id, if any, changing nothing (not even its last use)."""
+        return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> Session:
         """The live session, marked as just used; FailedPrecondition if unknown or evicted."""
         self.expire_idle()
@@ -177,14 +183,36 @@ class SessionStore:
             self._retire(session)
         return session is not None
 
-    def make_room(self, fits: Callable[[], bool], keep: Iterable[str], spare: KVSequence | None = None) -> None:
-        """Evict least recently used sessions (never those in `keep`, nor the one caching `spare`) until `fits()`."""
+    def make_room(self, fits: Callable[[], bool], keep: Iterable[str], spare: KVSequence | None = None,
+                  asker: Session | None = None, capacity: int = 0) -> None:
+        """Evict sessions until `fits()`, never those in `keep`, nor the one caching `spare`: each time
+        one of the tenant holding the most cells (committed tokens, resident or parked, with `asker`'s
+        counted for its tenant) beyond its share (`capacity` × its weight / the weights of the tenants
+        holding sessions), least recently used first; and never one of a tenant within its share while
+        another tenant is over its own, unless it is `asker`'s own tenant (whose session the room is
+        for). Stops when nothing more may be evicted."""
         keep = set(keep)
-        for sid, session in list(self._sessions.items()):
-            if fits():
+        while not fits():
+            held, weights = Counter(), {}
+            for session in self._sessions.values():
+                held[session.spec.tenant] += len(session.committed)
+                weights[session.spec.tenant] = session.spec.weight
+            if asker is not None:
+                weights.setdefault(asker.spec.tenant, asker.spec.weight)
+                if self._sessions.get(asker.spec.session_id) is not asker:  # an open: not held yet
+                    held[asker.spec.tenant] += len(asker.committed)
+            total = sum(weights.values())
+            excess = {t: held[t] - capacity * w / total for t, w in weights.items()}
+            movable = [(sid, s) for sid, s in self._sessions.items() if sid not in keep and s.kv is not spare]
+            if not movable:
                 return
-            if sid not in keep and session.kv is not spare:
-                self._evict(sid)
+            # Least recently used first within a tenant: the store's order (min keeps the first of equals).
+            sid, victim = min(movable, key=lambda item: -excess[item[1].spec.tenant])
+            tenant = victim.spec.tenant
+            if excess[tenant] <= 0 and any(e > 0 for e in excess.values()) and (asker is None
+                                                                                 or tenant != asker.spec.tenant):
+                return
+            self._evict(sid)
 
     def expire_idle(self) -> int:
         """Drop sessions idle longer than the timeout; returns how many."""

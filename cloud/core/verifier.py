@@ -82,11 +82,12 @@ from ...common.protocol.errors import FailedPrecondition, HybridSpecError, Inval
 from ...common.protocol.tree import feed_parents
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, SessionOpened, SessionSpec,
                                      VerifyResult)
-from ..engine.base import Engine, Feed, KVSequence, Scores, Target
+from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
-from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
-from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
+from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS,
+                     VerifierLimits)
+from .passes import Pass, PassTime, Shares, StepCost, Usage, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
 from .session import Phase, Session, SessionStore
@@ -95,6 +96,7 @@ from .telemetry import ReplicaTelemetry, Tally, Telemetry
 log = logging.getLogger(__name__)
 
 ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
+HELD_BACK_WAIT_S = 0.01  # the model thread's nap when every queued round waits for a stream
 _END = object()  # a decode stream's last item
 
 
@@ -185,9 +187,11 @@ class Verifier:
 
     def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,
                  max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, name: str = "in-process") -> None:
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, fair_share: bool = DEFAULT_FAIR_SHARE,
+                 name: str = "in-process") -> None:
         """`engine` defaults to the torch engine over `target`'s model (a LoadedModel). The batching
-        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`); `name` is the
+        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`); `fair_share` off:
+        rounds go into passes by arrival whoever sent them (cloud/core/passes.py); `name` is the
         replica's in a pool."""
         if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
             raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
@@ -213,12 +217,21 @@ class Verifier:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1e3
         self.prefill_budget_ms = prefill_budget_ms
+        self.fair_share = fair_share
         # The stepping thread's state.
         self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
                                       self._retire)
         self.telemetry = Telemetry()
         self.cost = StepCost()  # of the steps that fed a prompt
+        self.pass_time = PassTime()  # every pass's time, per feed (refitted from the measured curve in _measure)
+        self._usage = Usage()  # each active tenant's share of the passes so far
+        self._parking = isinstance(self.engine, Parking)  # an engine that parks sessions beyond its streams
+        if self._parking:
+            self.engine.park_rank = self._park_rank
+        self._stream_excess: dict[str, float] | None = None  # per tenant, streams held beyond its share (per step)
+        self._kv_tenant: dict[int, str] = {}  # id of a resident cache -> its tenant, with _stream_excess
+        self._held_back = False  # the last step ran nothing: every queued round waits for a stream
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
@@ -372,14 +385,16 @@ class Verifier:
             _resolve(future, _call(fn))
         feeding = self._admit_opens(opens) if opens else []
         # 2. Plan the pass: one round per session, up to max_batch, as many as the engine may carry,
-        #    and the prompt tokens it may carry beside them. What it leaves goes first next time.
+        #    each tenant its share, and the prompt tokens it may carry beside them. What it leaves goes
+        #    first next time.
         plan = plan_pass([r.block for r in rounds], feeding, self._prompt_tokens(feeding), self.engine.capabilities,
-                         self.max_batch)
+                         self.max_batch, self._shares(rounds, feeding))
         with self._cv:
             self._rounds.extendleft(reversed([rounds[i] for i in plan.split + plan.waiting]))
         work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
+        self._held_back = not taken and not work.openings and bool(rounds)
         if not taken and not work.openings:
             if opens:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
@@ -392,7 +407,8 @@ class Verifier:
             # 4. Room in the cache for every feed; a feed that cannot get it fails alone.
             feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
             # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-            scores = self._forward(feeds, rounds_in, work.openings, results)
+            owners = [session for *_, session in rounds_in] + [session for session, _ in chunks]
+            scores = self._forward(feeds, owners, rounds_in, work.openings, results)
             if scores is not None:
                 # 6. Each round's rule; its session commits the accepted drafts and the new token;
                 #    prompt chunks keep the features their session asked for.
@@ -475,6 +491,35 @@ class Verifier:
         opening = {s.spec.session_id for s in feeding}
         return any(now - t <= ACTIVE_WINDOW_S and sid not in opening for sid, t in self._recent.items())
 
+    def _shares(self, rounds: list[_Round], feeding: list[Session]) -> Shares | None:
+        """Who asks, for the planner's fair share and stream rotation (cloud/core/passes.py): the tenants
+        of the sessions with rounds queued, being opened or recently active, their weights and usage,
+        what each round would add to the pass, and on an engine that parks, who holds a stream and since
+        when. None for a blocking caller stepping on its own: its passes never depend on timing."""
+        self._stream_excess = None  # the parking ranks of this step are worked out when first needed
+        if threading.current_thread() is not self._thread:
+            return None
+        now, clock = time.perf_counter(), time.monotonic()
+        recent = {sid for sid, t in self._recent.items() if now - t <= ACTIVE_WINDOW_S}
+        sessions = {sid: s for sid in recent | {r.block.session_id for r in rounds}
+                    if (s := self._sessions.find(sid)) is not None}
+        sessions.update((s.spec.session_id, s) for s in feeding)
+        tenant = {sid: self._tenant(s) for sid, s in sessions.items()}
+        active = frozenset(tenant.values())
+        resident = None
+        if self._parking:
+            since = {sid: self.engine.resident_since(s.kv) for sid, s in sessions.items()}
+            resident = {sid: clock - t for sid, t in since.items() if t is not None}
+        return Shares(tenant, {tenant[sid]: s.spec.weight for sid, s in sessions.items()}, self._usage.settle(active),
+                      active, self.prefill_budget_ms,
+                      lambda block: self.pass_time.feed_ms(len(block.draft_ids) + 1, block.committed_len),
+                      [now - r.arrived for r in rounds], resident, self.engine.capabilities.max_sequences_per_pass,
+                      frozenset(recent | {s.spec.session_id for s in feeding}))
+
+    def _tenant(self, session: Session) -> str:
+        """Whose share a session draws on: its identity's, or everyone's one share with fair share off."""
+        return session.spec.tenant if self.fair_share else ""
+
     # ---- 3. admitting rounds -------------------------------------------------------------------
 
     def _admit(self, blocks: Sequence[DraftBlock], results: list) -> list[Round]:
@@ -505,7 +550,7 @@ class Verifier:
         for i, block, session in admitted:
             tokens = session.round_tokens(block)
             try:
-                self._room_for(session.kv, len(tokens), work.keep)
+                self._room_for(session, len(tokens), work.keep)
             except HybridSpecError as exc:
                 results[i] = exc
                 continue
@@ -523,7 +568,7 @@ class Verifier:
                 continue
             start, chunk = session.kv.length, session.next_chunk(budget)
             try:
-                self._room_for(session.kv, len(chunk), work.keep)
+                self._room_for(session, len(chunk), work.keep)
             except HybridSpecError as exc:
                 session.fail(exc, self.engine.release)
                 continue
@@ -545,36 +590,42 @@ class Verifier:
             return
         source, length = found
         try:
-            self._make_room(session.kv, length, keep, spare=source)
+            self._make_room(session, length, keep, spare=source)
             self.engine.copy_prefix(source, session.kv, length)
         except HybridSpecError:
             return  # no room now: the prompt is prefilled as usual, or refused as it would have been
         self.prefixes.hit(length)
 
-    def _room_for(self, kv: KVSequence, tokens: int, keep: frozenset[str]) -> None:
-        """Room for `tokens` more tokens of `kv`, made if the cache is full (`_make_room`)."""
-        self._make_room(kv, tokens, keep)
-        self.engine.reserve(kv, tokens)
+    def _room_for(self, session: Session, tokens: int, keep: frozenset[str]) -> None:
+        """Room for `tokens` more tokens of `session`'s cache, made if the cache is full (`_make_room`)."""
+        self._make_room(session, tokens, keep)
+        self.engine.reserve(session.kv, tokens)
 
-    def _make_room(self, kv: KVSequence, tokens: int, keep: frozenset[str], spare: KVSequence | None = None) -> None:
-        """Until `tokens` more tokens of `kv` fit: drop closed sessions' kept caches, then evict idle
-        sessions, least recently used first; never a session in `keep`, nor the cache `spare`."""
+    def _make_room(self, session: Session, tokens: int, keep: frozenset[str], spare: KVSequence | None = None) -> None:
+        """Until `tokens` more tokens of `session`'s cache fit: drop closed sessions' kept caches, then
+        evict idle sessions, from the tenant most over its share of the cache first (SessionStore.make_room);
+        never a session in `keep`, nor the cache `spare`."""
+        kv = session.kv
         fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
         while not fits() and self.prefixes.drop_oldest(spare):
             pass
         if not fits():
-            self._sessions.make_room(fits, keep, spare)
+            self._sessions.make_room(fits, keep, spare, session, self.limits.kv_cache_tokens)
 
     # ---- 5. the forward pass -------------------------------------------------------------------
 
-    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: Sequence[Session],
+    def _forward(self, feeds: list[Feed], owners: list[Session], rounds: list[Round], openings: Sequence[Session],
                  results: list) -> list[Scores] | None:
-        """The engine's pass; on failure every fed session is left as it was and the pass's rounds and
-        opens get the incident."""
+        """The engine's pass, timed: the pass-time model learns from it and each feed's tenant (`owners`,
+        per feed) is charged its part. On failure every fed session is left as it was and the pass's
+        rounds and opens get the incident."""
         if not feeds:
             return None
+        sizes = [(len(feed.tokens), feed.kv.length) for feed in feeds]
         try:
+            started = time.perf_counter()
             scores = self.engine.forward(feeds)
+            ms = (time.perf_counter() - started) * 1e3
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
             for i, _, session in rounds:
@@ -585,6 +636,9 @@ class Verifier:
                     session.fail(error, self.engine.release)
             return None
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
+        for session, part in zip(owners, self.pass_time.split(sizes, ms)):
+            self._usage.charge(self._tenant(session), part, session.spec.weight)
+        self.pass_time.observe(sizes, ms)
         return scores
 
     # ---- 6. rules and commit -------------------------------------------------------------------
@@ -694,6 +748,21 @@ class Verifier:
         largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
         points = measure_pass_costs(self.engine, self.info.vocab_size, min(max_tokens, largest))
         self.info = replace(self.info, pass_costs=points)
+        self.pass_time = PassTime(points)
+
+    def _park_rank(self, kv: KVSequence) -> float:
+        """The engine's order for parking idle sessions (engine.base.Parking): the tenant holding the
+        most streams beyond its share first (streams × weight / the weights of the tenants holding one)."""
+        if self._stream_excess is None:
+            owners = [s for s in self._sessions.live() if self.engine.resident_since(s.kv) is not None]
+            held, weights = {}, {}
+            for s in owners:
+                tenant = self._tenant(s)
+                held[tenant], weights[tenant] = held.get(tenant, 0) + 1, s.spec.weight
+            streams, total = self.engine.capabilities.max_sequences_per_pass, sum(weights.values())
+            self._stream_excess = {t: held[t] - streams * weights[t] / total for t in held}
+            self._kv_tenant = {id(s.kv): self._tenant(s) for s in owners}
+        return -self._stream_excess.get(self._kv_tenant.get(id(kv), ""), 0.0)
 
     def _retire(self, session: Session) -> None:
         """A closed session's cache: kept for new sessions to start from, or released."""
@@ -727,6 +796,10 @@ class Verifier:
                     self._cv.wait()
                 if self._stopping:
                     return
+                if self._held_back:  # nothing could run: wait for new work, or for a stream to come free
+                    self._held_back = False
+                    self._cv.wait(HELD_BACK_WAIT_S)
+                    continue
                 self._wait_for_company(free_since)
             self.step()
 

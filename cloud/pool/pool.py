@@ -164,7 +164,7 @@ class Pool:
         """
         info = self.model_info()
         session_id, route = self.table.claim(spec.session_id, caller)
-        spec = replace(spec, session_id=session_id, owner=caller.owner)
+        spec = replace(spec, session_id=session_id, owner=caller.owner, tenant=caller.name, weight=caller.weight)
         try:
             spec.check_against(info)
             for _ in range(len(self.replicas) + 1):  # a replica may die under us: try another

@@ -61,7 +61,8 @@ def load_verifier(spec: ReplicaSpec) -> Verifier:
     target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
                                  settings.torch_threads, spec.limits)
     verifier = Verifier(target, spec.limits, engine, max_batch=settings.max_batch_size,
-                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms)
+                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms,
+                        fair_share=settings.fair_share)
     verifier.measure_pass_costs(settings.pass_cost_tokens)
     return verifier
 

@@ -200,6 +200,10 @@ class SessionSpec:
     # Never on the wire: the authenticated identity the front door opened the session for ("" on a
     # server without credentials). Every round must come from the same identity.
     owner: str = ""
+    # Never on the wire, set by the front door: whose share of a replica the session draws on (the
+    # identity's name, a caller's address without a token) and that identity's weight.
+    tenant: str = ""
+    weight: float = 1.0
 
     @property
     def prompt_end(self) -> int:
