@@ -5,6 +5,7 @@ tested without an engine (cloud/core/passes.py); the rest runs a real Verifier o
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import Counter
 from dataclasses import replace
@@ -180,9 +181,11 @@ def test_an_honest_round_is_in_the_next_pass_beside_many_of_another_identity(tar
     verifier.open_session(spec("alice", "alice"))
     fed = recorded_passes(verifier)
     with started(verifier):
-        hold = verifier.submit_call(lambda: time.sleep(0.3))  # the model thread is busy while all nine queue
+        gate = threading.Event()
+        hold = verifier.submit_call(lambda: gate.wait(60))  # the model thread is held while all nine queue
         futures = [verifier.submit_round(DraftBlock(f"bob{i}", 0, 20, (5, 6))) for i in range(8)]
         futures.append(verifier.submit_round(DraftBlock("alice", 0, 20, (5, 6))))
+        gate.set()
         hold.result(30)
         results = [f.result(30) for f in futures]
     assert all(isinstance(r, VerifyResult) for r in results)
@@ -224,9 +227,11 @@ def test_an_identity_over_its_share_with_nothing_idle_is_refused_not_served_from
 @pytest.mark.embedded
 def test_sessions_beyond_the_streams_are_served_in_runs_not_parked_every_pass(monkeypatch):
     """Two streams and three cloud-only streams decoding at once on llama.cpp. By arrival, every pass
-    parked one session and restored another (about one park per pass); in runs, a session keeps its
-    stream until a holder has had its own for ROTATION_S (1 s here), so the parks are a handful, and
-    the third session is still served."""
+    parked one session and restored another (120 parks for 120 tokens); in runs, a session keeps its
+    stream while it is busy, until a holder has had its own for ROTATION_S (longer than this test, so
+    that the count does not depend on the machine's speed): the third session gets a stream when one
+    of the first two is done, and the parks are at most two. (Turning over after ROTATION_S is
+    test_sessions_beyond_the_streams_wait_for_their_turn_instead_of_churning's.)"""
     import asyncio
 
     from conftest import random_ids, require_embedded
@@ -236,7 +241,7 @@ def test_sessions_beyond_the_streams_are_served_in_runs_not_parked_every_pass(mo
     from hybridspec.common.models.embedded import default_paths
     from hybridspec.common.models.gguf import GgufTarget, find_gguf
 
-    monkeypatch.setattr(passes, "ROTATION_S", 1.0, raising=False)
+    monkeypatch.setattr(passes, "ROTATION_S", 1000.0, raising=False)
     gguf = find_gguf(default_paths()["target"])
     limits = VerifierLimits(max_context=512, kv_streams=2, kv_cache_tokens=4096, max_tree_nodes=0)
     engine = LlamaCppEngine.serving(gguf, limits, 1)
@@ -259,4 +264,4 @@ def test_sessions_beyond_the_streams_are_served_in_runs_not_parked_every_pass(mo
 
     decoded = asyncio.run(decode_all())
     assert all(len(tokens) == 40 for tokens in decoded.values())
-    assert engine.parks - parked_before <= 6, engine.parks - parked_before  # 120 tokens over about 60 passes
+    assert engine.parks - parked_before <= 2, engine.parks - parked_before  # 120 tokens over about 60 passes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -35,7 +36,7 @@ def tokens(tmp_path_factory):
     return str(path), {name: add_identity(path, name) for name in ("alice", "bob")}
 
 
-def client(server: BackgroundServer, token: str) -> VerifierClient:
+def client(server: BackgroundServer, token: str | None) -> VerifierClient:
     return VerifierClient(server.address, access=CloudAccess(token=token))
 
 
@@ -61,11 +62,13 @@ def test_an_honest_round_shares_the_next_pass_with_another_identitys_many(target
         ids = [c.open_session(SessionSpec("", PROMPT)).session_id for c in clients]
         kv = {s.spec.session_id: id(s.kv) for s in verifier._sessions.live()}
         passes_fed.clear()
-        hold = verifier.submit_call(lambda: time.sleep(0.5))  # the model thread is busy while bob's queue
+        gate = threading.Event()
+        hold = verifier.submit_call(lambda: gate.wait(60))  # the model thread is held while the rounds queue
         rounds = [c.submit(DraftBlock(sid, 0, len(PROMPT), (5, 6))) for c, sid in zip(clients[:8], ids)]
         until(lambda: len(verifier._rounds) == 8)
         rounds.append(clients[8].submit(DraftBlock(ids[8], 0, len(PROMPT), (5, 6))))
         until(lambda: len(verifier._rounds) == 9)
+        gate.set()
         hold.result(30)
         for c, r in zip(clients, rounds):
             c.wait(r)
@@ -114,3 +117,36 @@ def test_weights_are_issued_listed_and_old_files_load(tmp_path):
     assert run("list").stdout.splitlines() == ["batch", "interactive weight=3"]
     bad = run("add", "x", "--weight", "0")
     assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and "weight" in bad.stderr
+
+
+def test_a_full_replica_says_the_prompts_size_its_state_and_when_to_retry(target):
+    """A prompt that cannot get room used to be refused with the engine's words ("the KV cache is full");
+    the refusal names the prompt's size, what the replica holds and carries a RetryInfo (gRPC status
+    details) that the edge client reads."""
+    import grpc
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    from hybridspec.common.protocol.errors import ResourceExhausted
+    from hybridspec.common.protocol.proto import verifier_pb2 as pb
+    from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+
+    verifier = Verifier(target, replace(LIMITS, kv_cache_tokens=64))  # four pages: 100 tokens never fit here
+    server = BackgroundServer(inprocess_pool(verifier))
+    prompt = tuple(range(10, 110))
+    try:
+        with client(server, None) as edge:
+            edge.open_session(SessionSpec("", PROMPT))  # idle: evicted for the next one, which still cannot fit
+            with pytest.raises(ResourceExhausted) as refused:
+                edge.open_session(SessionSpec("", prompt))
+        text = str(refused.value)
+        assert "100-token prompt" in text and "holds 0 sessions" in text and "of its 64 KV tokens" in text
+        assert "retry in about 5 s" in text and refused.value.retry_after_s == 5.0
+        channel = grpc.insecure_channel(server.address)
+        with pytest.raises(grpc.RpcError) as raw:
+            pb_grpc.VerifierStub(channel).OpenSession(pb.OpenSessionRequest(committed_ids=prompt), timeout=30)
+        channel.close()
+        info = error_details_pb2.RetryInfo()
+        assert rpc_status.from_call(raw.value).details[0].Unpack(info) and info.retry_delay.seconds == 5
+    finally:
+        server.stop()

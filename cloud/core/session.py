@@ -25,6 +25,9 @@ from ...common.protocol.wire import DraftBlock, FeatureBlock, SessionOpened, Ses
 from ..engine.base import KVSequence
 
 REMEMBERED_EVICTIONS = 4096  # ids of recently evicted sessions, so their next round can say so
+# When a full replica tells a client to retry (RetryInfo): a few rounds' time, in which busy sessions
+# usually fall idle (then they may be parked or evicted) or end.
+FULL_RETRY_S = 5.0
 
 
 class Phase(enum.Enum):
@@ -160,7 +163,8 @@ class SessionStore:
         """Check there is room for `session_id` (a re-open of a live session always fits)."""
         self.expire_idle()
         if session_id not in self._sessions and len(self._sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions; retry later")
+            raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions, its limit; retry in "
+                                    f"about {FULL_RETRY_S:g} s", FULL_RETRY_S)
 
     def go_live(self, session: Session) -> None:
         """Make a fully prefilled session LIVE, replacing (and freeing) one of the same id; a session

@@ -78,10 +78,11 @@ import torch
 
 from ...common.maths.features import encode_features
 from ...common.models.loading import tokenizer_fingerprint
-from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, Unavailable, incident
+from ...common.protocol.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, ResourceExhausted,
+                                       Unavailable, incident)
 from ...common.protocol.tree import feed_parents
-from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, SessionOpened, SessionSpec,
-                                     VerifyResult)
+from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, OpenProgress, SessionOpened,
+                                     PROGRESS_EVERY_S, SessionSpec, VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import measure_pass_costs
@@ -90,13 +91,14 @@ from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
 from .passes import Pass, PassTime, Shares, StepCost, Usage, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import apply_rule, greedy_argmaxes
-from .session import Phase, Session, SessionStore
+from .session import FULL_RETRY_S, Phase, Session, SessionStore
 from .telemetry import ReplicaTelemetry, Tally, Telemetry
 
 log = logging.getLogger(__name__)
 
 ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
 HELD_BACK_WAIT_S = 0.01  # the model thread's nap when every queued round waits for a stream
+PROGRESS_S = PROGRESS_EVERY_S / 2  # an awaited open reports how far it got this often: twice what the wire promises
 _END = object()  # a decode stream's last item
 
 
@@ -181,7 +183,7 @@ class Verifier:
     """Owns one engine (the target and its KV cache), the sessions verified against it, and the step
     that serves them; in the front door's process it is also the pool's only replica."""
 
-    alive = True  # it never dies on its own
+    alive = answering = True  # it never dies or stops on its own
     failures = 0
     verify_address = ""  # no endpoint of its own: its rounds come through the front door
 
@@ -336,9 +338,36 @@ class Verifier:
         """What it serves."""
         return self.info
 
-    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
-        """`open_session`, awaited; cancelling abandons the open."""
-        return await _awaited("OpenSession", self._put(self._opens, _Open(spec, Future()), awaited=True))
+    async def aopen_session(self, spec: SessionSpec,
+                            progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """`open_session`, awaited; cancelling abandons the open. `progress` is told how far it has got
+        every PROGRESS_S (`aopen_progress`)."""
+        opened = None
+        async for item in self.aopen_progress(spec):
+            if isinstance(item, SessionOpened):
+                opened = item
+            elif progress is not None:
+                progress(item)
+        return opened
+
+    async def aopen_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened]:
+        """Open (or re-open) a session: how far it has got every PROGRESS_S, read from this event loop
+        (so it shows that the replica's process is alive even while a pass takes long), then the answer.
+        Raises the open's domain error; leaving early abandons the open."""
+        item = _Open(spec, Future())
+        answer = asyncio.ensure_future(_awaited("OpenSession", self._put(self._opens, item, awaited=True)))
+        total = len(spec.committed_ids) - 1
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=PROGRESS_S)
+                if done:
+                    break
+                session = item.session  # set by the model thread at admission; its length grows with each chunk
+                yield OpenProgress(session.kv.length if session is not None else 0, total)
+            yield answer.result()
+        finally:
+            if not answer.done():
+                answer.cancel()  # the caller left: cancelling the awaited future abandons the open
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
         """`verify`, awaited."""
@@ -552,7 +581,7 @@ class Verifier:
             try:
                 self._room_for(session, len(tokens), work.keep)
             except HybridSpecError as exc:
-                results[i] = exc
+                results[i] = self._no_room(f"this round's {len(tokens)} tokens", work.keep, exc)
                 continue
             feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec),
                               parents=feed_parents(block.parents) if block.is_tree else None))
@@ -570,13 +599,29 @@ class Verifier:
             try:
                 self._room_for(session, len(chunk), work.keep)
             except HybridSpecError as exc:
-                session.fail(exc, self.engine.release)
+                session.fail(self._no_room(f"a {len(session.committed):,}-token prompt", work.keep, exc),
+                             self.engine.release)
                 continue
             feeds.append(Feed(session.kv, chunk, scored=False, features=_wants_features(session.spec)))
             chunks.append((session, start))
             budget -= len(chunk)
             streams -= 1
         return feeds, rounds, chunks
+
+    def _no_room(self, what: str, keep: frozenset[str], error: HybridSpecError) -> HybridSpecError:
+        """The refusal of a feed the cache could not make room for (`error`, the engine's): what was
+        asked, the replica's state, and when to retry (RetryInfo)."""
+        if not isinstance(error, ResourceExhausted):
+            return error
+        held = len(self._sessions)
+        busy = sum(sid in keep for sid in self._sessions.ids())
+        used = round(self.engine.fill() * self.engine.capacity_tokens) + getattr(self.engine, "parked_tokens", 0)
+        why = ("none is idle, to be parked or evicted" if busy == held else
+               f"the {held - busy} idle belong to identities within their share of the cache")
+        return ResourceExhausted(
+            f"this replica has no room for {what} now: it holds {held} session{'s' * (held != 1)} in {used:,} of its "
+            f"{self.limits.kv_cache_tokens:,} KV tokens, {busy} of them busy, and {why}; retry in about "
+            f"{FULL_RETRY_S:g} s", FULL_RETRY_S)
 
     def _start_from_prefix(self, session: Session, keep: frozenset[str]) -> None:
         """Start a new session's cache from the longest prefix of its prompt that a session of its

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
-from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
 from .specs import ReplicaSpec
 from ..core.telemetry import Tally
 from ..core.verifier import Verifier, VerifierStats
@@ -95,9 +95,15 @@ class VerifierReplica:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
         return self._endpoint.take_tally() if self._endpoint else Tally()
 
-    async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
-        """Open or re-open a session."""
-        return await _as_value(self.verifier.aopen_session(spec))
+    async def open_session_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened
+                                                                               | HybridSpecError]:
+        """Open or re-open a session, streamed (the pool calls it with num_returns="streaming"): how far
+        it has got every second, then its answer; a domain error is the last item."""
+        try:
+            async for item in self.verifier.aopen_progress(spec):
+                yield item
+        except HybridSpecError as exc:
+            yield exc
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch."""

@@ -23,6 +23,7 @@ MAX_SESSION_ID_CHARS = 64  # server-issued ids are far shorter; longer ones are 
 MAX_REPETITION_PENALTY = 10.0  # beyond this every repeated token is ruled out anyway
 MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as in the OpenAI API
 DEFAULT_MAX_NEW_TOKENS = 128  # a generation's tokens at most, unless asked otherwise (the edge's default too)
+PROGRESS_EVERY_S = 2.0  # OpenSessionStream: the server reports an open's progress at least this often
 
 
 class Mode(str, Enum):
@@ -247,6 +248,15 @@ class SessionOpened:
     committed_len: int
     verify_address: str = ""
     features: FeatureBlock | None = None  # asked-for features of committed_ids[:-1] (all but the last)
+
+
+@dataclass(frozen=True)
+class OpenProgress:
+    """How far an open has got: `cached` of its `total` prompt tokens are in the verifier's cache
+    (total = len(committed_ids) - 1: the newest token is cached by the first round)."""
+
+    cached: int
+    total: int
 
 
 @dataclass(frozen=True)
