@@ -78,6 +78,10 @@ class Decoder(Protocol):
     """What a replica's own endpoint serves (a Verifier), and what the front door's pool serves too:
     rounds and decode steps of sessions it holds, each stamped with its sender."""
 
+    # True: the backend charges its callers' rates where the work runs (a Ray pool whose replicas have
+    # their own endpoints), and this servicer charges nothing.
+    paces: bool
+
     def model_info(self) -> ModelInfo:
         """What is served."""
 
@@ -249,6 +253,8 @@ class VerifierService:
         return await anext(tokens, None)
 
     async def _pace(self, caller: Identity, tokens: int) -> None:
+        if self.backend.paces:
+            return
         delay = self.access.pace(caller, tokens)
         if delay > 0:
             await asyncio.sleep(delay)

@@ -185,6 +185,7 @@ class Verifier:
 
     alive = answering = True  # it never dies or stops on its own
     failures = 0
+    paces = False  # whoever serves it charges its callers' rates
     verify_address = ""  # no endpoint of its own: its rounds come through the front door
 
     def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,

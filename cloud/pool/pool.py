@@ -133,9 +133,10 @@ class Pool:
     """Session ids, placement, routing and limits over named replicas: what the front door serves."""
 
     def __init__(self, replicas: Sequence[Replica], max_sessions_per_client: int, max_sessions_per_address: int,
-                 replica_wait_s: float, cluster: Cluster | None = None) -> None:
+                 replica_wait_s: float, cluster: Cluster | None = None, paces: bool = False) -> None:
         """The session limits hold over every replica: per token identity, and per address without a
-        token. replica_wait_s: with every replica down, how long a new session waits for one."""
+        token. replica_wait_s: with every replica down, how long a new session waits for one. paces: the
+        replicas charge their callers' rates themselves, so the front door must not charge them again."""
         if not replicas:
             raise ValueError("a pool needs at least one replica")
         self.replicas: dict[str, Replica] = {r.name: r for r in replicas}
@@ -144,6 +145,7 @@ class Pool:
         self.info: ModelInfo | None = None  # set once the models are loaded
         self.replica_wait_s = replica_wait_s
         self.cluster = cluster
+        self.paces = paces
 
     async def start(self) -> None:
         """Start the cluster, then every replica; the front door reports SERVING only after this

@@ -52,7 +52,7 @@ def RayPool(spec: PoolSpec, endpoint: EndpointStarter | None = None) -> Pool:
     settings = spec.settings
     replicas = [RayReplica(f"{spec.name}-replica-{i}", spec, endpoint) for i in range(settings.replicas)]
     return Pool(replicas, settings.max_sessions_per_client, settings.max_sessions_per_address,
-                settings.replica_wait_s, RayCluster(settings))
+                settings.replica_wait_s, RayCluster(settings), paces=endpoint is not None)
 
 
 class RayCluster:

@@ -8,6 +8,9 @@ Given an endpoint to start (the gRPC layer's `ReplicaEndpoint`, cloud/api/server
 through the pool so that the pool never imports the layer above it), the actor also hosts its own
 small gRPC endpoint on its event loop, beside the Ray calls: edges stream their rounds to it
 directly, saving the front door's hop and the Ray call per round. Protobuf stays in cloud/api/.
+Such a replica charges every call that does work on it to its endpoint's rate buckets, the opens
+and the rounds that come through the front door too (which then charges nothing), so an identity's
+rate on one replica is its rate, not one bucket at the front door plus one at the endpoint.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ class Endpoint(Protocol):
 
     def take_tally(self) -> Tally:
         """Its rounds and errors since the last call."""
+
+    def pace(self, owner: str, tokens: int) -> float:
+        """Seconds work of `tokens` tokens for the identity `owner` must wait by its rate, charged to the
+        bucket the endpoint's own calls use; ResourceExhausted if too long."""
 
 
 class EndpointStarter(Protocol):
@@ -98,22 +105,29 @@ class VerifierReplica:
     async def open_session_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened
                                                                                | HybridSpecError]:
         """Open or re-open a session, streamed (the pool calls it with num_returns="streaming"): how far
-        it has got every second, then its answer; a domain error is the last item."""
+        it has got every second, then its answer; a domain error is the last item. Its prompt is charged
+        to the caller's rate first."""
         try:
+            await self._pace(spec.owner, len(spec.committed_ids))
             async for item in self.verifier.aopen_progress(spec):
                 yield item
         except HybridSpecError as exc:
             yield exc
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
-        """Verify one round in the next batch."""
+        """Verify one round in the next batch (charged to its sender's rate first)."""
+        try:
+            await self._pace(block.owner, len(block.draft_ids) + 1)
+        except HybridSpecError as exc:
+            return exc
         return await _as_value(self.verifier.averify(block))
 
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
-        """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"); a domain
-        error is the last item."""
+        """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"), each token
+        charged to the caller's rate; a domain error is the last item."""
         try:
             async for token in self.verifier.adecode(block, max_tokens, eos):
+                await self._pace(block.owner, 1)
                 yield token
         except HybridSpecError as exc:
             yield exc
@@ -125,6 +139,13 @@ class VerifierReplica:
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
         return await _as_value(self.verifier.astats())
+
+    async def _pace(self, owner: str, tokens: int) -> None:
+        """Wait as the caller's rate says (its endpoint's bucket; nothing without an endpoint: then the
+        front door paces); ResourceExhausted if it would wait too long."""
+        delay = self._endpoint.pace(owner, tokens) if self._endpoint is not None else 0.0
+        if delay > 0:
+            await asyncio.sleep(delay)
 
 
 def _advertised(host: str) -> str:

@@ -167,6 +167,11 @@ class CredentialStore:
             raise Unauthenticated("invalid credentials: the token is not known to this server")
         return identity
 
+    def named(self, name: str) -> Identity | None:
+        """The identity of that name, if the file (as last read) has it."""
+        self._refresh()
+        return next((identity for identity in self._table.values() if identity.name == name), None)
+
     def _refresh(self) -> None:
         now = time.monotonic()
         if now - self._checked < RELOAD_CHECK_S:
