@@ -45,12 +45,13 @@ def test_an_identity_alone_gets_every_round_the_pass_may_carry():
 
 def test_one_honest_session_goes_first_beside_many_busy_ones_of_another_identity():
     """Seventeen of bob's rounds queued before alice's one: by arrival alice would wait two passes; by
-    share her round is in the next pass, which holds as much of bob's work as hers (60 ms, 10 each)."""
+    share her round is in the next pass, beside as much of bob's work as hers and one round more (bob's
+    clock may not run ahead of hers: the pass ends rather than make her next round wait)."""
     tenant = {f"b{i}": "bob" for i in range(17)} | {"a": "alice"}
     offered = blocks_of([f"b{i}" for i in range(17)] + ["a"])
     plan = plan_pass(offered, [], lambda tokens: 0, CAPS, max_rounds=16, shares=shares(tenant))
     ran = Counter(tenant[b.session_id] for b in plan.work.rounds)
-    assert ran == {"alice": 1, "bob": 5}
+    assert ran == {"alice": 1, "bob": 2}
     assert sorted(plan.taken + plan.split + plan.waiting) == list(range(len(offered)))
     by_arrival = plan_pass(offered, [], lambda tokens: 0, CAPS, max_rounds=8)  # no shares: as before
     assert "a" not in {b.session_id for b in by_arrival.work.rounds}
@@ -265,3 +266,18 @@ def test_sessions_beyond_the_streams_are_served_in_runs_not_parked_every_pass(mo
     decoded = asyncio.run(decode_all())
     assert all(len(tokens) == 40 for tokens in decoded.values())
     assert engine.parks - parked_before <= 2, engine.parks - parked_before  # 120 tokens over about 60 passes
+
+
+def test_a_round_within_its_share_is_served_from_a_tenant_over_its_own_even_when_that_one_is_busy(target):
+    """Four pages of 16 tokens, all held: alice's session (10 tokens) and bob's three (12 each, over half
+    the cache between them). Alice's round needs a second page while bob's three have rounds queued: a
+    busy session used to be untouchable, so alice was refused; now bob, over his share, gives up his
+    least recently used session (its queued round is told it was evicted) and alice is served."""
+    verifier = Verifier(target, replace(LIMITS, kv_cache_tokens=64), max_batch=1)
+    verifier.open_session(spec("alice", "alice", length=10))
+    for i in range(3):
+        verifier.open_session(spec(f"bob{i}", "bob", length=12))
+    results = verifier.verify_batch([DraftBlock("alice", 0, 10, tuple(range(30, 37)))]
+                                    + [DraftBlock(f"bob{i}", 0, 12, ()) for i in range(3)])
+    assert isinstance(results[0], VerifyResult)
+    assert isinstance(results[1], FailedPrecondition) and all(isinstance(r, VerifyResult) for r in results[2:])

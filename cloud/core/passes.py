@@ -106,6 +106,11 @@ class Pass:
             raise ValueError(f"prefill_tokens and streams must be >= 0, got {self.prefill_tokens}, {self.streams}")
 
     @property
+    def running(self) -> frozenset[str]:
+        """The sessions this pass feeds (its rounds' and its openings'): never evicted while it is planned."""
+        return frozenset(block.session_id for block in self.rounds) | {s.spec.session_id for s in self.openings}
+
+    @property
     def round_tokens(self) -> int:
         """Tokens the rounds feed: the newest committed token and the drafts, per round."""
         return sum(len(block.draft_ids) + 1 for block in self.rounds)
@@ -162,22 +167,26 @@ def fair_rounds(items: list[Item], shares: Shares | None, max_rounds: int) -> tu
     """(rounds for this pass, in the order offered; rounds for later). A tenant alone (or no `shares`):
     the first `max_rounds`. Several active tenants: round by round, the next round of the tenant with
     the least virtual time (ties: by name), each adding its predicted time to the pass and its cost over
-    the tenant's weight to the tenant's virtual time, while the pass stays within `budget_ms` (its first
-    round always goes); a tenant's rounds go in the order offered."""
-    if shares is None or len(shares.active | {shares.of(b.session_id) for _, b in items}) <= 1:
+    the tenant's weight to the tenant's virtual time. The first round always goes; another goes only
+    while the pass stays within `budget_ms` and its tenant's clock is not ahead of any other active
+    tenant's (one with nothing queued now will be back with its next round: the pass ends for it rather
+    than run long). A tenant's rounds go in the order offered."""
+    active = shares.active | {shares.of(b.session_id) for _, b in items} if shares is not None else set()
+    if len(active) <= 1:
         return items[:max_rounds], items[max_rounds:]
     queues: dict[str, deque[Item]] = {}
     for item in items:
         queues.setdefault(shares.of(item[1].session_id), deque()).append(item)
-    floor = min((shares.usage.get(t, 0.0) for t in queues), default=0.0)
-    clock = {t: shares.usage.get(t, floor) for t in queues}
+    floor = min((shares.usage.get(t, 0.0) for t in active), default=0.0)
+    clock = {t: shares.usage.get(t, floor) for t in active}
     now: list[Item] = []
     total = 0.0
     while queues and len(now) < max_rounds:
         tenant = min(queues, key=lambda t: (clock[t], t))
         item = queues[tenant][0]
         cost = max(0.0, shares.cost(item[1]))
-        if now and total + cost > shares.budget_ms:
+        ahead = any(clock[tenant] > clock[t] for t in active if t != tenant)
+        if now and (total + cost > shares.budget_ms or ahead):
             break
         queues[tenant].popleft()
         if not queues[tenant]:

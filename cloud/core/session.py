@@ -188,14 +188,15 @@ class SessionStore:
         return session is not None
 
     def make_room(self, fits: Callable[[], bool], keep: Iterable[str], spare: KVSequence | None = None,
-                  asker: Session | None = None, capacity: int = 0) -> None:
-        """Evict sessions until `fits()`, never those in `keep`, nor the one caching `spare`: each time
-        one of the tenant holding the most cells (committed tokens, resident or parked, with `asker`'s
-        counted for its tenant) beyond its share (`capacity` × its weight / the weights of the tenants
-        holding sessions), least recently used first; and never one of a tenant within its share while
-        another tenant is over its own, unless it is `asker`'s own tenant (whose session the room is
-        for). Stops when nothing more may be evicted."""
-        keep = set(keep)
+                  asker: Session | None = None, capacity: int = 0, running: Iterable[str] = ()) -> None:
+        """Evict sessions until `fits()`: each time one of the tenant holding the most cells (committed
+        tokens, resident or parked, with `asker`'s counted for its tenant) beyond its share (`capacity` ×
+        its weight / the weights of the tenants holding sessions), least recently used first. Never one in
+        `running` (the pass being planned), nor the one caching `spare`; one in `keep` (work queued) only
+        when its tenant is over its share and the room is for a tenant within its own; and never one of a
+        tenant within its share while another tenant is over its own, unless it is `asker`'s own tenant.
+        Stops when nothing more may be evicted."""
+        keep, running = set(keep), set(running)
         while not fits():
             held, weights = Counter(), {}
             for session in self._sessions.values():
@@ -207,7 +208,9 @@ class SessionStore:
                     held[asker.spec.tenant] += len(asker.committed)
             total = sum(weights.values())
             excess = {t: held[t] - capacity * w / total for t, w in weights.items()}
-            movable = [(sid, s) for sid, s in self._sessions.items() if sid not in keep and s.kv is not spare]
+            under = asker is not None and excess[asker.spec.tenant] <= 0
+            movable = [(sid, s) for sid, s in self._sessions.items() if sid not in running and s.kv is not spare
+                       and (sid not in keep or (under and excess[s.spec.tenant] > 0))]
             if not movable:
                 return
             # Least recently used first within a tenant: the store's order (min keeps the first of equals).

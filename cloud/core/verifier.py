@@ -238,6 +238,7 @@ class Verifier:
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
+        self._fresh: dict[str, float] = {}  # session -> when it went live (it keeps its stream for its first round)
         # Under `_cv`: the queues (made once, changed only in place) and who steps.
         self._cv = threading.Condition()
         self._rounds: deque[_Round] = deque()
@@ -450,6 +451,7 @@ class Verifier:
             for session in work.openings:
                 if session.phase is Phase.PREFILLING and session.remaining == 0:
                     self._sessions.go_live(session)
+                    self._fresh[session.spec.session_id] = time.perf_counter()  # its first round comes next
             if work.prefill_tokens:
                 self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
             self._fed_last_step = work.prefill_tokens > 0
@@ -530,7 +532,8 @@ class Verifier:
         if threading.current_thread() is not self._thread:
             return None
         now, clock = time.perf_counter(), time.monotonic()
-        recent = {sid for sid, t in self._recent.items() if now - t <= ACTIVE_WINDOW_S}
+        self._fresh = {sid: t for sid, t in self._fresh.items() if now - t <= ACTIVE_WINDOW_S}
+        recent = {sid for sid, t in self._recent.items() if now - t <= ACTIVE_WINDOW_S} | set(self._fresh)
         sessions = {sid: s for sid in recent | {r.block.session_id for r in rounds}
                     if (s := self._sessions.find(sid)) is not None}
         sessions.update((s.spec.session_id, s) for s in feeding)
@@ -580,9 +583,9 @@ class Verifier:
         for i, block, session in admitted:
             tokens = session.round_tokens(block)
             try:
-                self._room_for(session, len(tokens), work.keep)
+                self._room_for(session, len(tokens), work)
             except HybridSpecError as exc:
-                results[i] = self._no_room(f"this round's {len(tokens)} tokens", work.keep, exc)
+                results[i] = self._no_room(f"this round's {len(tokens)} tokens", work, exc)
                 continue
             feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec),
                               parents=feed_parents(block.parents) if block.is_tree else None))
@@ -592,15 +595,15 @@ class Verifier:
             if budget == 0 or streams == 0 or session.phase is not Phase.PREFILLING:
                 continue
             if not session.looked_for_prefix:
-                self._start_from_prefix(session, work.keep)
+                self._start_from_prefix(session, work)
             if session.remaining == 0:  # a one-token prompt, or one cached whole by another session
                 streams -= session.kv.length > 0
                 continue
             start, chunk = session.kv.length, session.next_chunk(budget)
             try:
-                self._room_for(session, len(chunk), work.keep)
+                self._room_for(session, len(chunk), work)
             except HybridSpecError as exc:
-                session.fail(self._no_room(f"a {len(session.committed):,}-token prompt", work.keep, exc),
+                session.fail(self._no_room(f"a {len(session.committed):,}-token prompt", work, exc),
                              self.engine.release)
                 continue
             feeds.append(Feed(session.kv, chunk, scored=False, features=_wants_features(session.spec)))
@@ -609,13 +612,13 @@ class Verifier:
             streams -= 1
         return feeds, rounds, chunks
 
-    def _no_room(self, what: str, keep: frozenset[str], error: HybridSpecError) -> HybridSpecError:
+    def _no_room(self, what: str, work: Pass, error: HybridSpecError) -> HybridSpecError:
         """The refusal of a feed the cache could not make room for (`error`, the engine's): what was
         asked, the replica's state, and when to retry (RetryInfo)."""
         if not isinstance(error, ResourceExhausted):
             return error
         held = len(self._sessions)
-        busy = sum(sid in keep for sid in self._sessions.ids())
+        busy = sum(sid in work.keep for sid in self._sessions.ids())
         used = round(self.engine.fill() * self.engine.capacity_tokens) + getattr(self.engine, "parked_tokens", 0)
         why = ("none is idle, to be parked or evicted" if busy == held else
                f"the {held - busy} idle belong to identities within their share of the cache")
@@ -624,7 +627,7 @@ class Verifier:
             f"{self.limits.kv_cache_tokens:,} KV tokens, {busy} of them busy, and {why}; retry in about "
             f"{FULL_RETRY_S:g} s", FULL_RETRY_S)
 
-    def _start_from_prefix(self, session: Session, keep: frozenset[str]) -> None:
+    def _start_from_prefix(self, session: Session, work: Pass) -> None:
         """Start a new session's cache from the longest prefix of its prompt that a session of its
         scope cached (cloud/core/prefixes.py), if there is one and room for it; else nothing changes."""
         session.looked_for_prefix = True
@@ -636,27 +639,28 @@ class Verifier:
             return
         source, length = found
         try:
-            self._make_room(session, length, keep, spare=source)
+            self._make_room(session, length, work, spare=source)
             self.engine.copy_prefix(source, session.kv, length)
         except HybridSpecError:
             return  # no room now: the prompt is prefilled as usual, or refused as it would have been
         self.prefixes.hit(length)
 
-    def _room_for(self, session: Session, tokens: int, keep: frozenset[str]) -> None:
+    def _room_for(self, session: Session, tokens: int, work: Pass) -> None:
         """Room for `tokens` more tokens of `session`'s cache, made if the cache is full (`_make_room`)."""
-        self._make_room(session, tokens, keep)
+        self._make_room(session, tokens, work)
         self.engine.reserve(session.kv, tokens)
 
-    def _make_room(self, session: Session, tokens: int, keep: frozenset[str], spare: KVSequence | None = None) -> None:
+    def _make_room(self, session: Session, tokens: int, work: Pass, spare: KVSequence | None = None) -> None:
         """Until `tokens` more tokens of `session`'s cache fit: drop closed sessions' kept caches, then
-        evict idle sessions, from the tenant most over its share of the cache first (SessionStore.make_room);
-        never a session in `keep`, nor the cache `spare`."""
+        evict sessions, from the tenant most over its share of the cache first (SessionStore.make_room):
+        never one in the pass, nor the cache `spare`; one with work queued only for a tenant within its
+        share, from a tenant over its own."""
         kv = session.kv
         fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
         while not fits() and self.prefixes.drop_oldest(spare):
             pass
         if not fits():
-            self._sessions.make_room(fits, keep, spare, session, self.limits.kv_cache_tokens)
+            self._sessions.make_room(fits, work.keep, spare, session, self.limits.kv_cache_tokens, work.running)
 
     # ---- 5. the forward pass -------------------------------------------------------------------
 
@@ -682,8 +686,9 @@ class Verifier:
                     session.fail(error, self.engine.release)
             return None
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
-        for session, part in zip(owners, self.pass_time.split(sizes, ms)):
-            self._usage.charge(self._tenant(session), part, session.spec.weight)
+        if threading.current_thread() is self._thread:  # the shares a blocking caller's passes never use
+            for session, part in zip(owners, self.pass_time.split(sizes, ms)):
+                self._usage.charge(self._tenant(session), part, session.spec.weight)
         self.pass_time.observe(sizes, ms)
         return scores
 
