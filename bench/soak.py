@@ -354,10 +354,13 @@ def tenants(args) -> int:
             sessions = [busy_session(client) for client in busy[:args.busy]]
             out["busy_opened_s"] = round(time.monotonic() - started, 1)
             time.sleep(30)  # every stream under way, streams rotating
-            spans, window = [], time.monotonic()
+            replica = replica_processes(psutil.Process(proc.pid))
+            spans, window, cpu = [], time.monotonic(), cpu_s(replica)
             out["honest_beside_s"] = honest_times(spans)
-            took = time.monotonic() - window
+            took, cpu = time.monotonic() - window, cpu_s(replica) - cpu
             out["busy_tokens_per_s_beside"] = round(sum(window <= t for t in got) / took, 2)
+            # Per second of the replica's own CPU time: what the machine's other load does not change.
+            out["busy_tokens_per_replica_cpu_s"] = round(sum(window <= t for t in got) / cpu, 2)
             during = sum(b - a for a, b in spans)
             out["busy_tokens_per_s_during_requests"] = round(sum(any(a <= t <= b for a, b in spans)
                                                                  for t in got) / during, 2)
@@ -402,11 +405,18 @@ def tenants(args) -> int:
         "honest_beside_off_s": median(off["honest_beside_s"]),
         "beside_over_alone_on": round(median(on["honest_beside_s"]) / median(on["honest_alone_s"]), 2),
         "busy_throughput_on_over_off": round(on["busy_tokens_per_s_beside"] / off["busy_tokens_per_s_beside"], 2),
+        "busy_per_cpu_on_over_off": round(on["busy_tokens_per_replica_cpu_s"] / off["busy_tokens_per_replica_cpu_s"], 2),
+        "beside_over_alone_off": round(median(off["honest_beside_s"]) / median(off["honest_alone_s"]), 2),
         "busy_throughput_on_over_off_during_requests": round(on["busy_tokens_per_s_during_requests"]
                                                              / off["busy_tokens_per_s_during_requests"], 2)}
     path.unlink()
     report(result, args.out / "tenants.json")
     return 0
+
+
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """CPU seconds these processes have used (user and system)."""
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
 def edge_generate(address: str, token: str, prompt: str) -> dict:

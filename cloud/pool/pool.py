@@ -292,9 +292,9 @@ class Pool:
             if live:
                 return min(live, key=lambda name: (self.table.count(name), self.routed_total.get(name, 0)))
             if alive:
-                raise Unavailable(f"the verifier replica{'s' if len(alive) > 1 else ''} stopped answering (nothing "
-                                  f"for {REPLICA_SILENT_S:g} s) and take no new sessions until they answer again; "
-                                  "retry shortly")
+                which = "every verifier replica" if len(alive) > 1 else "the verifier replica"
+                raise Unavailable(f"{which} stopped answering (nothing for {REPLICA_SILENT_S:g} s during an open) "
+                                  "and gets no new session until it answers again; retry shortly")
             waits = [loop.create_task(r.wait_alive()) for r in self.replicas.values()]
             try:
                 done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - loop.time()),
