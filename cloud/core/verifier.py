@@ -6,12 +6,13 @@ A step (`Verifier.step`) reads top-down:
   1. take what is queued: bookkeeping calls (run at once), opens (a new one is admitted here:
      validated and given a session slot, since a pass is planned over sessions), rounds (verify
      blocks and cloud-only decode steps alike);
-  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues and the
-     engine's capabilities; what it leaves goes first in the next step;
+  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues, the engine's
+     capabilities and who asks (`_shares`: each session's identity and weight, each identity's share
+     of the passes so far, who holds a stream); what it leaves goes first in the next step;
   3. admit each round: its session, the block's validation, a replay answered from memory;
-  4. reserve KV for every feed, evicting what may be evicted; a new session first starts from a
-     cached prefix of its prompt;
-  5. one `engine.forward` over every feed;
+  4. reserve KV for every feed, evicting what may be evicted (from the identity most over its share of
+     the cache first); a new session first starts from a cached prefix of its prompt;
+  5. one `engine.forward` over every feed, timed and charged to the feeds' identities;
   6. each round's rule (cloud/core/rules.py) and commit; opened sessions whose prompt is cached go live;
   7. answer: time each round, resolve its future, queue a decode stream's next round, settle opens.
 A failure in 3–6 is the item's own (its error is its answer; a session touched by a failed pass is
@@ -23,7 +24,9 @@ held only to queue, to take and to hand work back. Everything else (the engine, 
 prefix cache, telemetry, the batching state) belongs to the one thread that steps: the model thread
 while the verifier is started (`start`: a replica serving), else a blocking caller, which runs the
 steps itself until its answer is in (tests, benchmarks, a co-located baseline); never two at once.
-Answers reach event loops through their futures, and a decode stream's tokens through its loop.
+Answers reach event loops through their futures, and a decode stream's tokens through its loop. An
+awaited open reports its progress from its own event loop (`aopen_progress`), reading the length of its
+session's cache as the model thread grows it: an int, at worst one chunk old.
 
 Two ways in. Blocking: `open_session`, `verify`, `verify_batch`, `close_session`, `stats`. Awaited:
 `aopen_session`, `averify`, `adecode`, `aclose_session`, `astats` (an `a` marks the awaited twin, as
