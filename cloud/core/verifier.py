@@ -623,8 +623,10 @@ class Verifier:
         held = len(self._sessions)
         busy = sum(sid in work.keep for sid in self._sessions.ids())
         used = round(self.engine.fill() * self.engine.capacity_tokens) + getattr(self.engine, "parked_tokens", 0)
-        why = ("none is idle, to be parked or evicted" if busy == held else
-               f"the {held - busy} idle belong to identities within their share of the cache")
+        idle = held - busy
+        why = ("none is idle, to be parked or evicted" if idle == 0 else
+               "the idle one belongs to an identity within its share of the cache" if idle == 1 else
+               f"the {idle} idle ones belong to identities within their share of the cache")
         return ResourceExhausted(
             f"this replica has no room for {what} now: it holds {held} session{'s' * (held != 1)} in {used:,} of its "
             f"{self.limits.kv_cache_tokens:,} KV tokens, {busy} of them busy, and {why}; retry in about "
