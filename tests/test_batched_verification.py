@@ -192,7 +192,7 @@ def test_lru_session_is_evicted_when_the_kv_pool_is_full(target):
 def test_a_block_that_cannot_fit_is_resource_exhausted_and_changes_nothing(target):
     verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=32, kv_cache_tokens=32))
     verifier.open_session(SessionSpec("s", tuple([5] * 20)))  # 19 cached: two pages, the whole pool
-    with pytest.raises(ResourceExhausted, match="KV cache is full"):
+    with pytest.raises(ResourceExhausted, match="no room for this round.s 17 tokens"):
         verifier.verify(DraftBlock("s", 0, 20, (7,) * 16))
     assert verifier.verify(DraftBlock("s", 0, 20, (7,) * 4)).committed_len >= 21  # 24 tokens still fit
 

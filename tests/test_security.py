@@ -26,6 +26,7 @@ from hybridspec.common.security.credentials import add_identity, remove_identity
 from hybridspec.common.protocol.errors import Unauthenticated, Unavailable
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.common.security.tls import ClientTLS
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import CloudAccess, EdgeConfig
@@ -344,6 +345,25 @@ def test_direct_rounds_use_tls_and_tokens_and_stay_exact(secure_pool, pki, token
             reply = _stream_once(channel, opened.session_id, alice)
             assert reply.committed_len == len(PROMPT) + 1
         stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), metadata=alice)
+
+
+def test_with_one_replica_an_identitys_rate_is_its_rate(secure_pool, pki, tokens):
+    """`slow` may do 10 tokens/s (2 s of credit). It opens a 39-token prompt through the front door and
+    sends four 17-token rounds to the replica's own endpoint: 107 tokens, which at its rate take at
+    least (107 - 20) / 10 = 8.7 s. The front door and the endpoint used to keep a bucket each, and the
+    same work took about 1.9 + (68 - 20) / 10 = 6.7 s (a 2x rate was measured that way); now the
+    replica charges the open to its endpoint's bucket and the front door charges nothing."""
+    server, pool = secure_pool
+    with VerifierClient(server.address, timeout_s=60, access=edge_access(pki, tokens[1]["slow"])) as client:
+        started = time.perf_counter()
+        opened = client.open_session(SessionSpec("", tuple(range(5, 44))))
+        assert client.rounds_address == next(iter(pool.replicas.values())).verify_address
+        committed = opened.committed_len
+        for r in range(4):
+            committed = client.verify(DraftBlock(opened.session_id, r, committed, tuple(range(20, 36)))).committed_len
+        took = time.perf_counter() - started
+        client.close_session(opened.session_id)
+    assert took >= 8.0, took
 
 
 def _stream_once(channel, session_id: str, metadata):

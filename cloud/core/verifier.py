@@ -6,12 +6,13 @@ A step (`Verifier.step`) reads top-down:
   1. take what is queued: bookkeeping calls (run at once), opens (a new one is admitted here:
      validated and given a session slot, since a pass is planned over sessions), rounds (verify
      blocks and cloud-only decode steps alike);
-  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues and the
-     engine's capabilities; what it leaves goes first in the next step;
+  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues, the engine's
+     capabilities and who asks (`_shares`: each session's identity and weight, each identity's share
+     of the passes so far, who holds a stream); what it leaves goes first in the next step;
   3. admit each round: its session, the block's validation, a replay answered from memory;
-  4. reserve KV for every feed, evicting what may be evicted; a new session first starts from a
-     cached prefix of its prompt;
-  5. one `engine.forward` over every feed;
+  4. reserve KV for every feed, evicting what may be evicted (from the identity most over its share of
+     the cache first); a new session first starts from a cached prefix of its prompt;
+  5. one `engine.forward` over every feed, timed and charged to the feeds' identities;
   6. each round's rule (cloud/core/rules.py) and commit; opened sessions whose prompt is cached go live;
   7. answer: time each round, resolve its future, queue a decode stream's next round, settle opens.
 A failure in 3–6 is the item's own (its error is its answer; a session touched by a failed pass is
@@ -26,6 +27,8 @@ steps itself until its answer is in (tests, benchmarks, a co-located baseline); 
 Answers reach an event loop through its `_Mail`: a step queues its answers (awaited rounds' results, decode
 streams' tokens) and hands each loop all of its own in one call at the step's end, so a step that
 answers 64 rounds wakes their loop once, not 64 times, and is not interrupted by that loop meanwhile.
+An awaited open reports its progress from its own event loop (`aopen_progress`), reading the length
+of its session's cache as the model thread grows it: an int, at worst one chunk old.
 
 Two ways in. Blocking: `open_session`, `verify`, `verify_batch`, `close_session`, `stats`. Awaited:
 `aopen_session`, `averify`, `adecode`, `aclose_session`, `astats` (an `a` marks the awaited twin, as
@@ -81,25 +84,28 @@ import torch
 
 from ...common.maths.features import encode_features
 from ...common.models.loading import tokenizer_fingerprint
-from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, Unavailable, incident
+from ...common.protocol.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, ResourceExhausted,
+                                       Unavailable, incident)
 from ...common.protocol.tree import feed_parents
-from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, SessionOpened, SessionSpec,
-                                     VerifyResult)
-from ..engine.base import Engine, Feed, KVSequence, Scores, Target
+from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, OpenProgress, SessionOpened,
+                                     PROGRESS_EVERY_S, SessionSpec, VerifyResult)
+from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import BATCH_SESSIONS, measure_batch_costs, measure_pass_costs
 from .holding import Waiting, policy
-from .limits import (DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold,
-                     VerifierLimits)
-from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
+from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
+                     DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits)
+from .passes import Pass, PassTime, Shares, StepCost, Usage, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
 from .rules import Prepared, apply_rule, prepare_pass
-from .session import Phase, Session, SessionStore
+from .session import FULL_RETRY_S, Phase, Session, SessionStore
 from .telemetry import Part, ReplicaTelemetry, StepClock, Tally, Telemetry
 
 log = logging.getLogger(__name__)
 
 ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
+HELD_BACK_WAIT_S = 0.01  # the model thread's nap when every queued round waits for a stream
+PROGRESS_S = PROGRESS_EVERY_S / 2  # an awaited open reports how far it got this often: twice what the wire promises
 _END = object()  # a decode stream's last item
 
 
@@ -246,17 +252,19 @@ class Verifier:
     """Owns one engine (the target and its KV cache), the sessions verified against it, and the step
     that serves them; in the front door's process it is also the pool's only replica."""
 
-    alive = True  # it never dies on its own
+    alive = answering = True  # it never dies or stops on its own
     failures = 0
+    paces = False  # whoever serves it charges its callers' rates
     verify_address = ""  # no endpoint of its own: its rounds come through the front door
 
     def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,
                  max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
                  prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, hold: Hold = DEFAULT_HOLD,
-                 name: str = "in-process") -> None:
+                 fair_share: bool = DEFAULT_FAIR_SHARE, name: str = "in-process") -> None:
         """`engine` defaults to the torch engine over `target`'s model (a LoadedModel). The batching
         settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`; `hold`: which
-        rounds a queued one waits for, cloud/core/holding.py); `name` is the replica's in a pool."""
+        rounds a queued one waits for, cloud/core/holding.py); `fair_share` off: rounds go into passes
+        by arrival whoever sent them (cloud/core/passes.py); `name` is the replica's in a pool."""
         if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
             raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
                              f"{max_wait_ms}, {prefill_budget_ms}")
@@ -282,6 +290,7 @@ class Verifier:
         self.max_wait_s = max_wait_ms / 1e3
         self.hold = policy(hold, self.max_wait_s)
         self.prefill_budget_ms = prefill_budget_ms
+        self.fair_share = fair_share
         # The stepping thread's state.
         self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
@@ -289,12 +298,21 @@ class Verifier:
         self.telemetry = Telemetry()
         self.clock = StepClock(enabled=False)  # a benchmark swaps in an enabled one (bench/hop_overhead.py host)
         self.cost = StepCost()  # of the steps that fed a prompt
+        self.pass_time = PassTime()  # every pass's time, per feed (refitted from the measured curve in _measure)
+        self._usage = Usage()  # each active tenant's share of the passes so far
+        self._parking = isinstance(self.engine, Parking)  # an engine that parks sessions beyond its streams
+        if self._parking:
+            self.engine.park_rank = self._park_rank
+        self._stream_excess: dict[str, float] | None = None  # per tenant, streams held beyond its share (per step)
+        self._kv_tenant: dict[int, str] = {}  # id of a resident cache -> its tenant, with _stream_excess
+        self._held_back = False  # the last step ran nothing: every queued round waits for a stream
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
         self._cohort: dict[str, int] = {}  # session -> the pass that carried its last round
         self._passes = 0  # passes run so far
         self._last_pass_s = 0.0  # the last pass's time, from admission to answers
+        self._fresh: dict[str, float] = {}  # session -> when it went live (it keeps its stream for its first round)
         # Under `_cv`: the queues (made once, changed only in place) and who steps.
         self._cv = threading.Condition()
         self._rounds: deque[_Round] = deque()
@@ -396,9 +414,36 @@ class Verifier:
         """What it serves."""
         return self.info
 
-    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
-        """`open_session`, awaited; cancelling abandons the open."""
-        return await _awaited("OpenSession", self._put(self._opens, _Open(spec, Future()), awaited=True))
+    async def aopen_session(self, spec: SessionSpec,
+                            progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """`open_session`, awaited; cancelling abandons the open. `progress` is told how far it has got
+        every PROGRESS_S (`aopen_progress`)."""
+        opened = None
+        async for item in self.aopen_progress(spec):
+            if isinstance(item, SessionOpened):
+                opened = item
+            elif progress is not None:
+                progress(item)
+        return opened
+
+    async def aopen_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened]:
+        """Open (or re-open) a session: how far it has got every PROGRESS_S, read from this event loop
+        (so it shows that the replica's process is alive even while a pass takes long), then the answer.
+        Raises the open's domain error; leaving early abandons the open."""
+        item = _Open(spec, Future())
+        answer = asyncio.ensure_future(_awaited("OpenSession", self._put(self._opens, item, awaited=True)))
+        total = len(spec.committed_ids) - 1
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=PROGRESS_S)
+                if done:
+                    break
+                session = item.session  # set by the model thread at admission; its length grows with each chunk
+                yield OpenProgress(session.kv.length if session is not None else 0, total)
+            yield answer.result()
+        finally:
+            if not answer.done():
+                answer.cancel()  # the caller left: cancelling the awaited future abandons the open
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
         """`verify`, awaited; cancelling the await cancels the round. Its answer comes with the others
@@ -449,15 +494,17 @@ class Verifier:
             _resolve(future, _call(fn))
         feeding = self._admit_opens(opens) if opens else []
         # 2. Plan the pass: one round per session, up to max_batch, as many as the engine may carry,
-        #    and the prompt tokens it may carry beside them. What it leaves goes first next time.
+        #    each tenant its share, and the prompt tokens it may carry beside them. What it leaves goes
+        #    first next time.
         plan = plan_pass([r.block for r in rounds], feeding, self._prompt_tokens(feeding), self.engine.capabilities,
-                         self.max_batch)
+                         self.max_batch, self._shares(rounds, feeding))
         with self._cv:
             self._rounds.extendleft(reversed([rounds[i] for i in plan.split + plan.waiting]))
         work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
             self._cohort[item.block.session_id] = self._passes
+        self._held_back = not taken and not work.openings and bool(rounds)
         if not taken and not work.openings:
             if opens:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
@@ -472,7 +519,8 @@ class Verifier:
             feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
             clock.lap(Part.ADMIT)
             # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-            scores = self._forward(feeds, rounds_in, work.openings, results)
+            owners = [session for *_, session in rounds_in] + [session for session, _ in chunks]
+            scores = self._forward(feeds, owners, rounds_in, work.openings, results)
             clock.lap(Part.FORWARD)
             if scores is not None:
                 # 6. Each round's rule; its session commits the accepted drafts and the new token;
@@ -485,6 +533,7 @@ class Verifier:
             for session in work.openings:
                 if session.phase is Phase.PREFILLING and session.remaining == 0:
                     self._sessions.go_live(session)
+                    self._fresh[session.spec.session_id] = time.perf_counter()  # its first round comes next
             if work.prefill_tokens:
                 self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
             self._fed_last_step = work.prefill_tokens > 0
@@ -562,6 +611,36 @@ class Verifier:
         opening = {s.spec.session_id for s in feeding}
         return any(now - t <= ACTIVE_WINDOW_S and sid not in opening for sid, t in self._recent.items())
 
+    def _shares(self, rounds: list[_Round], feeding: list[Session]) -> Shares | None:
+        """Who asks, for the planner's fair share and stream rotation (cloud/core/passes.py): the tenants
+        of the sessions with rounds queued, being opened or recently active, their weights and usage,
+        what each round would add to the pass, and on an engine that parks, who holds a stream and since
+        when. None for a blocking caller stepping on its own: its passes never depend on timing."""
+        self._stream_excess = None  # the parking ranks of this step are worked out when first needed
+        if threading.current_thread() is not self._thread:
+            return None
+        now, clock = time.perf_counter(), time.monotonic()
+        self._fresh = {sid: t for sid, t in self._fresh.items() if now - t <= ACTIVE_WINDOW_S}
+        recent = {sid for sid, t in self._recent.items() if now - t <= ACTIVE_WINDOW_S} | set(self._fresh)
+        sessions = {sid: s for sid in recent | {r.block.session_id for r in rounds}
+                    if (s := self._sessions.find(sid)) is not None}
+        sessions.update((s.spec.session_id, s) for s in feeding)
+        tenant = {sid: self._tenant(s) for sid, s in sessions.items()}
+        active = frozenset(tenant.values())
+        resident = None
+        if self._parking:
+            since = {sid: self.engine.resident_since(s.kv) for sid, s in sessions.items()}
+            resident = {sid: clock - t for sid, t in since.items() if t is not None}
+        return Shares(tenant, {tenant[sid]: s.spec.weight for sid, s in sessions.items()}, self._usage.settle(active),
+                      active, self.prefill_budget_ms,
+                      lambda block: self.pass_time.feed_ms(len(block.draft_ids) + 1, block.committed_len),
+                      [now - r.arrived for r in rounds], resident, self.engine.capabilities.max_sequences_per_pass,
+                      frozenset(recent | {s.spec.session_id for s in feeding}))
+
+    def _tenant(self, session: Session) -> str:
+        """Whose share a session draws on: its identity's, or everyone's one share with fair share off."""
+        return session.spec.tenant if self.fair_share else ""
+
     # ---- 3. admitting rounds -------------------------------------------------------------------
 
     def _admit(self, blocks: Sequence[DraftBlock], results: list) -> list[Round]:
@@ -592,9 +671,9 @@ class Verifier:
         for i, block, session in admitted:
             tokens = session.round_tokens(block)
             try:
-                self._room_for(session.kv, len(tokens), work.keep)
+                self._room_for(session, len(tokens), work)
             except HybridSpecError as exc:
-                results[i] = exc
+                results[i] = self._no_room(f"this round's {len(tokens)} tokens", work, exc)
                 continue
             feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec),
                               parents=feed_parents(block.parents) if block.is_tree else None))
@@ -604,15 +683,16 @@ class Verifier:
             if budget == 0 or streams == 0 or session.phase is not Phase.PREFILLING:
                 continue
             if not session.looked_for_prefix:
-                self._start_from_prefix(session, work.keep)
+                self._start_from_prefix(session, work)
             if session.remaining == 0:  # a one-token prompt, or one cached whole by another session
                 streams -= session.kv.length > 0
                 continue
             start, chunk = session.kv.length, session.next_chunk(budget)
             try:
-                self._room_for(session.kv, len(chunk), work.keep)
+                self._room_for(session, len(chunk), work)
             except HybridSpecError as exc:
-                session.fail(exc, self.engine.release)
+                session.fail(self._no_room(f"a {len(session.committed):,}-token prompt", work, exc),
+                             self.engine.release)
                 continue
             feeds.append(Feed(session.kv, chunk, scored=False, features=_wants_features(session.spec)))
             chunks.append((session, start))
@@ -620,7 +700,24 @@ class Verifier:
             streams -= 1
         return feeds, rounds, chunks
 
-    def _start_from_prefix(self, session: Session, keep: frozenset[str]) -> None:
+    def _no_room(self, what: str, work: Pass, error: HybridSpecError) -> HybridSpecError:
+        """The refusal of a feed the cache could not make room for (`error`, the engine's): what was
+        asked, the replica's state, and when to retry (RetryInfo)."""
+        if not isinstance(error, ResourceExhausted):
+            return error
+        held = len(self._sessions)
+        busy = sum(sid in work.keep for sid in self._sessions.ids())
+        used = round(self.engine.fill() * self.engine.capacity_tokens) + getattr(self.engine, "parked_tokens", 0)
+        idle = held - busy
+        why = ("none is idle, to be parked or evicted" if idle == 0 else
+               "the idle one belongs to an identity within its share of the cache" if idle == 1 else
+               f"the {idle} idle ones belong to identities within their share of the cache")
+        return ResourceExhausted(
+            f"this replica has no room for {what} now: it holds {held} session{'s' * (held != 1)} in {used:,} of its "
+            f"{self.limits.kv_cache_tokens:,} KV tokens, {busy} of them busy, and {why}; retry in about "
+            f"{FULL_RETRY_S:g} s", FULL_RETRY_S)
+
+    def _start_from_prefix(self, session: Session, work: Pass) -> None:
         """Start a new session's cache from the longest prefix of its prompt that a session of its
         scope cached (cloud/core/prefixes.py), if there is one and room for it; else nothing changes."""
         session.looked_for_prefix = True
@@ -632,36 +729,43 @@ class Verifier:
             return
         source, length = found
         try:
-            self._make_room(session.kv, length, keep, spare=source)
+            self._make_room(session, length, work, spare=source)
             self.engine.copy_prefix(source, session.kv, length)
         except HybridSpecError:
             return  # no room now: the prompt is prefilled as usual, or refused as it would have been
         self.prefixes.hit(length)
 
-    def _room_for(self, kv: KVSequence, tokens: int, keep: frozenset[str]) -> None:
-        """Room for `tokens` more tokens of `kv`, made if the cache is full (`_make_room`)."""
-        self._make_room(kv, tokens, keep)
-        self.engine.reserve(kv, tokens)
+    def _room_for(self, session: Session, tokens: int, work: Pass) -> None:
+        """Room for `tokens` more tokens of `session`'s cache, made if the cache is full (`_make_room`)."""
+        self._make_room(session, tokens, work)
+        self.engine.reserve(session.kv, tokens)
 
-    def _make_room(self, kv: KVSequence, tokens: int, keep: frozenset[str], spare: KVSequence | None = None) -> None:
-        """Until `tokens` more tokens of `kv` fit: drop closed sessions' kept caches, then evict idle
-        sessions, least recently used first; never a session in `keep`, nor the cache `spare`."""
+    def _make_room(self, session: Session, tokens: int, work: Pass, spare: KVSequence | None = None) -> None:
+        """Until `tokens` more tokens of `session`'s cache fit: drop closed sessions' kept caches, then
+        evict sessions, from the tenant most over its share of the cache first (SessionStore.make_room):
+        never one in the pass, nor the cache `spare`; one with work queued only for a tenant within its
+        share, from a tenant over its own."""
+        kv = session.kv
         fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
         while not fits() and self.prefixes.drop_oldest(spare):
             pass
         if not fits():
-            self._sessions.make_room(fits, keep, spare)
+            self._sessions.make_room(fits, work.keep, spare, session, self.limits.kv_cache_tokens, work.running)
 
     # ---- 5. the forward pass -------------------------------------------------------------------
 
-    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: Sequence[Session],
+    def _forward(self, feeds: list[Feed], owners: list[Session], rounds: list[Round], openings: Sequence[Session],
                  results: list) -> list[Scores] | None:
-        """The engine's pass; on failure every fed session is left as it was and the pass's rounds and
-        opens get the incident."""
+        """The engine's pass, timed: the pass-time model learns from it and each feed's tenant (`owners`,
+        per feed) is charged its part. On failure every fed session is left as it was and the pass's
+        rounds and opens get the incident."""
         if not feeds:
             return None
+        sizes = [(len(feed.tokens), feed.kv.length) for feed in feeds]
         try:
+            started = time.perf_counter()
             scores = self.engine.forward(feeds)
+            ms = (time.perf_counter() - started) * 1e3
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
             for i, _, session in rounds:
@@ -672,6 +776,10 @@ class Verifier:
                     session.fail(error, self.engine.release)
             return None
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
+        if threading.current_thread() is self._thread:  # the shares a blocking caller's passes never use
+            for session, part in zip(owners, self.pass_time.split(sizes, ms)):
+                self._usage.charge(self._tenant(session), part, session.spec.weight)
+        self.pass_time.observe(sizes, ms)
         return scores
 
     # ---- 6. rules and commit -------------------------------------------------------------------
@@ -791,6 +899,21 @@ class Verifier:
             sessions = tuple(b for b in BATCH_SESSIONS if b <= self.max_batch)
             batches = measure_batch_costs(self.engine, self.info.vocab_size, tokens, sessions)
         self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
+        self.pass_time = PassTime(points)
+
+    def _park_rank(self, kv: KVSequence) -> float:
+        """The engine's order for parking idle sessions (engine.base.Parking): the tenant holding the
+        most streams beyond its share first (streams × weight / the weights of the tenants holding one)."""
+        if self._stream_excess is None:
+            owners = [s for s in self._sessions.live() if self.engine.resident_since(s.kv) is not None]
+            held, weights = {}, {}
+            for s in owners:
+                tenant = self._tenant(s)
+                held[tenant], weights[tenant] = held.get(tenant, 0) + 1, s.spec.weight
+            streams, total = self.engine.capabilities.max_sequences_per_pass, sum(weights.values())
+            self._stream_excess = {t: held[t] - streams * weights[t] / total for t in held}
+            self._kv_tenant = {id(s.kv): self._tenant(s) for s in owners}
+        return -self._stream_excess.get(self._kv_tenant.get(id(kv), ""), 0.0)
 
     def _retire(self, session: Session) -> None:
         """A closed session's cache: kept for new sessions to start from, or released."""
@@ -824,6 +947,10 @@ class Verifier:
                     self._cv.wait()
                 if self._stopping:
                     return
+                if self._held_back:  # nothing could run: wait for new work, or for a stream to come free
+                    self._held_back = False
+                    self._cv.wait(HELD_BACK_WAIT_S)
+                    continue
                 clock = self.clock  # swapped by a benchmark between waits, never within one
                 clock.start()
                 self._wait_for_company(free_since)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...common.config import DType, check_fields, device_setting, setting
-from ..core.limits import (DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, Hold,
+from ..core.limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
+                           DEFAULT_PREFILL_BUDGET_MS, Hold,
                            VerifierLimits)
 from ..engine.kinds import EngineKind
 
@@ -40,8 +41,13 @@ class ReplicaSettings:
     pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
                                         "the curve to edges, which size their blocks by it; 0 = do not measure",
                                     ge=0)
-    prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others send rounds, a pass carrying a "
-                                                                  "prompt chunk takes about this long", gt=0)
+    prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others wait, a pass takes about this "
+                                                                  "long: one carrying a prompt chunk beside other "
+                                                                  "sessions' rounds, and one shared by several "
+                                                                  "identities", gt=0)
+    fair_share: bool = setting(DEFAULT_FAIR_SHARE, "share each pass among the identities with work by weight, "
+                                                   "in measured pass time (an identity alone gets all of it); "
+                                                   "off: rounds go by arrival")
 
     def __post_init__(self) -> None:
         check_fields(self)
