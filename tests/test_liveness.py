@@ -25,7 +25,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.generation import EventKind
 from hybridspec.edge.worker import EdgeWorker
-from hybridspec.lab.tinymodels import EVERY_ROUND
+from tinymodels import EVERY_ROUND
 
 PROMPT = tuple(4 + (i * 37) % 250 for i in range(240))
 
