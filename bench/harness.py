@@ -186,7 +186,7 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
 
 # --- the tests' fixtures: the tiny target, the fuzz strategies ------------------------------------
 
-def tests_module(name: str):
+def _tests_module(name: str):
     """A module of tests/ (run from a checkout: the wheel does not ship the tests' fixtures)."""
     if str(ROOT / "tests") not in sys.path:
         sys.path.append(str(ROOT / "tests"))
@@ -196,13 +196,18 @@ def tests_module(name: str):
 def tiny_target(out: Path, seed: int = 0, name: str = "target") -> str:
     """A random 2-layer Llama with a real tokenizer (tests/tinymodels.py), saved as the model directory
     `out/name`: seed 0 is the tests' target, another seed a model that rarely agrees with it."""
-    tiny = tests_module("tinymodels")
+    tiny = _tests_module("tinymodels")
     return str(tiny.save_model(tiny.make_model(seed=seed), out / name))
+
+
+def other_vocabulary_gguf(path: Path) -> Path:
+    """A tiny GGUF whose vocabulary is not the embedded models' (tests/tinymodels.py `save_gguf`)."""
+    return _tests_module("tinymodels").save_gguf(path)
 
 
 def fuzz_suite():
     """(Fuzzer, calls) of tests/fuzzing.py: the hostile messages tests/test_fuzz.py sends too."""
-    fuzzing = tests_module("fuzzing")
+    fuzzing = _tests_module("fuzzing")
     return fuzzing.Fuzzer, fuzzing.calls
 
 

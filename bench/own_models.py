@@ -57,7 +57,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import psutil
 
-from harness import EDGE_CORE, ROOT, arguments, tests_module, cloud as cloud_on_core, commit, header, pin, report, usable_cores
+from harness import EDGE_CORE, ROOT, arguments, other_vocabulary_gguf, cloud as cloud_on_core, commit, header, pin, report, usable_cores
 
 from hybridspec.cloud.process import parse_ready_line
 from hybridspec.common.models.embedded import default_paths, resolve
@@ -237,10 +237,8 @@ def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "") -> dic
 
 def mismatch(target: Path, work: Path) -> dict:
     """The error lines `pair check` and `edge generate` give a drafter of another vocabulary (this code)."""
-    save_gguf = tests_module("tinymodels").save_gguf
-
     (work / "other").mkdir()
-    other = save_gguf(work / "other" / "other.gguf")
+    other = other_vocabulary_gguf(work / "other" / "other.gguf")
     out = {}
     w, _ = cloud(target, "inprocess", dict(os.environ))
     try:
