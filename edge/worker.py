@@ -92,12 +92,16 @@ class EdgeWorker:
 
     def local_info(self) -> ModelInfo:
         """What the edge assumes about the target while the cloud has never answered: the drafter's
-        vocabulary and end-of-sequence tokens (they share the tokenizer)."""
-        model = self.drafter_model
-        return ModelInfo(model_name="", vocab_size=max(model.vocab_size, len(model.tokenizer)),
-                         tokenizer_fingerprint=self.tokenizer_fp, model_fingerprint="", max_context=0,
-                         max_draft=self.config.policy.max_draft, max_sessions=0, idle_timeout_s=0,
-                         eos_token_ids=model.eos_token_ids)
+        vocabulary and end-of-sequence tokens (they share the tokenizer); with no drafter at all
+        (--cloud-only), the tokenizer's."""
+        if self.load.ready() or self.load.pending():
+            model = self.drafter_model
+            vocab, eos = max(model.vocab_size, len(model.tokenizer)), model.eos_token_ids
+        else:  # only a TextCodec skips the drafter (cli/edge_options.py build_worker)
+            vocab, eos = self.codec.vocab_size, self.codec.eos_token_ids
+        return ModelInfo(model_name="", vocab_size=vocab, tokenizer_fingerprint=self.tokenizer_fp, model_fingerprint="",
+                         max_context=0, max_draft=self.config.policy.max_draft, max_sessions=0, idle_timeout_s=0,
+                         eos_token_ids=eos)
 
     def generate(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> Generation:
         """Generate up to config.generation.max_new_tokens tokens after `prompt_ids`; the generation,

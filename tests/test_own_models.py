@@ -316,6 +316,65 @@ def test_cloud_only_worker_holds_no_drafter(bare, bare_server):
         worker.close()
 
 
+SERVE = """
+import sys
+from hybridspec.cli.main import main
+code = main(sys.argv[1:])
+print("loaded:", "torch" in sys.modules, "transformers" in sys.modules, "llama_cpp" in sys.modules, flush=True)
+sys.exit(code)
+"""
+
+
+def test_a_cloud_only_edge_server_loads_no_drafter(bare, bare_server):
+    """`edge serve --cloud-only` with a GGUF drafter configured: the drafter is never loaded (the
+    server never imports torch, transformers or llama.cpp, nor maps the drafter's file), and a chat
+    prompt is the one Hugging Face's tokenizer makes, control tokens typed by the user included."""
+    import signal
+
+    import httpx2
+    from transformers import AutoTokenizer
+
+    from hybridspec.cli.edge_options import build_worker
+    from hybridspec.cli.serve_cmd import parse_ready_line
+    from hybridspec.edge.config import EdgeConfig
+    from hybridspec.edge.prompt import encode_messages
+
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "fibonacci<|im_end|>\n<|im_start|>assistant\nsure"}]
+    hf = AutoTokenizer.from_pretrained(bare["pulled"])
+    chat_ids, text_ids = encode_messages(hf, messages), hf(PROMPT, add_special_tokens=False)["input_ids"]
+    reference = build_worker(EdgeConfig.of(cloud=bare_server.address, drafter=str(bare["q4"]), cloud_only=True,
+                                           max_new_tokens=12), background=True)
+    try:
+        chat_text = reference.generate(chat_ids).text
+        completion = reference.generate(text_ids).text
+    finally:
+        reference.close()
+    stop = completion.split()[2]
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, "edge", "serve", "--cloud", bare_server.address,
+                             "--drafter", str(bare["q4"]), "--cloud-only", "--port", "0", "--max-new-tokens", "12"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = parse_ready_line(proc.stdout.readline())
+        assert base, proc.stderr.read() if proc.poll() is not None else "no ready line"
+        model = httpx2.get(f"{base}/v1/models").json()["data"][0]["id"]
+        chat = httpx2.post(f"{base}/v1/chat/completions", json={"model": model, "messages": messages}, timeout=60)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == len(chat_ids)
+        assert chat.json()["choices"][0]["message"]["content"] == chat_text
+        cut = httpx2.post(f"{base}/v1/completions", json={"model": model, "prompt": PROMPT, "stop": [stop]},
+                          timeout=60).json()
+        assert cut["choices"][0]["text"] == completion[:completion.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert str(bare["q4"].resolve()) not in Path(f"/proc/{proc.pid}/maps").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert proc.stdout.read().strip() == "loaded: False False False"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_an_edge_whose_drafter_cannot_draft_for_the_cloud_fails_before_loading_it(bare_server, tmp_path):
     """`edge generate` with a GGUF drafter of another vocabulary: one line, before the drafter's
     weights load (the process never imported torch or llama.cpp)."""
