@@ -8,9 +8,10 @@ measured for the next one.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
-from ..common.protocol.errors import FailedPrecondition, Unavailable
+from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ..common.protocol.wire import ModelInfo, check_context
 from .client import VerifierClient
 from .config import EdgeConfig
@@ -21,6 +22,10 @@ from .textcodec import HFCodec, TextCodec
 
 if TYPE_CHECKING:
     from ..common.models.loading import LoadedModel
+
+# A cloud serves before its pass-cost curve is measured (cloud/core/costs.py) and reports it once it
+# is: while the edge has none, a generation's start asks for it again, at most this often.
+CURVE_ASK_S = 5.0
 
 
 class EdgeWorker:
@@ -48,6 +53,7 @@ class EdgeWorker:
         self._idle = [client]  # connections no generation holds right now
         self.info: ModelInfo | None = None  # the verifier's, once it answered
         self.cap = config.policy.max_draft
+        self._curve_asked = float("-inf")  # when the cloud was last asked for a curve it had not yet
         # Rates carry over between generations: the link, the drafter and the cloud stay the same.
         self.estimates = Estimates(self.cap + 1)
         try:
@@ -88,7 +94,33 @@ class EdgeWorker:
         self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
         self.estimates.use_pass_costs(info.pass_costs, info.batch_pass_costs)
         self.info, self.cap = info, min(self.config.policy.max_draft, info.max_draft)
+        self._curve_asked = time.monotonic()
         return info
+
+    def _ask_for_curve(self) -> None:
+        """While the cloud has reported no pass-cost curve (it is still measuring it), ask again on a
+        thread of its own, at most every CURVE_ASK_S: the generation starting meanwhile sizes its
+        blocks from its own rounds (edge/estimates.py), and the next ones use the curve."""
+        now = time.monotonic()
+        with self._lock:
+            if self.info is None or self.info.pass_costs or now - self._curve_asked < CURVE_ASK_S:
+                return
+            self._curve_asked = now
+
+        def ask() -> None:
+            client = self.lease()
+            try:
+                info = client.model_info()
+            except HybridSpecError:
+                return  # the generation meets an unreachable cloud itself
+            finally:
+                self.release(client)
+            current = self.info
+            if info.pass_costs and current is not None and info.model_fingerprint == current.model_fingerprint:
+                self.estimates.use_pass_costs(info.pass_costs, info.batch_pass_costs)
+                self.info = info
+
+        threading.Thread(target=ask, daemon=True, name="curve-ask").start()
 
     def local_info(self) -> ModelInfo:
         """What the edge assumes about the target while the cloud has never answered: the drafter's
@@ -121,6 +153,7 @@ class EdgeWorker:
         try:
             info = self.info if self.connected else self.connect(client)
             check_context(len(prompt_ids), cfg.generation.max_new_tokens, info.max_context)  # before any work
+            self._ask_for_curve()
         except Unavailable:
             if not cfg.link.allow_unverified:
                 self.release(client)

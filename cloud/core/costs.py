@@ -10,13 +10,25 @@ the edge adds what it measures on top (queueing, batching with others) as a resi
 On a GPU a pass of B sessions costs neither B one-session passes nor one: t(64 × 5) was 2.3 t(64 × 1)
 on the 8B shape while t(1 × 5) was t(1 × 1). `measure_batch_costs` measures the curve again at the
 batch sizes a pool runs (B sessions × M tokens each), so an edge among 64 sees what γ costs at 64.
+
+A replica does not wait for its curve to serve (cloud/pool/replica.py): it takes the curve kept from
+an earlier start on the same model and hardware (cloud/core/cost_cache.py), or else measures it while
+it serves, a piece between steps (`CurveMeasurement`, `measure_in_background`). A piece is one sweep
+over every size on a context of its own, made and given back within the piece, so that no session
+ever waits for room the measurement holds; the first sweep only warms the kernels up.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
+from ...common.protocol.errors import ResourceExhausted
 from ..engine.base import Engine, Feed, Scores
+
+log = logging.getLogger(__name__)
 
 CONTEXT_TOKENS = 128  # cached before timing: verify rounds extend a context, never an empty cache
 REPEATS = 2  # per size, after a warm-up sweep; the fastest is reported (the least disturbed by the machine)
@@ -25,6 +37,7 @@ REPEATS = 2  # per size, after a warm-up sweep; the fastest is reported (the lea
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 BATCH_SESSIONS = (8, 64)  # B measured beside one session on a GPU (a CPU replica measures none)
 PREFILL_SESSIONS = 8  # sessions whose contexts one prefill pass feeds while setting up a batch
+RETRY_S = 1.0  # a background piece with no room in the cache now is tried again this much later
 
 
 def cost_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -34,27 +47,104 @@ def cost_sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(m for m in SIZES if m < max_tokens) + (max_tokens,)
 
 
+class CurveMeasurement:
+    """A replica's curves, measured a piece at a time on the thread that owns the engine: `repeats` + 1
+    sweeps over every size of `cost_sizes(max_tokens)` (sizes interleaved within a sweep, so that a slow
+    moment of the machine spreads over all of them instead of bending the curve; the first sweep is a
+    warm-up and not kept), then, if `batch_sessions` names any, the batch curves in one piece. Each
+    sweep caches CONTEXT_TOKENS tokens in a sequence of its own first and gives it back after."""
+
+    def __init__(self, engine: Engine, vocab_size: int, max_tokens: int, batch_sessions: Sequence[int] = (),
+                 repeats: int = REPEATS) -> None:
+        self.engine, self.vocab_size, self.max_tokens = engine, vocab_size, max_tokens
+        self.sizes = cost_sizes(max_tokens)
+        self.batch_sessions = tuple(batch_sessions)
+        self._sweeps = repeats + 1
+        self._pieces = self._sweeps + bool(self.batch_sessions) if self.sizes else 0
+        self._ran = 0
+        self._times: dict[int, list[float]] = {m: [] for m in self.sizes}
+        self._batches: tuple[tuple[int, int, float], ...] = ()
+
+    @property
+    def done(self) -> bool:
+        """Every piece ran."""
+        return self._ran == self._pieces
+
+    @property
+    def curves(self) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, int, float], ...]]:
+        """(M, ms: the fastest kept sweep) per size, and (B, M, ms) per batch size; () until done."""
+        if not self.done:
+            return (), ()
+        return tuple((m, round(min(self._times[m]), 3)) for m in self.sizes), self._batches
+
+    def piece(self) -> bool:
+        """Run the next piece (on the thread that owns the engine). False, having run nothing, when the
+        cache has no room for its context now (sessions hold it): try again later."""
+        if self.done:
+            return True
+        if self._ran < self._sweeps:
+            kv = self.engine.new_sequence()
+            if not self.engine.fits(kv, CONTEXT_TOKENS + self.max_tokens):
+                return False
+            try:
+                self.engine.reserve(kv, CONTEXT_TOKENS)
+                self.engine.forward([Feed(kv, _tokens(CONTEXT_TOKENS, self.vocab_size, 0), scored=False)])
+                for m in self.sizes:
+                    elapsed, _ = time_pass(self.engine, kv, CONTEXT_TOKENS,
+                                           _tokens(m, self.vocab_size, CONTEXT_TOKENS + self._ran))
+                    if self._ran:  # the first sweep warms the kernels up and is not kept
+                        self._times[m].append(elapsed)
+            finally:
+                self.engine.release(kv)
+        else:
+            self._batches = measure_batch_costs(self.engine, self.vocab_size, self.max_tokens, self.batch_sessions,
+                                                self._sweeps - 1)
+        self._ran += 1
+        return True
+
+    def run(self) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, int, float], ...]]:
+        """Every piece now, back to back; the curves. ResourceExhausted if the cache has no room for them."""
+        while not self.done:
+            if not self.piece():
+                raise ResourceExhausted("the KV cache has no room to measure the pass-cost curve")
+        return self.curves
+
+
+def measure_in_background(measurement: CurveMeasurement, submit: Callable[[Callable[[], object]], Future],
+                          done: Callable[[CurveMeasurement], None]) -> None:
+    """Run `measurement` a piece at a time, each queued with `submit` (a Verifier's submit_call: it runs
+    on the stepping thread, first in a step, before that step's pass), then `done(measurement)` there.
+    A piece that finds no room is queued again RETRY_S later; a piece that fails ends the measurement
+    (logged), as does a verifier that stops."""
+    def step() -> None:
+        try:
+            ran = measurement.piece()
+        except Exception:  # noqa: BLE001 — the replica serves on without a curve
+            log.exception("measuring the pass-cost curve failed; edges size their blocks without it")
+            return
+        if measurement.done:
+            done(measurement)
+        elif ran:
+            queue()
+        else:
+            timer = threading.Timer(RETRY_S, queue)
+            timer.daemon = True
+            timer.start()
+
+    def queue() -> None:
+        try:
+            submit(step)
+        except Exception:  # noqa: BLE001 — the verifier is stopping: nothing to measure for
+            pass
+
+    queue()
+
+
 def measure_pass_costs(engine: Engine, vocab_size: int, max_tokens: int,
                        repeats: int = REPEATS) -> tuple[tuple[int, float], ...]:
     """(M, milliseconds, the fastest of `repeats`) of a scored pass of M tokens after CONTEXT_TOKENS cached ones, for the
-    sizes of `cost_sizes(max_tokens)`; sizes are interleaved across repeats so that a slow moment of the
-    machine spreads over all of them instead of bending the curve. Leaves the engine as it was."""
-    sizes = cost_sizes(max_tokens)
-    if not sizes:
-        return ()
-    kv = engine.new_sequence()
-    try:
-        engine.reserve(kv, CONTEXT_TOKENS)
-        engine.forward([Feed(kv, _tokens(CONTEXT_TOKENS, vocab_size, 0), scored=False)])
-        times: dict[int, list[float]] = {m: [] for m in sizes}
-        for r in range(repeats + 1):  # the first sweep warms the kernels up and is not kept
-            for m in sizes:
-                elapsed, _ = time_pass(engine, kv, CONTEXT_TOKENS, _tokens(m, vocab_size, CONTEXT_TOKENS + r))
-                if r:
-                    times[m].append(elapsed)
-    finally:
-        engine.release(kv)
-    return tuple((m, round(min(times[m]), 3)) for m in sizes)
+    sizes of `cost_sizes(max_tokens)`, measured now (`CurveMeasurement`). Leaves the engine as it was."""
+    return CurveMeasurement(engine, vocab_size, max_tokens, repeats=repeats).run()[0]
 
 
 def measure_batch_costs(engine: Engine, vocab_size: int, max_tokens: int, sessions: Sequence[int] = BATCH_SESSIONS,

@@ -84,7 +84,7 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
                                      VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Scores, Target
 from ..engine.torch_engine import engine_for
-from .costs import BATCH_SESSIONS, measure_batch_costs, measure_pass_costs
+from .costs import BATCH_SESSIONS, CurveMeasurement
 from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
 from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
@@ -294,9 +294,27 @@ class Verifier:
         return _raised(self.wait(self.submit_call(self._stats)))
 
     def measure_pass_costs(self, max_tokens: int) -> None:
-        """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info`, for the
-        edges' block sizing (cloud/core/costs.py). Run it before serving: it holds the engine meanwhile."""
-        _raised(self.wait(self.submit_call(lambda: self._measure(max_tokens))))
+        """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info` now, for
+        the edges' block sizing (cloud/core/costs.py). It holds the engine meanwhile: a serving replica
+        measures in the background instead (cloud/pool/replica.py)."""
+        measurement = self.pass_cost_measurement(max_tokens)
+        _raised(self.wait(self.submit_call(lambda: self.publish_pass_costs(*measurement.run()))))
+
+    def pass_cost_measurement(self, max_tokens: int) -> CurveMeasurement:
+        """What measuring this replica's curves takes (run on the stepping thread): passes of up to
+        max_tokens tokens, at most a whole round (the root and its drafts, or a tree's nodes). On a GPU
+        a pass of many sessions costs neither one session's pass nor their sum, so the edges also get
+        the curves of the batch sizes this replica serves. A CPU pass is compute-bound (many sessions
+        cost about their sum) and prefilling their contexts would take long."""
+        largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1
+        sessions = tuple(b for b in BATCH_SESSIONS if b <= self.max_batch)
+        return CurveMeasurement(self.engine, self.info.vocab_size, min(max_tokens, largest),
+                                sessions if self.engine.capabilities.device.startswith("cuda") else ())
+
+    def publish_pass_costs(self, points: tuple[tuple[int, float], ...],
+                           batches: tuple[tuple[int, int, float], ...] = ()) -> None:
+        """Report measured curves in `info`, and so to every edge that asks from now on."""
+        self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
 
     # ---- the pool's Replica (awaited; cloud/pool/pool.py) --------------------------------------
 
@@ -689,19 +707,6 @@ class Verifier:
                              self._sessions.ids(), self.engine.capacity_tokens,
                              self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
                              getattr(self.engine, "parked_tokens", 0))
-
-    def _measure(self, max_tokens: int) -> None:
-        largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
-        tokens = min(max_tokens, largest)
-        points = measure_pass_costs(self.engine, self.info.vocab_size, tokens)
-        # On a GPU a pass of many sessions costs neither one session's pass nor their sum, so the edges
-        # also get the curves of the batch sizes this replica serves. A CPU pass is compute-bound (many
-        # sessions cost about their sum) and prefilling their contexts would hold start-up for long.
-        batches: tuple[tuple[int, int, float], ...] = ()
-        if self.engine.capabilities.device.startswith("cuda"):
-            sessions = tuple(b for b in BATCH_SESSIONS if b <= self.max_batch)
-            batches = measure_batch_costs(self.engine, self.info.vocab_size, tokens, sessions)
-        self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
 
     def _retire(self, session: Session) -> None:
         """A closed session's cache: kept for new sessions to start from, or released."""

@@ -32,9 +32,10 @@ class ReplicaSettings:
                                   ge=1)
     max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, "a round waits at most this long for others to batch with",
                                  ge=0)
-    pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
-                                        "the curve to edges, which size their blocks by it; 0 = do not measure",
-                                    ge=0)
+    pass_cost_tokens: int = setting(32, "a replica times passes of 1 to this many tokens and reports the curve "
+                                        "to edges, which size their blocks by it: kept from an earlier start on "
+                                        "the same model, engine and machine ($HYBRIDSPEC_HOME/pass-costs), else "
+                                        "measured while it serves; 0 = do not measure", ge=0)
     prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others send rounds, a pass carrying a "
                                                                   "prompt chunk takes about this long", gt=0)
 
