@@ -248,19 +248,33 @@ def test_a_cache_that_cannot_be_written_is_logged_and_the_replica_serves(model_d
     assert measured[0].pass_costs and "could not keep the pass-cost curve" in caplog.text
 
 
-def test_the_curve_is_measured_a_piece_between_steps(target):
-    """A session opened while the curve is being measured waits for one piece of it, not all of it."""
-    from hybridspec.cloud.core.costs import measure_in_background
+def test_the_curve_is_measured_a_pass_at_a_time_while_no_session_is_open(target, monkeypatch):
+    """An open that arrives while the curve is measured waits for one pass of it; while a session is
+    open the measurement gives its context back and waits; once none is, it goes on to the end."""
+    import time
+
+    from hybridspec.cloud.core import costs
     from hybridspec.common.protocol.wire import SessionSpec
 
+    monkeypatch.setattr(costs, "RETRY_S", 0.01)
     verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=8, max_tree_nodes=0))
     measurement = verifier.pass_cost_measurement(9)
-    measure_in_background(measurement, verifier.submit_call, lambda m: verifier.publish_pass_costs(*m.curves))
+    costs.measure_in_background(measurement, verifier.submit_call,
+                                lambda m: verifier.publish_pass_costs(*m.curves), verifier.idle)
     opened = verifier.open_session(SessionSpec(session_id="s", committed_ids=(5, 17, 33)))
-    assert opened.committed_len == 3 and not measurement.done and verifier.info.pass_costs == ()
-    while not measurement.done:
-        verifier.stats()  # each blocking call steps once more: one piece each
+    assert opened.committed_len == 3
+    for _ in range(40):  # each blocking call steps once: a piece would run in each (28 in all), were it idle
+        verifier.stats()
+        time.sleep(0.02)
+    held = verifier.engine.fill() * verifier.engine.capacity_tokens
+    assert not measurement.done and verifier.info.pass_costs == () and held < costs.CONTEXT_TOKENS
+    verifier.close_session("s")
+    deadline = time.monotonic() + 60
+    while not measurement.done and time.monotonic() < deadline:
+        verifier.stats()
+        time.sleep(0.02)
     assert [m for m, _ in verifier.info.pass_costs] == list(cost_sizes(9))
+    assert verifier.engine.fill() == 0.0  # the context went back too
 
 
 def test_a_full_cache_puts_the_measurement_off_instead_of_evicting(target):

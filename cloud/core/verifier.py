@@ -311,6 +311,11 @@ class Verifier:
         return CurveMeasurement(self.engine, self.info.vocab_size, min(max_tokens, largest),
                                 sessions if self.engine.capabilities.device.startswith("cuda") else ())
 
+    def idle(self) -> bool:
+        """No session is open or being opened (read it on the stepping thread): a serving replica
+        measures its pass-cost curve only then, so that no session waits for room it holds."""
+        return not len(self._sessions) and not self._opens
+
     def publish_pass_costs(self, points: tuple[tuple[int, float], ...],
                            batches: tuple[tuple[int, int, float], ...] = ()) -> None:
         """Report measured curves in `info`, and so to every edge that asks from now on."""

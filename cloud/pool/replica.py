@@ -65,8 +65,8 @@ def load_verifier(spec: ReplicaSpec, measured: Callable[[ModelInfo], None] | Non
     """A replica's verifier (a Ray replica's, and `cloud serve --backend inprocess`'s one): its target
     loaded on the engine its settings pick, batching as they say, and its pass-cost curve, which the
     start never waits for. The curve kept from an earlier start with the same key is reported at once
-    (cloud/core/cost_cache.py); else it is measured on the model thread once that runs, a piece between
-    steps, then reported and kept. `measured(info)` runs once `info` holds it (never with
+    (cloud/core/cost_cache.py); else it is measured on the model thread once that runs, a pass at a
+    time while no session is open (cloud/core/costs.py), then reported and kept. `measured(info)` runs once `info` holds it (never with
     pass_cost_tokens 0). An edge that connects before it sizes blocks from its own rounds until then."""
     from ..core.verifier import Verifier
     from ..engine.factory import load_engine
@@ -102,8 +102,8 @@ def _pass_costs(verifier: Verifier, measurement: CurveMeasurement,
         if measured is not None:
             measured(verifier.info)
 
-    log.info("measuring pass costs while serving (no curve kept for this model, engine and machine)")
-    measure_in_background(measurement, verifier.submit_call, done)
+    log.info("measuring pass costs while no session is open (no curve kept for this model, engine and machine)")
+    measure_in_background(measurement, verifier.submit_call, done, verifier.idle)
 
 
 class VerifierReplica:
