@@ -41,9 +41,9 @@ draft-tree context's as many. And, with this code only (unless --no-edges, which
 The machine is shared: times are noisy, resident memory and "was the file opened" are not.
 
 `shaped`: a GGUF as large as a real model's, to see how the start's memory scales with the file: a
-Llama with the sizes of `--shape` (SHAPES: Llama 3.2 1B's, SmolLM2-360M's) and random Q8_0 weights,
-carrying the embedded target's vocabulary and chat template (so the embedded drafter pairs with it).
-Its text is noise; its passes cost what the real model's do.
+Llama with the sizes of `--shape` (SHAPES: Llama 3.2 1B's or 3B's, SmolLM2-360M's) and random Q8_0
+weights, carrying the embedded target's vocabulary and chat template (so the embedded drafter pairs
+with it). Its text is noise; its passes cost what the real model's do.
 
 `predict`: `pair check`'s prediction of forced hybrid over cloud-only, against a measured run of the same pair.
 1. `hybridspec pair check` (in this process, on the edge's core 0): its report, and how long it took.
@@ -99,7 +99,8 @@ print(time.perf_counter() - t)
 
 PACKAGES = ("common", "edge", "cloud", "cli", "distill", "netem", "lab", "fetch")
 # (hidden, layers, heads, kv heads, intermediate) of real models, for `shaped`; the vocabulary is the embedded target's
-SHAPES = {"llama-1b": (2048, 16, 32, 8, 8192), "smollm2-360m": (960, 32, 15, 5, 2560)}
+SHAPES = {"smollm2-360m": (960, 32, 15, 5, 2560), "llama-1b": (2048, 16, 32, 8, 8192),
+          "llama-3b": (3072, 28, 24, 8, 8192)}
 CURVE_WAIT_S = 600  # how long a start's pass-cost curve is waited for
 
 
