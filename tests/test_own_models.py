@@ -122,9 +122,33 @@ def test_the_tokenizer_from_metadata_is_the_one_transformers_builds(bare, tmp_pa
     assert files.eos_token_id == reference.eos_token_id == 2
 
 
+@pytest.mark.parametrize("kind", ["BPE", "Unigram", "WordPiece"])
+def test_a_vocabulary_read_as_json_is_the_tokenizers_own(tmp_path, kind):
+    """TokenizerFiles reads the vocabulary from tokenizer.json's text (no Tokenizer built): the same
+    token -> id map `tokenizers` gives, added tokens included, for each way tokenizer.json stores it."""
+    from tokenizers import Tokenizer, models
+
+    from hybridspec.common.models.vocabulary import TokenizerFiles
+
+    words = {"a": 0, "b": 1, "ab": 2, "[UNK]": 3, "héllo": 4}
+    model = {"BPE": lambda: models.BPE(words, [("a", "b")], unk_token="[UNK]"),
+             "Unigram": lambda: models.Unigram([(w, -float(i)) for w, i in words.items()], unk_id=3),
+             "WordPiece": lambda: models.WordPiece(words, unk_token="[UNK]")}[kind]()
+    tokenizer = Tokenizer(model)
+    tokenizer.add_special_tokens(["<|end|>", "ab"])  # one new, one already in the vocabulary
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    files = TokenizerFiles(tmp_path)
+    assert files.get_vocab() == Tokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    assert files.eos_token_id == 5
+    assert "tokenizer" not in vars(files)  # the Tokenizer itself was never built
+
+
 def test_a_bare_gguf_target_is_served_without_transformers_or_its_tensors_read(bare):
     """The replica's own load, in a process of its own: llama.cpp maps the file, the tokenizer comes
-    from the header, and transformers (some 150 MB and 2 s of imports) is never imported."""
+    from the header, and transformers (some 150 MB and 2 s of imports) is never imported; nor is a
+    `tokenizers` Tokenizer built (some 40 MB held for the replica's life): the fingerprint and the
+    end-of-sequence id come from tokenizer.json's text."""
     script = f"""
 import json, sys
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
@@ -135,6 +159,7 @@ limits = VerifierLimits(max_context=512, kv_cache_tokens=512, kv_streams=1, max_
 target, engine = load_engine({str(bare['target'])!r}, EngineKind.AUTO, "auto", DType.AUTO, 1, limits)
 info = Verifier(target, limits, engine).info
 print(json.dumps({{"transformers": "transformers" in sys.modules, "gguf": "gguf" in sys.modules,
+                  "tokenizers": "tokenizers" in sys.modules,
                   "fingerprint": info.tokenizer_fingerprint, "eos": list(info.eos_token_ids), "engine": engine.capabilities.name}}))
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -142,7 +167,8 @@ print(json.dumps({{"transformers": "transformers" in sys.modules, "gguf": "gguf"
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     from hybridspec.edge.textcodec import TextCodec
 
-    assert seen == {"transformers": False, "gguf": False, "fingerprint": TextCodec(bare["pulled"]).fingerprint(),
+    assert seen == {"transformers": False, "gguf": False, "tokenizers": False,
+                    "fingerprint": TextCodec(bare["pulled"]).fingerprint(),
                     "eos": [2], "engine": "llamacpp"}
 
 
