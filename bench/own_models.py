@@ -3,6 +3,7 @@ edge on them costs (`start`), and how well `pair check` predicts what hybrid dec
 
     python bench/own_models.py start [--baseline-commit 92253c5] [--target FILE.gguf] [--drafter FILE.gguf]
                                      [--no-ray] [--no-edges] [--skip-baseline] [--out FILE]
+    python bench/own_models.py memory [--target FILE.gguf] [--out FILE]
     python bench/own_models.py shaped OUT.gguf [--shape llama-1b]
     python bench/own_models.py predict [--target T] [--drafter D] [--repeats 2] [--out FILE]
 
@@ -39,6 +40,13 @@ draft-tree context's as many. And, with this code only (unless --no-edges, which
 `edge generate`), a drafter GGUF of another vocabulary (lab/tinymodels.py `save_gguf`) given to
 `pair check` and to `edge generate`: the one line each prints, and how long it took to say it.
 The machine is shared: times are noisy, resident memory and "was the file opened" are not.
+
+`memory`: where the in-process cloud's resident memory goes, step by step, in a fresh process that
+takes `cloud serve --backend inprocess`'s own steps on the bare target (SMALL_KV, no pass-cost curve):
+after each step its resident and anonymous MiB (/proc/self/smaps_rollup), and the heavy packages
+imported by then; at the end, memory by backing (as `start` reports it) and llama.cpp's own load beside
+it. Then the same steps with `max_tree_nodes: 0`: the draft trees' context's share of the llama.cpp
+step. Resident memory does not depend on the machine's load.
 
 `shaped`: a GGUF as large as a real model's, to see how the start's memory scales with the file: a
 Llama with the sizes of `--shape` (SHAPES: Llama 3.2 1B's or 3B's, SmolLM2-360M's) and random Q8_0
@@ -94,6 +102,37 @@ params = llama.llama_context_default_params()
 params.n_ctx = int(sys.argv[2])
 ctx = llama.llama_init_from_model(model, params)
 print(time.perf_counter() - t)
+"""
+
+# `memory`: cloud serve --backend inprocess's steps (cli/cloud_cmd.py run_serve, cloud/pool/replica.py
+# load_verifier), each followed by a line of JSON: its resident and anonymous memory and heavy imports.
+START_STEPS = """
+import json, sys
+HEAVY = ("numpy", "llama_cpp", "torch", "tokenizers", "transformers", "grpc", "ray")
+def step(name):
+    kb = {l.split()[0]: int(l.split()[1]) for l in list(open("/proc/self/smaps_rollup"))[1:]}
+    print(json.dumps({"step": name, "rss_mib": round(kb["Rss:"] / 1024, 1), "anonymous_mib":
+                      round(kb["Anonymous:"] / 1024, 1), "imported": [m for m in HEAVY if m in sys.modules]}), flush=True)
+step("python")
+from hybridspec.cli import cloud_cmd, main
+config = cloud_cmd.serve_config(main.build_parser().parse_args(["cloud", "serve", "--config", sys.argv[1]]))
+step("the CLI and its config")
+from hybridspec.cloud.engine.factory import load_engine, pick_engine
+spec = config.replica_spec(config.server.target)
+s = spec.settings
+pick_engine(spec.target, s.engine, s.device, s.dtype, config.limits.max_sessions)
+step("the engine picked (llama-cpp-python, numpy)")
+import torch
+step("torch imported (the verifier's maths)")
+target, engine = load_engine(spec.target, s.engine, s.device, s.dtype, s.torch_threads, spec.limits)
+step("llama.cpp: the model and its contexts (the sessions', the draft trees')")
+from hybridspec.cloud.core.verifier import Verifier
+verifier = Verifier(target, spec.limits, engine, max_batch=s.max_batch_size, max_wait_ms=s.max_wait_ms,
+                    prefill_budget_ms=s.prefill_budget_ms)
+step("the verifier (its ModelInfo: the tokenizer's fingerprint)")
+from hybridspec.cloud.api.server import serve_forever
+step("the gRPC server imported")
+sys.stdin.read()  # held until the parent has read /proc/PID/smaps
 """
 
 
@@ -432,6 +471,46 @@ def start(args) -> None:
     report(result, args.out)
 
 
+def memory(args) -> None:
+    """The in-process start's resident memory step by step, beside llama.cpp's own load of the target;
+    the tree context's share: the llama.cpp step once more with `max_tree_nodes: 0` (chains only)."""
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        target = bare_copy(Path(args.target) if args.target else default_paths()["target"] / "model.Q8_0.gguf",
+                           work / "target")
+        steps, backing = start_steps(target, work)
+        chains, _ = start_steps(target, work, max_tree_nodes=0)
+        size = target.stat().st_size
+        result = {**header(machine=f"{os.cpu_count()} cores, shared with other work"),
+                  "target": f"{target.name} ({size / 2**20:.0f} MiB), alone in a directory",
+                  "cloud": f"cloud serve --backend inprocess's steps with {json.dumps({k: v for k, v in SMALL_KV.items() if k != 'port'})}",
+                  "steps": steps, "rss_over_file": round(steps[-1]["rss_mib"] * 2**20 / size, 2),
+                  "tree_context_mib": round(steps[4]["added_mib"] - chains[4]["added_mib"], 1),
+                  "by_backing_mib": backing, "kv_cells_mib": kv_cells_mib(target), "llama_cpp_alone": llama_alone(target)}
+    report(result, args.out)
+
+
+def start_steps(target: Path, work: Path, **keys) -> tuple[list[dict], dict]:
+    """START_STEPS in a fresh process: its steps (each with the MiB it added), and its memory by backing
+    at the end."""
+    config = work / "cloud.json"
+    config.write_text(json.dumps({**SMALL_KV, "target": str(target), "backend": "inprocess", "pass_cost_tokens": 0,
+                                  **keys}))
+    proc = subprocess.Popen([sys.executable, "-c", START_STEPS, str(config)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True)
+    steps, backing = [], {}
+    for line in proc.stdout:
+        steps.append(json.loads(line))
+        if steps[-1]["step"] == "the gRPC server imported":
+            backing = memory_map(proc.pid, target)
+            proc.stdin.close()  # the script waits for this to exit
+            break
+    proc.wait(timeout=60)
+    for before, after in zip(steps, steps[1:]):
+        after["added_mib"] = round(after["rss_mib"] - before["rss_mib"], 1)
+    return steps, backing
+
+
 def shaped(args) -> None:
     """Write a random Q8_0 Llama of `args.shape`'s sizes with the embedded target's vocabulary."""
     import gguf
@@ -568,6 +647,9 @@ def main() -> None:
     start_.add_argument("--no-edges", action="store_true", help="cloud starts only")
     start_.add_argument("--skip-baseline", action="store_true")
     start_.add_argument("--out", default="")
+    memory_ = commands.add_parser("memory", help="the in-process start's resident memory, step by step")
+    memory_.add_argument("--target", default="", help="a GGUF target (default: the embedded target's Q8_0 file)")
+    memory_.add_argument("--out", default="")
     shaped_ = commands.add_parser("shaped", help="a random Q8_0 Llama of a real model's sizes, the embedded vocabulary")
     shaped_.add_argument("out")
     shaped_.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
@@ -577,7 +659,7 @@ def main() -> None:
     predict_.add_argument("--repeats", type=int, default=2)
     predict_.add_argument("--out", default="")
     args = parser.parse_args()
-    {"start": start, "shaped": shaped, "predict": predict}[args.command](args)
+    {"start": start, "memory": memory, "shaped": shaped, "predict": predict}[args.command](args)
 
 
 if __name__ == "__main__":
