@@ -144,9 +144,10 @@ def test_a_vocabulary_read_as_json_is_the_tokenizers_own(tmp_path, kind):
     assert "tokenizer" not in vars(files)  # the Tokenizer itself was never built
 
 
-def test_a_bare_gguf_target_is_served_without_transformers_or_its_tensors_read(bare):
-    """The replica's own load, in a process of its own: llama.cpp maps the file, the tokenizer comes
-    from the header, and transformers (some 150 MB and 2 s of imports) is never imported; nor is a
+def test_a_bare_gguf_target_is_served_without_transformers_or_its_tensors_read(bare, tmp_path):
+    """The replica's own load, in a process of its own, the first time this file is served (an empty
+    $HYBRIDSPEC_HOME): llama.cpp maps the file, the tokenizer comes from the header (made in a child
+    process), and transformers (some 60 MB held, and 2 s of imports) is never imported here; nor is a
     `tokenizers` Tokenizer built (some 40 MB held for the replica's life): the fingerprint and the
     end-of-sequence id come from tokenizer.json's text."""
     script = f"""
@@ -162,9 +163,11 @@ print(json.dumps({{"transformers": "transformers" in sys.modules, "gguf": "gguf"
                   "tokenizers": "tokenizers" in sys.modules,
                   "fingerprint": info.tokenizer_fingerprint, "eos": list(info.eos_token_ids), "engine": engine.capabilities.name}}))
 """
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HYBRIDSPEC_HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-2000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(list((tmp_path / "gguf-tokenizers").glob("*/tokenizer.json"))) == 1  # made now, from the header
     from hybridspec.edge.textcodec import TextCodec
 
     assert seen == {"transformers": False, "gguf": False, "tokenizers": False,

@@ -7,7 +7,7 @@ from typing import Any
 from importlib import metadata
 
 from ...common.config import DEVICE_AUTO, ConfigError, DType
-from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads
+from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads, served_tokenizer_dir
 from .base import Engine, KVLimits, Target
 from .kinds import EngineKind
 
@@ -45,9 +45,12 @@ def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, thre
                 limits: KVLimits) -> tuple[Target, Engine]:
     """The target's identity and the engine that serves it, loaded."""
     if pick_engine(target, engine, device, dtype, limits.max_sessions) is EngineKind.LLAMACPP:
+        gguf = find_gguf(target)
+        # The tokenizer first (made from the header the first time a file is served, in a child
+        # process): that child's memory then never adds to the loaded model's.
+        served_tokenizer_dir(gguf)
         from .llamacpp_engine import LlamaCppEngine
 
-        gguf = find_gguf(target)
         served = LlamaCppEngine.serving(gguf, limits, threads or 1)
         return GgufTarget(name=target, path=gguf, vocab_size=served.vocab_size), served
     import torch
