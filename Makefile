@@ -16,7 +16,7 @@ LLAMA_CPP := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
 LLAMA_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	-DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF
 
-.PHONY: install models demo test protos clean
+.PHONY: install models demo test test-fast protos clean
 
 install: $(STAMP)
 
@@ -43,8 +43,14 @@ models: install
 demo: models
 	$(BIN)/hybridspec demo
 
+# The full tier (what CI runs): every test. The fast tier, before every commit: every package's core
+# behaviour in a few minutes, without the tests marked slow (Ray clusters, subprocess pipelines,
+# statistical tests of many thousand draws).
 test: models
 	$(BIN)/python -m pytest
+
+test-fast: models
+	$(BIN)/python -m pytest -m "not slow"
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py

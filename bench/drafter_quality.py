@@ -12,11 +12,26 @@ passed through the int8 and the fp16 wire format, next to the plain drafter on t
     python bench/drafter_quality.py --drafter ~/.cache/hybridspec/models/smollm2-135m-instruct-eagle --out docs/eagle
 --runs takes `hybridspec distill` output directories (only their report.json is read: the training
 curves as the distill run measured them, and the shape, which is timed here) for the depth sweep.
+Two more views of a drafter's acceptance (the shipped pair's):
+    python bench/drafter_quality.py trace --out docs/engine/acceptance-trace-smollm2.json
+    python bench/drafter_quality.py prompts --out docs/drafter/prompt-sets.json
+`trace`: for the shipped pair, whether the drafter's greedy choice equals the target's token at every
+position of the target's own greedy answers to held-out prompts: the agreement flags the GPU suite's
+capacity part (lab/gpu_suite/capacity.py) replays instead of a constant α. In greedy decoding a drafted
+token is accepted iff it is the target's argmax, and while every draft so far was accepted the
+drafter's context is the target's, so the flags replay speculative rounds exactly (distill/evaluate.py).
+`prompts`: the shipped drafter's acceptance on the prompts distill reports and on those `pair check`
+uses, measured both ways on the same text: distill's teacher-forced agreement, and pair check's rounds
+through the edge's own drafter (llama.cpp, and torch, whose rounds must be the replay exactly); and the
+share of the target's tokens the drafter's head can predict at all. The sets: held-out task templates
+with unseen topics (at 48 and 128 new tokens), the free-form requests, pair check's built-in prompts
+(chat and code), together and each half alone.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -29,11 +44,14 @@ from transformers import DynamicCache
 from hybridspec.distill.student import build_student
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
-from hybridspec.common.protocol.wire import FeatureFormat
-from hybridspec.distill.data import generate_samples, generate_with_features
-from hybridspec.distill.evaluate import eagle_report, evaluate
+from hybridspec.common.protocol.wire import FeatureFormat, SamplingParams
+from hybridspec.distill.data import Sample, generate_samples, generate_with_features
+from hybridspec.distill.evaluate import agreement_flags, eagle_report, evaluate, replay
+from hybridspec.edge.drafters import make_drafter
+from hybridspec.edge.proposal import DraftSettings, DrafterKind
+from hybridspec.lab import pairs
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
-from harness import REFERENCE, arguments, figure, median, save_figure, series, write_json
+from harness import REFERENCE, arguments, commit, figure, header, median, report, save_figure, series, write_json
 
 
 @torch.inference_mode()
@@ -50,6 +68,22 @@ def decode_latency(model, context: int = 96, tokens: int = 48) -> float:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["trace"]:
+        parser = arguments(__doc__)
+        parser.add_argument("--out", required=True, type=Path)
+        parser.add_argument("--prompts", type=int, default=24, help="held-out prompts answered")
+        parser.add_argument("--new-tokens", type=int, default=128)
+        parser.add_argument("--threads", type=int, default=1)
+        return trace(parser.parse_args(sys.argv[2:]))
+    if sys.argv[1:2] == ["prompts"]:
+        parser = arguments(__doc__)
+        parser.add_argument("--out", type=Path)
+        return prompts(parser.parse_args(sys.argv[2:]))
+    quality()
+
+
+def quality() -> None:
+    """Held-out and free-form acceptance, tokens per round and cost of a drafter or EAGLE head."""
     parser = arguments(__doc__)
     parser.add_argument("--drafter", default=str(default_paths()["drafter"]))
     parser.add_argument("--target", default=str(default_paths()["target"]))
@@ -201,6 +235,103 @@ def plot(r: dict, path: Path) -> None:
         right.set(xlabel="drafter decoder layers", xticks=layers, title="acceptance and cost vs depth")
         right.legend()
     save_figure(fig, path)
+
+
+def trace(args) -> None:
+    """The shipped pair's agreement flags along the target's greedy answers (the GPU suite's trace)."""
+    torch.set_num_threads(args.threads)
+    paths = default_paths()
+    began = time.perf_counter()
+    target = load_model(str(paths["target"]), device="cpu")
+    drafter = load_model(str(paths["drafter"]), device="cpu")
+    # Seed 7: the held-out task/topic draws the quality report uses.
+    samples = generate_samples(target, heldout_prompts(args.prompts, seed=7), args.new_tokens, 0.0, 8, 1,
+                               "target's greedy answers")
+    flags = agreement_flags(drafter.model, drafter.head_ids, samples, drafter.device)
+    positions = {}
+    for gamma in (4, 8):
+        rounds, drafted, accepted, tries, hits = replay(flags, gamma)
+        positions[str(gamma)] = {"alpha_by_position": [round(h / t, 4) if t else None for h, t in zip(hits, tries)],
+                                 "accepted_per_drafted": round(accepted / max(drafted, 1), 4),
+                                 "tokens_per_round": round(sum(map(len, flags)) / max(rounds, 1), 4)}
+    total = sum(map(len, flags))
+    write_json(args.out, {
+        "what": "drafter-agrees-with-target flags over the target's greedy answers (1 = the drafter's argmax "
+                "is the target's token at that position)",
+        "target": paths["target"].name, "drafter": paths["drafter"].name, "prompts": args.prompts,
+        "new_tokens": args.new_tokens, "tokens": total, "agreement": round(sum(map(sum, flags)) / max(total, 1), 4),
+        "by_gamma": positions, "flags": ["".join("1" if f else "0" for f in row) for row in flags],
+        "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": "this repository's CPU machine, "
+        f"{args.threads} torch thread(s)", "seconds": round(time.perf_counter() - began, 1),
+        "command": f"python bench/drafter_quality.py trace --out {args.out}"})
+
+
+MAX_DRAFT = 8  # pair check's default block
+
+
+def prompt_sets() -> list[tuple[str, list[str], int]]:
+    """(name, prompts, new tokens) of every set measured."""
+    heldout = heldout_prompts(24, seed=7)  # `trace`'s (and the quality report's first 24)
+    return [("held-out templates", heldout, 48), ("held-out templates at 128 tokens", heldout, 128),
+            ("free-form chat", list(FREEFORM_PROMPTS), 48),
+            ("pair check's built-in prompts", [*pairs.CHAT_PROMPTS, *pairs.CODE_PROMPTS], 48),
+            ("pair check's chat prompts", list(pairs.CHAT_PROMPTS), 48),
+            ("pair check's code prompts", list(pairs.CODE_PROMPTS), 48)]
+
+
+def rounds_row(counts: pairs.RoundCounts) -> dict:
+    """What pair check reports of a set's rounds."""
+    return {"alpha_by_position": [round(a, 3) for a in counts.alphas(MAX_DRAFT)[:MAX_DRAFT]],
+            "checked": counts.tries, "rounds": counts.rounds, "accepted_per_round": round(counts.mean_accepted, 3),
+            "agreement": round(counts.agreement, 3)}
+
+
+def prompts(args) -> None:
+    """Acceptance by prompt set, distill's way and pair check's, on the same text."""
+    began = time.perf_counter()
+    cfg = pairs.PairCheckConfig()
+    torch.set_num_threads(cfg.threads)
+    paths = default_paths()
+    engine, target = pairs._target(str(paths["target"]), cfg)
+    eos = set(target.eos_token_ids)
+    reference = load_model(str(paths["plain"]), device="cpu", engine="torch")
+    head = set(reference.head_ids.tolist())
+    settings = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=target.vocab_size,
+                             stop_ids=frozenset(eos), max_context=cfg.max_context)
+    on_llama = pairs._drafter(str(paths["plain"]), target.vocab_size, frozenset(eos), cfg)  # as pair check runs it
+    texts: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    rows = []
+    for name, questions, new_tokens in prompt_sets():
+        for q in questions:
+            if (q, new_tokens) not in texts:
+                prompt = pairs._encode(paths["target"], q)
+                texts[q, new_tokens] = prompt, pairs._continuation(engine, prompt, new_tokens, eos)
+        prompts, answers = zip(*(texts[q, new_tokens] for q in questions))
+        flags = agreement_flags(reference.model, reference.head_ids,
+                                [Sample(p + a, len(p)) for p, a in zip(prompts, answers)], reference.device)
+        tokens = sum(map(len, flags))
+        rounds, _, accepted, tries, hits = replay(flags, MAX_DRAFT)
+        on_torch = pairs.draft_rounds(make_drafter(DrafterKind.MODEL, reference, settings), prompts, answers, MAX_DRAFT)
+        on_edge = pairs.draft_rounds(on_llama, prompts, answers, MAX_DRAFT)
+        in_head = [(f, t in head) for row, answer in zip(flags, answers) for f, t in zip(row, answer)]
+        rows.append({
+            "set": name, "prompts": len(prompts), "new_tokens": new_tokens, "tokens": tokens,
+            "distill": {"agreement": round(sum(map(sum, flags)) / tokens, 3),
+                        "per_prompt": [round(sum(f) / len(f), 3) for f in flags],
+                        "alpha_by_position": [round(h / t, 3) if t else None for h, t in zip(hits, tries)],
+                        "accepted_per_round": round(accepted / rounds, 3)},
+            "pair_check": {"llamacpp": rounds_row(on_edge), "torch": rounds_row(on_torch),
+                           "torch_rounds_are_the_replay": (on_torch.rounds, on_torch.accepted, on_torch.tries,
+                                                           on_torch.hits) == (rounds, accepted, tries, hits)},
+            "head": {"target_tokens_in_head": round(sum(h for _, h in in_head) / tokens, 3),
+                     "agreement_where_in_head": round(sum(f for f, h in in_head if h) / max(1, sum(h for _, h in in_head)), 3)}})
+        print(f"{name}: distill α {rows[-1]['distill']['agreement']}, pair check α_1 "
+              f"{rows[-1]['pair_check']['llamacpp']['alpha_by_position'][0]}", flush=True)
+    report({**header(machine="2 cores, shared with other work", threads=cfg.threads),
+            "command": "python bench/drafter_quality.py prompts" + (f" --out {args.out}" if args.out else ""),
+            "target": paths["target"].name, "target_engine": f"{engine.capabilities.name} ({engine.capabilities.dtype})",
+            "drafter": paths["plain"].name, "max_draft": MAX_DRAFT, "sets": rows,
+            "seconds": round(time.perf_counter() - began, 1)}, args.out)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from hybridspec.cloud.core.costs import measure_batch_costs
+from hybridspec.cloud.core.limits import DEFAULT_HOLD, Hold
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.cloud.engine.kinds import Products
 from hybridspec.cloud.engine.torch_engine import EngineOptions
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=4, help="γ of the fixed-γ hybrid runs (d)")
     parser.add_argument("--draft-ms", type=float, default=1.0, help="drafting time per token on the edge (d)")
     parser.add_argument("--window-s", type=float, help="the steady-state window of each capacity run (d)")
+    parser.add_argument("--hold", type=Hold, choices=list(Hold), default=DEFAULT_HOLD,
+                        help="which rounds a queued round waits for (d; cloud/core/holding.py)")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     plan = dict(QUICK if args.quick else PRESETS[args.preset] if cuda else CPU)
@@ -206,7 +209,7 @@ class _Suite:
         vocab = models.SHAPES[shape]["vocab_size"]
         # The replica: the shape's engine behind a verifier that batches every edge's rounds.
         verifier = Verifier(bench.verifier.target, self.limits, bench.engine, max_batch=max(plan["edges"]),
-                            max_wait_ms=1.0)
+                            max_wait_ms=1.0, hold=args.hold)
         verifier.measure_pass_costs(args.gamma + 5)
         sessions = tuple(sorted({b for b in (*plan["edges"], 8, 64) if 1 < b <= max(plan["edges"])}))
         costs = (verifier.info.pass_costs, measure_batch_costs(bench.engine, vocab, args.gamma + 5, sessions))
@@ -217,7 +220,7 @@ class _Suite:
                                         plan["rtts"])
         server = BackgroundServer(verifier)
         fleet = capacity.EdgeFleet(plan["processes"])
-        self.results["capacity"] = {"shape": shape, "draft_ms_per_token": args.draft_ms,
+        self.results["capacity"] = {"shape": shape, "hold": args.hold.value, "draft_ms_per_token": args.draft_ms,
                                     "new_tokens": plan["new_tokens"],
                                     "warm_s": plan["warm_s"], "window_s": plan["window_s"],
                                     "trace": trace and {k: v for k, v in trace.items() if k != "flags"},

@@ -5,12 +5,14 @@ intervals are lab/stats.py's (`mean_ci`, `bootstrap_ci`), the ones the experimen
 print.
 
 The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
-they import this module as `from harness import ...`. Nothing here reaches into tests/: the tiny
-models and the fuzz strategies, which the tests use too, live in lab/.
+they import this module as `from harness import ...`. The tiny random models (tests/tinymodels.py) and
+the fuzz strategies (tests/fuzzing.py) are the tests' fixtures, kept out of the wheel; `tiny_target`
+and `fuzz_suite` are the one way in from here, so no script reaches into tests/ itself.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
 
 __all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
-           "free_port", "header", "median", "pass_times", "percentile", "pin", "pin_child", "report", "save_figure",
+           "free_port", "fuzz_suite", "header", "median", "pass_times", "percentile", "pin", "pin_child", "report", "save_figure",
            "series", "start_cloud", "stop_cloud", "style", "tiny_target", "two_hosts", "usable_cores", "write_json"]
 
 
@@ -182,14 +184,26 @@ def arguments(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
 
 
-# --- the tiny target -----------------------------------------------------------------------------
+# --- the tests' fixtures: the tiny target, the fuzz strategies ------------------------------------
 
-def tiny_target(out: Path) -> str:
-    """A random 2-layer Llama with a real tokenizer (lab/tinymodels.py, the tests' too), saved as a model
-    directory under `out`."""
-    from hybridspec.lab.tinymodels import make_model, save_model
+def tests_module(name: str):
+    """A module of tests/ (run from a checkout: the wheel does not ship the tests' fixtures)."""
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.append(str(ROOT / "tests"))
+    return importlib.import_module(name)
 
-    return str(save_model(make_model(seed=0), out / "target"))
+
+def tiny_target(out: Path, seed: int = 0, name: str = "target") -> str:
+    """A random 2-layer Llama with a real tokenizer (tests/tinymodels.py), saved as the model directory
+    `out/name`: seed 0 is the tests' target, another seed a model that rarely agrees with it."""
+    tiny = tests_module("tinymodels")
+    return str(tiny.save_model(tiny.make_model(seed=seed), out / name))
+
+
+def fuzz_suite():
+    """(Fuzzer, calls) of tests/fuzzing.py: the hostile messages tests/test_fuzz.py sends too."""
+    fuzzing = tests_module("fuzzing")
+    return fuzzing.Fuzzer, fuzzing.calls
 
 
 # --- plots ---------------------------------------------------------------------------------------

@@ -3,10 +3,13 @@ replica's own endpoint, in-process), and per security setup (plaintext, TLS, tok
 
     python bench/hop_overhead.py [--rounds 300] [--gamma 4] [--target tiny|PATH] [--pin] [--out FILE]
     python bench/hop_overhead.py --security [--rounds 400] [--connects 40] [--gamma 4] [--target tiny|PATH] [--out FILE]
+    python bench/hop_overhead.py --host [--edges 1,8,64] [--seconds 5] [--repeats 3] [--draft-ms 0] [--out FILE]
+    python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--pass-ms 0]
+                                        [--repeats 3] [--out FILE]
 
 Every lane is a real gRPC client (edge/client.py) on localhost sending one round of γ draft tokens at a
 time; the lanes take turns round by round, so load from other work on the machine hits all of them
-alike. --target tiny (default) is a random 2-layer Llama built from a config (lab/tinymodels.py), so the
+alike. --target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py), so the
 forward pass is short and the hop dominates.
 
 Paths (the default), three in one run:
@@ -25,9 +28,28 @@ This process is the edge host on the other core, one torch thread. Each round's 
 submit → reply. Connect: a fresh channel (TCP + TLS handshake) and one OpenSession, `--connects` times
 per setup, also in turns. Differences are paired (round r of a setup against round r of plaintext):
 mean and 95 % t interval, and the medians. Certificates are throw-away ones from trustme.
+
+--host: where a replica's host time goes under B concurrent edges (each --edges count in turn,
+--repeats times): a fresh in-process front door (as the GPU suite's capacity runs it) on the cloud core,
+one torch thread, its model thread's steps stamped part by part (cloud/core/telemetry.py `StepClock`:
+thread CPU and wall per part); B closed-loop edges (asyncio gRPC, a channel and VerifyStream each, γ
+drafts per round after --draft-ms of drafting, a fresh session when the context fills) in one spawned
+process on the edge core. Over a window of --seconds after 2 s of warm-up: per step, the CPU of each
+part of the step, the forward pass apart, and "grpc": the process's CPU outside the model thread (the
+servicer's decoding and encoding, the event loop, gRPC's threads, the hand-offs to and from the model
+thread); means over the repeats with 95 % t intervals.
+
+--meet: the same edges, drafting --draft-ms (8) before each round, against replicas holding rounds for
+company by each of --holds (cloud/core/holding.py), each policy and edge count in turn: passes per round
+of every edge, rounds per pass, the time a pass was held for company, tokens/s (and its ratio to the
+first policy's in the same repeat) and the edges' p95 round time. --pass-ms makes every pass last at
+least that long, as on a GPU, where a pass costs about the same for few rounds as for many.
 """
 from __future__ import annotations
 
+import asyncio
+import gc
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -37,17 +59,23 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import grpc
 import torch
 import trustme
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
-from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS
+from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS, Hold
+from hybridspec.cloud.core.telemetry import Part, StepClock
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.common.models.loading import load_model
+from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.channel import SHARED_OPTIONS
+from hybridspec.common.protocol.proto import verifier_pb2 as pb
+from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.common.security.credentials import add_identity
 from hybridspec.common.security.tls import ClientTLS
@@ -245,21 +273,208 @@ def security(args) -> dict:
             "edge_core": EDGE_CORE, "cloud_core": CLOUD_CORE, "rows": rows}
 
 
+# ---- --host: many closed-loop edges on one replica, where its host time goes ------------------------
+
+MANY = VerifierLimits(max_context=512, max_draft=32, max_sessions=64)
+WARM_S = 2.0  # closed-loop rounds before each window, untimed
+
+
+def edge_process(conn) -> None:
+    """The edges' process (spawned; on the edge core, one thread): runs each job the parent sends, until None."""
+    if EDGE_CORE in usable_cores():
+        pin(EDGE_CORE)
+    torch.set_num_threads(1)
+    while (job := conn.recv()) is not None:
+        conn.send(asyncio.run(closed_loop(conn, **job)))
+
+
+async def closed_loop(conn, address: str, edges: int, gamma: int, draft_ms: float) -> dict:
+    """`edges` edges, each on its own channel and VerifyStream, round after round, drafting `draft_ms`
+    before each and opening a fresh session when the context fills: WARM_S untimed, then up to the
+    deadline the parent sends. The window's rounds, their tokens and latencies, and its re-opens."""
+    draft, window = tuple(range(10, 10 + gamma)), [float("inf"), float("inf")]  # [start, deadline]
+    latencies, seen = [], {"tokens": 0, "opens": 0}
+
+    async def edge(stub) -> None:
+        sid, length, r, call = "", 0, 0, None
+        while time.perf_counter() < window[1]:
+            if call is None or length + gamma + 1 >= MANY.max_context:
+                if call is not None:
+                    call.cancel()
+                    await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+                opened = codec.opened_from_pb(await stub.OpenSession(codec.session_to_pb(SessionSpec("", PROMPT))))
+                sid, length, r, call = opened.session_id, opened.committed_len, 0, stub.VerifyStream()
+                seen["opens"] += time.perf_counter() >= window[0]
+            if draft_ms:
+                await asyncio.sleep(draft_ms / 1e3)
+            sent = time.perf_counter()
+            await call.write(codec.block_to_pb(DraftBlock(sid, r, length, draft)))
+            result = codec.result_from_pb(await call.read())
+            length, r, done = result.committed_len, r + 1, time.perf_counter()
+            if window[0] <= sent and done <= window[1]:
+                latencies.append((done - sent) * 1e3)
+                seen["tokens"] += result.num_accepted + 1
+        call.cancel()
+
+    channels = [grpc.aio.insecure_channel(address, options=SHARED_OPTIONS) for _ in range(edges)]
+    tasks = [asyncio.create_task(edge(pb_grpc.VerifierStub(channel))) for channel in channels]
+    await asyncio.sleep(WARM_S)
+    conn.send("warm")
+    deadline = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    window[:] = [time.perf_counter(), deadline]
+    await asyncio.gather(*tasks)
+    for channel in channels:
+        await channel.close()
+    return {"rounds": len(latencies), "latency_ms": latencies, **seen}
+
+
+def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
+    """A fresh replica (in-process front door, its model thread on this core) under `edges` closed-loop
+    edges for one window: its steps' time part by part (thread CPU and wall, from StepClock), the
+    process's CPU outside the model thread (gRPC, the event loop, the hop), and what the edges saw."""
+    replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
+    if args.pass_ms:
+        at_least(replica.engine, args.pass_ms / 1e3)
+    server = BackgroundServer(replica)
+    gc.freeze()  # as a serving process does once started (cloud/api/server.py serve_forever)
+    try:
+        conn.send({"address": server.address, "edges": edges, "gamma": args.gamma, "draft_ms": args.draft_ms})
+        assert conn.recv() == "warm"
+        clock = replica.clock = StepClock()
+        cpu, deadline = time.process_time(), time.perf_counter() + args.seconds
+        conn.send(deadline)
+        time.sleep(args.seconds)
+        replica.clock, cpu = StepClock(enabled=False), time.process_time() - cpu
+        seen = conn.recv()
+    finally:
+        server.stop()
+    steps = max(1, clock.steps)
+    cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
+    cpu_ms["grpc"] = 1e3 * (cpu - sum(clock.cpu.values())) / steps
+    return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
+            "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps,
+            "wall_ms": {part.value: 1e3 * clock.wall[part] / steps for part in Part},
+            "tokens_per_s": seen["tokens"] / args.seconds,
+            "passes_per_round": clock.steps * edges / max(1, seen["rounds"]),
+            "p95_round_ms": percentile(seen["latency_ms"], 95) if seen["latency_ms"] else None, "opens": seen["opens"]}
+
+
+def at_least(engine, seconds: float) -> None:
+    """Make every pass of `engine` last at least `seconds` (a sleep after it, the interpreter free
+    meanwhile): a device whose pass time hardly grows with its rows, as a GPU's up to its batch size."""
+    forward = engine.forward
+
+    def flat(feeds):
+        start = time.perf_counter()
+        scores = forward(feeds)
+        time.sleep(max(0.0, seconds - (time.perf_counter() - start)))
+        return scores
+
+    engine.forward = flat
+
+
+def windows(args, runs: list[tuple[str, int, dict]]) -> dict[str, list[dict]]:
+    """Every (label, edges, verifier settings) run once per repeat, in turns, on the cloud core; the
+    edges in one spawned process on the edge core."""
+    args.cores, args.load_before = len(usable_cores()), os.getloadavg()
+    tmp = tempfile.TemporaryDirectory()
+    target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
+    conn, child = multiprocessing.get_context("spawn").Pipe()
+    edges = multiprocessing.get_context("spawn").Process(target=edge_process, args=(child,), daemon=True)
+    edges.start()
+    if CLOUD_CORE in usable_cores():
+        pin(CLOUD_CORE)
+    out: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
+    try:
+        for repeat in range(args.repeats):
+            for label, n, verifier in runs:
+                out[label].append(one_window(conn, target, n, args, **verifier))
+                print(f"repeat {repeat + 1}/{args.repeats} {label}: {out[label][-1]['steps']} steps",
+                      file=sys.stderr, flush=True)
+    finally:
+        conn.send(None)
+        edges.join(timeout=30)
+        tmp.cleanup()
+    return out
+
+
+def interval(values: list[float]) -> list[float]:
+    """[mean, and its 95 % interval's low and high end] over the repeats."""
+    estimate = mean_ci(values)
+    return [round(estimate.value, 4), round(estimate.lo, 4), round(estimate.hi, 4)]
+
+
+def host(args) -> dict:
+    """Host time per step and per round at each --edges count, the forward pass excluded, part by part."""
+    out = windows(args, [(f"B={n}", n, {}) for n in args.edges])
+    rows = []
+    for n, runs in zip(args.edges, out.values()):
+        host_parts = [p for p in [*(part.value for part in Part), "grpc"] if p != Part.FORWARD.value]
+        per_step = [sum(r["cpu_ms"][p] for p in host_parts) for r in runs]
+        rows.append({"edges": n, "steps": [r["steps"] for r in runs],
+                     "rounds_per_step": interval([r["rounds_per_step"] for r in runs]),
+                     "host_cpu_ms_per_step": interval(per_step),
+                     "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"])
+                                                        for h, r in zip(per_step, runs)]),
+                     "cpu_ms_per_step": {p: interval([r["cpu_ms"][p] for r in runs]) for p in runs[0]["cpu_ms"]},
+                     "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
+                     "reopens": [r["opens"] for r in runs]})
+    return {"target": args.target, "gamma": args.gamma, "seconds": args.seconds, "repeats": args.repeats,
+            "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": args.cores,
+            "load_average": [args.load_before, os.getloadavg()],
+            "rows": rows}
+
+
+def meet(args) -> dict:
+    """Each --hold policy at each --edges count, in turns, the edges drafting --draft-ms before each round:
+    passes per round of every edge, rounds per pass, tokens/s (also over the first policy's in the same
+    repeat) and the edges' p95 round time."""
+    runs = [(f"{hold}, B={n}", n, {"hold": Hold(hold), "max_wait_ms": args.max_wait_ms})
+            for n in args.edges for hold in args.holds]
+    out = windows(args, runs)
+    keys = ("passes_per_round", "rounds_per_step", "hold_ms", "tokens_per_s", "p95_round_ms")
+    rows = []
+    for label, n, settings in runs:
+        first = out[f"{args.holds[0]}, B={n}"]  # the same repeat's run of the first policy: load hits both alike
+        rows.append({"hold": settings["hold"].value, "edges": n,
+                     **{key: interval([r[key] for r in out[label]]) for key in keys},
+                     "tokens_per_s_over_first": interval([r["tokens_per_s"] / f["tokens_per_s"]
+                                                          for r, f in zip(out[label], first)])})
+    return {"target": args.target, "gamma": args.gamma, "draft_ms": args.draft_ms, "pass_ms": args.pass_ms,
+            "max_wait_ms": args.max_wait_ms,
+            "seconds": args.seconds, "repeats": args.repeats, "cores": args.cores,
+            "load_average": [args.load_before, os.getloadavg()], "rows": rows}
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--security", action="store_true", help="the four security setups instead of the paths")
+    parser.add_argument("--host", action="store_true", help="a replica's host time per step under many edges")
+    parser.add_argument("--meet", action="store_true", help="the batching policies (--holds) under many edges")
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
     parser.add_argument("--rounds", type=int, help="timed rounds per lane (default: 300 per path, 400 per setup)")
     parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     parser.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
-                        help="paths: the scheduler's wait for recently active sessions' rounds")
+                        help="paths, --meet: the replica's wait for other sessions' rounds (max_wait_ms)")
     parser.add_argument("--pin", action="store_true", help="paths: replicas on the second core, the rest on the first")
     parser.add_argument("--connects", type=int, default=40, help="--security: timed fresh connections per setup")
+    parser.add_argument("--edges", type=lambda s: [int(n) for n in s.split(",")],
+                        help="--host, --meet: concurrent edges (sessions), comma-separated (default 1,8,64 and 16,64)")
+    parser.add_argument("--holds", type=lambda s: s.split(","), default=[h.value for h in Hold],
+                        help="--meet: the batching policies to compare (cloud/core/holding.py)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="--host, --meet: the timed window of each run")
+    parser.add_argument("--repeats", type=int, default=3, help="--host, --meet: runs of each setting, in turns")
+    parser.add_argument("--draft-ms", type=float, help="--host, --meet: each edge's drafting time per round "
+                                                       "(default 0 and 8)")
+    parser.add_argument("--pass-ms", type=float, default=0.0, help="--host, --meet: every pass lasts at least this "
+                                                                   "long (a flat-cost device; 0: the target's own)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     args.rounds = args.rounds or (400 if args.security else 300)
+    args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
+    args.edges = args.edges or ([16, 64] if args.meet else [1, 8, 64])
     torch.set_num_threads(1)
-    result = security(args) if args.security else paths(args)
+    result = security(args) if args.security else host(args) if args.host else meet(args) if args.meet else paths(args)
     report({**header(), **result}, args.out, indent=2)
 
 

@@ -37,7 +37,7 @@ Once, as the reference: llama.cpp's own load of the target (a Python process tha
 loads the file and makes a context of the same size): its wall time and peak resident memory; and the
 KV cells the cloud allocates, from the target's shape: the KV pool (one stream of 2,048 cells) and the
 draft-tree context's as many. And, with this code only (unless --no-edges, which also skips every
-`edge generate`), a drafter GGUF of another vocabulary (lab/tinymodels.py `save_gguf`) given to
+`edge generate`), a drafter GGUF of another vocabulary (tests/tinymodels.py `save_gguf`) given to
 `pair check` and to `edge generate`: the one line each prints, and how long it took to say it.
 The machine is shared: times are noisy, resident memory and "was the file opened" are not.
 
@@ -80,7 +80,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import psutil
 
-from harness import EDGE_CORE, ROOT, arguments, cloud as cloud_on_core, commit, header, pin, report, usable_cores
+from harness import EDGE_CORE, ROOT, arguments, tests_module, cloud as cloud_on_core, commit, header, pin, report, usable_cores
 
 from hybridspec.cloud.process import parse_ready_line
 from hybridspec.common.models.embedded import default_paths, resolve
@@ -390,7 +390,7 @@ def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "", edges:
 
 def mismatch(target: Path, work: Path) -> dict:
     """The error lines `pair check` and `edge generate` give a drafter of another vocabulary (this code)."""
-    from hybridspec.lab.tinymodels import save_gguf
+    save_gguf = tests_module("tinymodels").save_gguf
 
     (work / "other").mkdir()
     other = save_gguf(work / "other" / "other.gguf")

@@ -3,7 +3,7 @@ cloud apart: how long the path a newcomer reads is (issue 41), counted rather th
 
 A target is served in-process: `cloud/api/server.py:BackgroundServer` over a `Verifier`, a real gRPC
 server on localhost. With --engine torch (the default) the target is a tiny random model
-(lab/tinymodels.py) on the torch engine and rounds go through the front door. With --engine llamacpp
+(tests/tinymodels.py) on the torch engine and rounds go through the front door. With --engine llamacpp
 it is the embedded target on the llama.cpp engine, and rounds go to the verifier's own endpoint
 (`start_verify_endpoint`, as a Ray replica's: direct verify), the default deployment's path. An
 `EdgeWorker` drafting with the target's own weights (by default: every block is accepted whole, or
@@ -39,7 +39,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from harness import arguments, header, median, report
+from harness import arguments, header, median, report, tiny_target
 
 PACKAGES = ("edge", "cloud", "common")  # the folders a round crosses; anything else counts as "other"
 # The threads of the edge's process: the generation's own and its stream's reply reader
@@ -237,12 +237,11 @@ def verifier_and_drafter(engine: str, drafter_seed: int, tmp: Path):
     on llama.cpp (as a replica loads it) drafted by its own torch weights."""
     from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
     from hybridspec.common.models.loading import load_model
-    from hybridspec.lab.tinymodels import make_model, save_model
 
     limits = VerifierLimits(max_context=512, max_draft=16, max_sessions=8, idle_timeout_s=600)
     if engine == "torch":
-        target = load_model(save_model(make_model(seed=0), tmp / "target"), device="cpu")
-        drafter = load_model(save_model(make_model(seed=drafter_seed), tmp / "drafter"), device="cpu")
+        target = load_model(tiny_target(tmp), device="cpu")
+        drafter = load_model(tiny_target(tmp, drafter_seed, "drafter"), device="cpu")
         return Verifier(target, limits), drafter
     from hybridspec.cloud.engine.kinds import EngineKind
     from hybridspec.cloud.pool.replica import load_verifier
@@ -252,7 +251,7 @@ def verifier_and_drafter(engine: str, drafter_seed: int, tmp: Path):
     target = resolve("", "target")
     settings = ReplicaSettings(engine=EngineKind.LLAMACPP, device="cpu", torch_threads=1, pass_cost_tokens=0)
     drafter = (load_model(target, device="cpu") if drafter_seed == 0 else
-               load_model(save_model(make_model(seed=drafter_seed), tmp / "drafter"), device="cpu"))
+               load_model(tiny_target(tmp, drafter_seed, "drafter"), device="cpu"))
     return load_verifier(ReplicaSpec(target, settings, limits)), drafter
 
 

@@ -3,6 +3,7 @@ decoding (`--cloud-only`, taken before the attack), and the cloud's memory must 
 
     python bench/soak.py chaos [--edges 32] [--minutes 10] [--replicas 1] [--out docs/integrity]
     python bench/soak.py fuzz [--messages 10000] [--cloud HOST:PORT] [--out docs/integrity]
+    python bench/soak.py tenants [--busy 17] [--think-s 2] [--out docs/integrity]
 
 Both start `hybridspec cloud serve` (local Ray pool, embedded target) on one core and run the edges
 (embedded drafter) on the other.
@@ -13,11 +14,21 @@ random moments it SIGKILLs a replica actor process (Ray restarts it) and cuts th
 5 s it samples the resident memory of the front door and of the replica. Writes soak.csv (samples),
 soak.json (summary) and soak.png (memory over time, with the chaos events marked).
 
-fuzz: `--messages` hostile messages (the suite of lab/fuzzing.py that tests/test_fuzz.py runs too: every RPC; random, plausible and
+fuzz: `--messages` hostile messages (the suite of tests/fuzzing.py that tests/test_fuzz.py runs too: every RPC; random, plausible and
 undecodable bodies; fresh randomness) while one honest edge generates beside them; with --cloud, against
 that running server instead. Writes fuzz.json: the count of every status, any reply that broke the rules
 (UNKNOWN, INTERNAL, a long or traceback-bearing message), whether every honest generation equalled the
 cloud-only one, and the server's resident memory before and after.
+
+tenants: two identities on one replica (`cloud serve` defaults, a credentials file). An honest one's
+24-token generation (the default edge, 5 after a warm-up, `--think-s` apart as a person's requests
+are) alone, then beside `--busy` cloud-only streams of another identity on 3,000-token sessions, with
+fair share on and, in a second server, off; the busy identity's tokens/s over those five requests and
+their pauses, and during the requests alone. On the first server also: whether the honest
+identity's idle 600-token conversation survives the busy one filling the cache, the refusal the busy one
+gets when nothing of its own is idle, the interval of `edge generate`'s progress lines during a cold
+2,700-token prefill, and the time `edge generate` takes to a clear error with the replica SIGSTOPped.
+Writes tenants.json.
 
 Exit status 1 if any generation differed from the cloud-only one or failed (or, fuzzing, a reply broke a rule).
 """
@@ -29,6 +40,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -49,10 +61,9 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
-from hybridspec.lab.fuzzing import Fuzzer, calls
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from harness import arguments, cloud, figure, save_figure, series, write_json
+from harness import arguments, cloud, figure, fuzz_suite, header, median, report, save_figure, series, write_json
 
 CHAOS_TOKENS, FUZZ_TOKENS = 48, 32
 FUZZ_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well."]
@@ -241,6 +252,7 @@ def fuzz(args) -> int:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
         channel = grpc.insecure_channel(address)
+        Fuzzer, calls = fuzz_suite()
         fuzzer = Fuzzer(channel)
         bar = tqdm(total=args.messages, desc="fuzz", unit="msg")
 
@@ -274,6 +286,157 @@ def fuzz(args) -> int:
     return 0 if not fuzzer.violations and not errors and honest and all(honest) else 1
 
 
+def long_text(tokenizer, tokens: int, salt: int) -> str:
+    """Ordinary prose of about `tokens` tokens (held-out prompts, repeated), different for each salt."""
+    pieces, text = heldout_prompts(40, seed=salt) + FREEFORM_PROMPTS, ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += " " + pieces[len(text) % len(pieces)]
+    return text
+
+
+def tenants(args) -> int:
+    """Fair share on and off; eviction, refusal, progress lines and a stopped replica on the first run."""
+    from hybridspec.common.protocol.errors import FailedPrecondition, HybridSpecError
+    from hybridspec.common.protocol.wire import DecodeSpec, DraftBlock, SessionSpec
+    from hybridspec.common.security.credentials import add_identity
+    from hybridspec.edge.config import CloudAccess
+
+    path = args.out / "tenants-credentials.yaml"
+    tokens = {name: add_identity(path, name) for name in ("honest", "busy")}
+    drafter = load_model(default_paths()["drafter"], device="cpu")
+    tok = drafter.tokenizer
+    chat = encode_prompt(tok, "Give three tips for sleeping well.", chat=True)
+    busy_prompt = tuple(tok.encode(long_text(tok, 3000, 7))[:3000])
+    result = header(engine="cloud serve defaults, one replica", busy_sessions=args.busy, busy_prompt_tokens=3000)
+
+    def run(fair: bool) -> dict:
+        keys = {"credentials": str(path), "fair_share": fair}
+        with cloud(keys) as (proc, address):
+            access = {name: CloudAccess(token=token) for name, token in tokens.items()}
+            out: dict = {}
+            honest = VerifierClient(address, timeout_s=120, access=access["honest"])
+            if fair:  # 1. the honest identity's conversation, left idle from here on
+                kept = honest.open_session(SessionSpec("", tuple(tok.encode(long_text(tok, 600, 3))[:600])))
+                kept_at = time.monotonic()
+            worker = EdgeWorker(drafter, honest, EdgeConfig.of(cloud=address, max_new_tokens=24))
+            worker.generate(chat)  # warm-up
+
+            def honest_times(spans: list) -> list[float]:
+                for _ in range(5):
+                    time.sleep(args.think_s)
+                    spans.append((time.monotonic(), None))
+                    worker.generate(chat)
+                    spans[-1] = (spans[-1][0], time.monotonic())
+                return [round(b - a, 3) for a, b in spans]
+
+            out["honest_alone_s"] = honest_times([])
+            # 2. The busy identity: its sessions (one prefill, the rest start from its cached prefix), each
+            #    decoding cloud-only, tokens counted as they come.
+            busy = [VerifierClient(address, timeout_s=300, access=access["busy"]) for _ in range(args.busy + 4)]
+            got: list[float] = []
+            stop = threading.Event()
+
+            def decode(client: VerifierClient, sid: str) -> None:
+                try:
+                    for _ in client.decode(DecodeSpec(sid, 0, len(busy_prompt), 1000)):
+                        got.append(time.monotonic())
+                        if stop.is_set():
+                            return
+                except HybridSpecError:
+                    pass  # stopped: its session was closed
+
+            def busy_session(client: VerifierClient) -> str:
+                sid = client.open_session(SessionSpec("", busy_prompt)).session_id
+                threading.Thread(target=decode, args=(client, sid), daemon=True).start()
+                return sid
+
+            started = time.monotonic()
+            sessions = [busy_session(client) for client in busy[:args.busy]]
+            out["busy_opened_s"] = round(time.monotonic() - started, 1)
+            time.sleep(30)  # every stream under way, streams rotating
+            replica = replica_processes(psutil.Process(proc.pid))
+            spans, window, cpu = [], time.monotonic(), cpu_s(replica)
+            out["honest_beside_s"] = honest_times(spans)
+            took, cpu = time.monotonic() - window, cpu_s(replica) - cpu
+            out["busy_tokens_per_s_beside"] = round(sum(window <= t for t in got) / took, 2)
+            # Per second of the replica's own CPU time: what the machine's other load does not change.
+            out["busy_tokens_per_replica_cpu_s"] = round(sum(window <= t for t in got) / cpu, 2)
+            during = sum(b - a for a, b in spans)
+            out["busy_tokens_per_s_during_requests"] = round(sum(any(a <= t <= b for a, b in spans)
+                                                                 for t in got) / during, 2)
+            if fair:  # 3. More busy sessions, each decoding at once, until the replica has no room.
+                out["busy_refusal"] = ""
+                for client in busy[args.busy:]:
+                    try:
+                        sessions.append(busy_session(client))
+                    except HybridSpecError as exc:
+                        out["busy_refusal"] = str(exc)
+                        break
+                block = DraftBlock(kept.session_id, 0, 600, ())
+                out["honest_idle_conversation"] = {"idle_s": round(time.monotonic() - kept_at, 1)}
+                try:
+                    honest.verify(block)
+                    out["honest_idle_conversation"]["evicted"] = False
+                except FailedPrecondition as exc:
+                    out["honest_idle_conversation"].update(evicted=True, error=str(exc))
+                except HybridSpecError as exc:  # kept, but not served: also a failure of the share
+                    out["honest_idle_conversation"].update(evicted=False, error=str(exc))
+            stop.set()
+            for client, sid in zip(busy, sessions):
+                client.close_session(sid)
+            if fair:  # 4. `edge generate` on a cold 2,700-token prompt: its progress lines; then a stopped replica.
+                out["progress"] = edge_generate(address, tokens["honest"], long_text(tok, 2700, 11))
+                victims = replica_processes(psutil.Process(proc.pid))
+                for victim in victims:
+                    victim.send_signal(signal.SIGSTOP)
+                try:
+                    out["stopped_replica"] = edge_generate(address, tokens["honest"], long_text(tok, 2731, 13))
+                finally:
+                    for victim in victims:
+                        victim.send_signal(signal.SIGCONT)
+            for client in busy + [honest]:
+                client.close()
+            return out
+
+    result["fair_share_on"], result["fair_share_off"] = run(True), run(False)
+    on, off = result["fair_share_on"], result["fair_share_off"]
+    result["summary"] = {
+        "honest_alone_s": median(on["honest_alone_s"]), "honest_beside_on_s": median(on["honest_beside_s"]),
+        "honest_beside_off_s": median(off["honest_beside_s"]),
+        "beside_over_alone_on": round(median(on["honest_beside_s"]) / median(on["honest_alone_s"]), 2),
+        "busy_throughput_on_over_off": round(on["busy_tokens_per_s_beside"] / off["busy_tokens_per_s_beside"], 2),
+        "busy_per_cpu_on_over_off": round(on["busy_tokens_per_replica_cpu_s"] / off["busy_tokens_per_replica_cpu_s"], 2),
+        "beside_over_alone_off": round(median(off["honest_beside_s"]) / median(off["honest_alone_s"]), 2),
+        "busy_throughput_on_over_off_during_requests": round(on["busy_tokens_per_s_during_requests"]
+                                                             / off["busy_tokens_per_s_during_requests"], 2)}
+    path.unlink()
+    report(result, args.out / "tenants.json")
+    return 0
+
+
+def cpu_s(procs: list[psutil.Process]) -> float:
+    """CPU seconds these processes have used (user and system)."""
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
+def edge_generate(address: str, token: str, prompt: str) -> dict:
+    """`hybridspec edge generate` on `prompt` (4 new tokens): its wall time, exit status, the gaps between
+    its progress lines on stderr, and its last stderr line."""
+    cmd = [sys.executable, "-m", "hybridspec.cli.main", "edge", "generate", "--cloud", address, "--prompt", prompt,
+           "--max-new-tokens", "4"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "HYBRIDSPEC_TOKEN": token})
+    lines = [(time.monotonic(), line.strip()) for line in proc.stderr]
+    proc.wait()
+    at = [start] + [t for t, line in lines if "prompt tokens" in line]
+    gaps = [round(b - a, 2) for a, b in zip(at[1:], at[2:])]
+    return {"wall_s": round(time.monotonic() - start, 2), "exit": proc.returncode, "progress_lines": len(at) - 1,
+            "first_line_after_s": round(at[1] - start, 2) if len(at) > 1 else None,
+            "max_gap_s": max(gaps, default=None), "median_gap_s": median(gaps) if gaps else None,
+            "last_line": lines[-1][1] if lines else ""}
+
+
 def main() -> int:
     parser = arguments(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -285,11 +448,14 @@ def main() -> int:
     hostile = commands.add_parser("fuzz", help="10^4+ hostile messages beside an honest edge")
     hostile.add_argument("--messages", type=int, default=10_000)
     hostile.add_argument("--cloud", help="fuzz this running server instead of starting one")
-    for command in (soak, hostile):
+    shared = commands.add_parser("tenants", help="two identities on one replica: fair share, eviction, liveness")
+    shared.add_argument("--busy", type=int, default=17, help="the busy identity's sessions")
+    shared.add_argument("--think-s", type=float, default=2.0, help="the honest identity's pause before each request")
+    for command in (soak, hostile, shared):
         command.add_argument("--out", type=Path, default=Path("docs/integrity"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    return chaos(args) if args.command == "chaos" else fuzz(args)
+    return {"chaos": chaos, "fuzz": fuzz, "tenants": tenants}[args.command](args)
 
 
 if __name__ == "__main__":

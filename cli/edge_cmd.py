@@ -41,9 +41,11 @@ def prompt_ids(codec, text: str, chat: bool) -> list[int]:
 
 
 def run_generate(args) -> int:
-    """Generate and print text, JSON, or a live stream. If the cloud is lost mid-way without
+    """Generate and print text, JSON, or a live stream. While the cloud caches a long prompt, a line on
+    stderr says how far it got (each report, at least every 2 s). If the cloud is lost mid-way without
     --allow-unverified, what was committed is still printed, then the error (exit 2)."""
     from ..common.protocol.errors import HybridSpecError
+    from ..edge.generation import EventKind
 
     config = edge_config(args)
     worker = build_worker(config, background=True)
@@ -54,8 +56,9 @@ def run_generate(args) -> int:
             if args.stream:
                 stream_to_terminal(gen, worker.codec, args.show_draft)
             else:
-                for _ in gen:
-                    pass
+                for event in gen:
+                    if event.kind is EventKind.PROGRESS:
+                        print(f"({event.message})", file=sys.stderr, flush=True)
         except HybridSpecError as exc:
             error = exc
     finally:
@@ -98,7 +101,8 @@ def summary(s) -> str:
 def stream_to_terminal(run, codec, show_draft: bool) -> None:
     """Print text as it becomes final. On a terminal with --show-draft, the block being verified
     (or text drafted while offline) is shown dimmed after it and replaced as verdicts come in; only
-    the last screenful is redrawn, so a small terminal stays readable. Notices go to stderr."""
+    the last screenful is redrawn, so a small terminal stays readable. Notices and the cloud's
+    progress on a long prompt go to stderr."""
     from ..edge.generation import EventKind
 
     console = Console(stderr=False)
@@ -108,7 +112,7 @@ def stream_to_terminal(run, codec, show_draft: bool) -> None:
                   transient=False) as live:
             for event in run:
                 text += event.text
-                if event.kind is EventKind.NOTICE:
+                if event.kind in (EventKind.NOTICE, EventKind.PROGRESS):
                     print(f"({event.message})", file=sys.stderr)
                 view = Text(_tail(text, console.size))
                 if event.provisional:
@@ -119,8 +123,9 @@ def stream_to_terminal(run, codec, show_draft: bool) -> None:
         if event.text:
             sys.stdout.write(event.text)
             sys.stdout.flush()
-        elif event.kind is EventKind.NOTICE:
-            print(f"\n({event.message})" if console.is_terminal else f"({event.message})", file=sys.stderr)
+        elif event.kind in (EventKind.NOTICE, EventKind.PROGRESS):
+            line = f"\n({event.message})" if console.is_terminal else f"({event.message})"
+            print(line, file=sys.stderr, flush=True)
     sys.stdout.write("\n")
 
 

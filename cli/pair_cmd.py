@@ -66,6 +66,8 @@ def table(report: dict):
     out.add_row("acceptance α_j", " ".join(f"{a:.2f}" for a in acc["by_position"])
                 + f"  ({report['rounds']} rounds over {report['prompts']} prompts, "
                   f"{acc['mean_accepted']:.2f} accepted per round)")
+    out.add_row("agreement", f"{acc['agreement']:.2f} of the drafts checked at any position are the target's token "
+                             f"(per prompt {min(acc['per_prompt']):.2f} to {max(acc['per_prompt']):.2f})")
     for key, label in (("here", "this machine"), ("gpu", "on a GPU")):
         p = report[key]
         if p is None:

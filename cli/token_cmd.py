@@ -14,6 +14,8 @@ def register(sub) -> None:
     add.add_argument("--file", required=True, help="the credentials file (created if missing, mode 0600)")
     add.add_argument("--max-sessions", type=int, help="sessions this identity may hold (default: the server's)")
     add.add_argument("--tokens-per-s", type=float, help="target tokens per second for it (default: the server's)")
+    add.add_argument("--weight", type=float, help="its share of each replica's passes and KV cells against the "
+                                                  "other identities with work there (default 1)")
     add.add_argument("--token-out", help="write the token to this file (mode 0600) instead of printing it")
     add.set_defaults(run=run_add)
     remove = tsub.add_parser("remove", help="revoke an identity's token (servers notice within a second)")
@@ -31,7 +33,7 @@ def run_add(args) -> int:
 
     from ..common.security.credentials import add_identity
 
-    token = add_identity(args.file, args.name, args.max_sessions, args.tokens_per_s)
+    token = add_identity(args.file, args.name, args.max_sessions, args.tokens_per_s, args.weight)
     if args.token_out:
         fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -55,10 +57,11 @@ def run_remove(args) -> int:
 
 def run_list(args) -> int:
     """One line per identity."""
-    from ..common.security.credentials import list_identities
+    from ..common.security.credentials import DEFAULT_WEIGHT, list_identities
 
     for identity in list_identities(args.file):
         limits = [f"max_sessions={identity.max_sessions}" if identity.max_sessions is not None else "",
-                  f"tokens_per_s={identity.tokens_per_s:g}" if identity.tokens_per_s is not None else ""]
+                  f"tokens_per_s={identity.tokens_per_s:g}" if identity.tokens_per_s is not None else "",
+                  f"weight={identity.weight:g}" if identity.weight != DEFAULT_WEIGHT else ""]
         print(" ".join([identity.name, *filter(None, limits)]))
     return 0

@@ -9,6 +9,10 @@ Every call carries the edge's bearer token when it has one, and every channel sp
 config asks for it; a replica's endpoint presents the front door's certificate, so its name is checked
 against the front door's (or `tls_server_name`), not against the replica's address.
 
+An open reports its progress while the cloud caches the prompt (`OpenSessionStream`: a message at
+least every 2 s), so a silent cloud is found after `timeout_s` without a word, not after a deadline
+scaled to the prompt; a server without it is asked with the unary `OpenSession`.
+
 Everything but the rounds and cloud-only `Decode` streams goes to the front door. Those go where the
 last OpenSession said: straight to the replica that holds the session when the reply names its
 endpoint (a second channel), else to the front door. When that endpoint stops answering, the round
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import queue
-from collections.abc import Callable
+from collections.abc import Iterator
 import threading
 import time
 from concurrent.futures import Future
@@ -28,13 +32,16 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from ..common.protocol import codec
 from ..common.protocol.channel import SHARED_OPTIONS
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable, error_for_code
 from ..common.protocol.proto import verifier_pb2 as pb
 from ..common.protocol.proto import verifier_pb2_grpc as pb_grpc
-from ..common.protocol.wire import DecodeSpec, DraftBlock, GenerateSpec, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ..common.protocol.wire import (PROGRESS_EVERY_S, DecodeSpec, DraftBlock, GenerateSpec, ModelInfo, OpenProgress,
+                                    SessionOpened, SessionSpec, VerifyResult)
 from .config import DEFAULT_TIMEOUT_S, CloudAccess
 
 CHANNEL_OPTIONS = [
@@ -54,6 +61,9 @@ CLOSE_FLUSH_S = 1.0
 # long cache dominates), a cloud-only token comes within a second.
 PREFILL_S_PER_TOKEN = 0.1
 DECODE_S_PER_TOKEN = 1.0
+# An open that reports its progress is given up after the client's timeout without a message, but never
+# sooner than this many of the server's longest promised gaps (a short timeout is for rounds).
+OPEN_SILENT_GAPS = 3
 
 
 class ReplicaUnreachable(FailedPrecondition):
@@ -88,6 +98,79 @@ class PendingRound:
     def done(self) -> bool:
         """True once the reply (or an error) is in."""
         return self.future.done()
+
+
+class Opening:
+    """An OpenSession in flight: `updates` yields how far the cloud has got as it reports it and ends once
+    the reply is in, which `result` (or calling it) returns. No word for the client's timeout (at least
+    OPEN_SILENT_GAPS of the server's promised gaps) is an outage (Unavailable, the call cancelled),
+    however long the prompt."""
+
+    def __init__(self, client: VerifierClient, spec: SessionSpec) -> None:
+        self._client, self._spec = client, spec
+        self._request = codec.session_to_pb(spec)
+        self._messages: queue.Queue = queue.Queue()
+        self._opened: SessionOpened | None = None
+        client._count(up=self._request.ByteSize())
+        self._call = self._start(client._streamed_opens)
+
+    def __call__(self) -> SessionOpened:
+        return self.result()
+
+    def result(self) -> SessionOpened:
+        """The reply (the session id every later call carries, its length), once it is in."""
+        for _ in self.updates():
+            pass
+        return self._opened
+
+    def updates(self) -> Iterator[OpenProgress]:
+        """How far the open has got, as the cloud reports it (nothing from a server that does not);
+        returns once the reply is in; raises the open's domain error, or Unavailable after the client's
+        timeout without a message."""
+        client = self._client
+        silent_s = max(client.timeout_s, OPEN_SILENT_GAPS * PROGRESS_EVERY_S)
+        while self._opened is None:
+            try:
+                item = self._messages.get(timeout=silent_s if self._call is not None else None)
+            except queue.Empty:
+                self._call.cancel()
+                raise Unavailable(f"cloud verifier at {client.address} sent nothing for {silent_s:g} s "
+                                  "while it had the prompt") from None
+            if isinstance(item, grpc.RpcError):
+                if item.code() is grpc.StatusCode.UNIMPLEMENTED and client._streamed_opens:
+                    client._streamed_opens = False  # a server from before OpenSessionStream: ask it as before
+                    self._call = self._start(False)
+                    continue
+                raise _domain_error(item, client.address) from None
+            if isinstance(item, OpenProgress):
+                yield item
+                continue
+            self._opened = item
+            client._route(item.verify_address)
+
+    def _start(self, streamed: bool):
+        """Send the request; a thread hands every message (or the error) to `updates`."""
+        client = self._client
+        deadline = client._deadline(prompt=len(self._spec.committed_ids))
+        if streamed:
+            call = client._front.stub.OpenSessionStream(self._request, timeout=deadline, metadata=client.metadata)
+        else:
+            call = client._front.stub.OpenSession.future(self._request, timeout=deadline, metadata=client.metadata)
+        threading.Thread(target=self._read, args=(call, streamed), daemon=True, name="open-session").start()
+        return call if streamed else None  # a unary call has no stall to watch: its deadline is the bound
+
+    def _read(self, call, streamed: bool) -> None:
+        try:
+            if streamed:
+                for message in call:
+                    self._client._count(down=message.ByteSize())
+                    self._messages.put(codec.progress_from_pb(message))
+            else:
+                message = call.result()
+                self._client._count(down=message.ByteSize())
+                self._messages.put(codec.opened_from_pb(message))
+        except grpc.RpcError as exc:
+            self._messages.put(exc)
 
 
 class _Stream:
@@ -166,6 +249,7 @@ class VerifierClient:
         self._avoid: dict[str, float] = {}  # replica endpoint -> when it may be dialled again
         self._stream: _Stream | None = None
         self._closing: list[grpc.Future] = []  # CloseSession calls sent without waiting for their reply
+        self._streamed_opens = True  # the server reports an open's progress (OpenSessionStream)
 
     @property
     def rounds_address(self) -> str:
@@ -206,28 +290,13 @@ class VerifierClient:
     def open_session(self, spec: SessionSpec) -> SessionOpened:
         """Open (spec.session_id empty) or re-open a session; returns the id the server issued for it,
         which every later call must carry, and the committed length the verifier now holds."""
-        return self.begin_open(spec)()
+        return self.begin_open(spec).result()
 
-    def begin_open(self, spec: SessionSpec) -> Callable[[], SessionOpened]:
-        """Send an OpenSession now and return the call that waits for its reply (`open_session`'s
-        result), so that the caller's own work overlaps the cloud's prefill and the link."""
+    def begin_open(self, spec: SessionSpec) -> Opening:
+        """Send an OpenSession now and return it in flight: its progress as it comes and its reply
+        (`open_session`'s result), so that the caller's own work overlaps the cloud's prefill and the link."""
         self._end_stream()
-        request = codec.session_to_pb(spec)
-        self._count(up=request.ByteSize())
-        future = self._front.stub.OpenSession.future(request, timeout=self._deadline(prompt=len(spec.committed_ids)),
-                                                     metadata=self.metadata)
-
-        def reply() -> SessionOpened:
-            try:
-                message = future.result()
-            except grpc.RpcError as exc:
-                raise _domain_error(exc, self.address) from None
-            self._count(down=message.ByteSize())
-            opened = codec.opened_from_pb(message)
-            self._route(opened.verify_address)
-            return opened
-
-        return reply
+        return Opening(self, spec)
 
     def replica_lost(self, address: str, why: str) -> ReplicaUnreachable:
         """The error for a round whose replica endpoint failed; rounds avoid that endpoint for a while."""
@@ -358,7 +427,20 @@ def _domain_error(exc: grpc.RpcError, address: str) -> HybridSpecError:
         code = grpc.StatusCode.UNAVAILABLE
     elif code is grpc.StatusCode.UNAUTHENTICATED:
         detail = f"the cloud verifier at {address} refused this edge's credentials: {detail}"
-    return error_for_code(code.name, detail)
+    return error_for_code(code.name, detail, _retry_after_s(exc))
+
+
+def _retry_after_s(exc: grpc.RpcError) -> float | None:
+    """The server's hint of when a retry may succeed (RetryInfo in the status details), if it gave one."""
+    try:
+        status = rpc_status.from_call(exc)
+    except (AttributeError, ValueError):  # no call behind it, or details that do not match the status
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return info.retry_delay.ToTimedelta().total_seconds()
+    return None
 
 
 class TokenStream:

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ..common.protocol.tree import depths
-from ..common.protocol.wire import DecodeSpec, FeatureFormat, Mode, ModelInfo, SessionSpec, VerifyResult
+from ..common.protocol.wire import DecodeSpec, FeatureFormat, Mode, ModelInfo, OpenProgress, SessionSpec, VerifyResult
 from .client import PendingRound, ReplicaUnreachable, VerifierClient
 from .config import EdgeConfig
 from .controller import Controller, Phase, Policy
@@ -73,6 +73,7 @@ class EventKind(str, Enum):
     UNVERIFIED = "unverified"  # offline: `tokens` were drafted alone; `provisional` holds all such tokens
     ROLLBACK = "rollback"  # unverified `tokens` were rejected and are withdrawn
     NOTICE = "notice"  # a change of mode, in `message`
+    PROGRESS = "progress"  # the cloud is caching the prompt: `progress` = (tokens cached, of the total), in `message`
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Event:
     provisional: tuple[int, ...] = ()  # tokens shown but not final after this event (drafts, unverified)
     message: str = ""
     text: str = ""  # COMMIT: text that became final (joined, they give the generated text)
+    progress: tuple[int, int] = ()  # PROGRESS: prompt tokens the cloud has cached, of the total to cache
 
 
 class Worker(Protocol):
@@ -139,7 +141,7 @@ class Generation:
                                 mode=cfg.resolved_mode, seed=g.seed, rollback_threshold=g.rollback_threshold,
                                 lenience=g.lenience, tokenizer_fingerprint=worker.tokenizer_fp, prompt_len=len(prompt))
         self.session_id = ""
-        self._opening: Callable[[], None] | None = None
+        self._opening: Iterator[Event] | None = None
         # Its decisions and its counters. Trees only where the server verifies them, the rule has a tree
         # form and a model drafts (an eagle head, found once it loads, drafts chains: `_build_drafter`).
         trees = cfg.model.drafter_kind is DrafterKind.MODEL and cfg.resolved_mode.verifies_trees
@@ -267,7 +269,7 @@ class Generation:
         unverified tail. OFFLINE if the cloud answered a ping but not the re-open: drafting alone goes on."""
         was_warming = came_from is Phase.CLOUD_ONLY and self.controller.end_warmup()
         try:
-            self._begin_open(self.spec)()
+            yield from self._begin_open(self.spec)
         except Unavailable:
             if came_from is Phase.OFFLINE:
                 return Phase.OFFLINE
@@ -328,7 +330,7 @@ class Generation:
             self._ahead = drafter.propose(self.committed + main.ids, min(depth + 1, room), interrupt=round_.done)
             self.stats.predrafted += len(self._ahead.ids)
         # 5. Wait for the verdict (a session the verifier lost is re-opened and the block sent again).
-        result = self._wait(round_)
+        result = yield from self._wait(round_)
         self._in_flight = None
         # 6. Commit what it kept (checked against the block: `Proposal.accepted`) and the verifier's token.
         nodes = proposal.accepted(result)
@@ -349,11 +351,11 @@ class Generation:
         """Send a block as this session's next round; its verdict arrives in the handle returned."""
         return self.client.submit(proposal.block(self.session_id, self.round, len(self.committed), self.with_q))
 
-    def _wait(self, round_: PendingRound) -> VerifyResult:
+    def _wait(self, round_: PendingRound) -> Generator[Event, None, VerifyResult]:
         """The verdict of `round_`. If the verifier lost the session (FailedPrecondition; ReplicaUnreachable:
-        its replica's own endpoint stopped answering), re-open it from the committed tokens and send the
-        block again. A reply that came straight back also measures the round trip: its wait minus the
-        verifier's time. All of the wait counts as cloud time."""
+        its replica's own endpoint stopped answering), re-open it from the committed tokens (its progress
+        as events) and send the block again. A reply that came straight back also measures the round
+        trip: its wait minus the verifier's time. All of the wait counts as cloud time."""
         t0 = time.perf_counter()
         try:
             try:
@@ -361,7 +363,7 @@ class Generation:
             except FailedPrecondition as lost:
                 if isinstance(lost, ReplicaUnreachable):
                     self.client.ping()  # the front door gone too is an outage: Unavailable
-                self._reopen(self.spec)
+                yield from self._reopen(self.spec)
                 return self.client.verify(replace(round_.block, session_id=self.session_id))
             self.estimates.rtt_s.add(max(0.0, round_.arrived - round_.sent - result.verify_ms / 1e3))
             return result
@@ -422,6 +424,9 @@ class Generation:
             last = None
             next_check, since_check = ctl.first_check_after(can_shadow), 0
             for token, waited in _waits(stream):
+                if isinstance(token, Event):  # the stream's session is being opened: how far the cloud got
+                    yield token
+                    continue
                 # 2. Measure: T from the gaps (the first token's wait holds the round trip and prefill), α by shadow.
                 now = time.perf_counter()
                 if last is not None:
@@ -489,10 +494,11 @@ class Generation:
         return SessionSpec("", (), sampling=s.sampling, mode=Mode.GREEDY if s.sampling.greedy else Mode.COUPLED,
                            seed=s.seed, tokenizer_fingerprint=s.tokenizer_fingerprint, prompt_len=s.prompt_len)
 
-    def _cloud_tokens(self, spec: SessionSpec, max_new_tokens: int) -> Iterator[int]:
+    def _cloud_tokens(self, spec: SessionSpec, max_new_tokens: int) -> Iterator[int | Event]:
         """Up to `max_new_tokens` of the cloud's tokens, as they arrive, decoded by the `Decode` RPC of the
         replica holding the stream's session (the open's verify_address; the front door when it names
-        none): no token crosses the front door or Ray. The caller commits each token before asking for
+        none): no token crosses the front door or Ray; while the session is (re-)opened, PROGRESS events
+        for the caller to pass on. The caller commits each token before asking for
         the next. A session the verifier lost (evicted, or its replica died or stopped answering on its
         own port) is re-opened at the front door from the committed tokens and the stream goes on where
         it stopped; lost twice without a token in between is an error."""
@@ -501,9 +507,9 @@ class Generation:
             try:
                 if self._opening is not None:
                     opening, self._opening = self._opening, None
-                    opening()
+                    yield from opening
                 elif not self.session_id:
-                    self._begin_open(spec, measure=False)()
+                    yield from self._begin_open(spec, measure=False)
                     round_ = self.round
                 stream = self.client.decode(DecodeSpec(self.session_id, round_, len(self.committed),
                                                        max_new_tokens - done))
@@ -520,7 +526,7 @@ class Generation:
                 lost_at = len(self.committed)
                 if isinstance(lost, ReplicaUnreachable):
                     self.client.ping()  # the front door gone too is an outage: Unavailable
-                self._reopen(spec, measure=False)
+                yield from self._reopen(spec, measure=False)
                 round_ = self.round
 
     def _end_stream(self) -> None:
@@ -528,7 +534,8 @@ class Generation:
         if self._opening is not None:
             opening, self._opening = self._opening, None
             try:
-                opening()
+                for _ in opening:
+                    pass
             except HybridSpecError:  # an open that failed holds nothing to free
                 return
         self._close_session(wait=False)
@@ -598,7 +605,7 @@ class Generation:
         while self.unverified and not self.done:
             n = min(self.controller.policy.cap, self.max_new_tokens - self.generated - 1, len(self.unverified))
             block = Proposal(self.unverified[:n], None if self.cfg.sampling.greedy else self.unverified_q[:n], False)
-            result = self._wait(self._send(block))
+            result = yield from self._wait(self._send(block))
             nodes = block.accepted(result)
             events = self._reconcile(block, len(nodes), result.next_token)
             self.stats.rolled_back += sum(len(e.tokens) for e in events if e.kind is EventKind.ROLLBACK)
@@ -627,38 +634,48 @@ class Generation:
 
     # ---- its session on the verifier ---------------------------------------------------------------
 
-    def _begin_open(self, spec: SessionSpec, measure: bool = True) -> Callable[[], None]:
+    def _begin_open(self, spec: SessionSpec, measure: bool = True) -> Iterator[Event]:
         """Send the open of a session with `spec`'s settings from the committed tokens (a re-open under its
-        id when it has one); the call returned waits for the reply and takes the session, so the caller's
-        own work can overlap the cloud's prefill. measure: the open's time is what a switch to hybrid
-        costs (a cloud-only stream measures its first token's wait instead)."""
+        id when it has one) now; the iterator returned yields a PROGRESS event for each report of the
+        cloud's prefill and takes the session once the reply is in (drive it with `yield from`), so the
+        caller's own work can overlap the cloud's prefill. measure: the open's time is what a switch to
+        hybrid costs (a cloud-only stream measures its first token's wait instead)."""
         t0 = time.perf_counter()
-        reply = self.client.begin_open(replace(spec, session_id=self.session_id, committed_ids=tuple(self.committed),
-                                               next_round=self.round))
+        opening = self.client.begin_open(replace(spec, session_id=self.session_id, committed_ids=tuple(self.committed),
+                                                 next_round=self.round))
 
-        def opened() -> None:
-            answer = reply()
+        def opened() -> Iterator[Event]:
+            for update in opening.updates():
+                yield self._progress(update)
+            answer = opening.result()
             self.session_id = answer.session_id
             if answer.features is not None and self.eagle is not None:
                 self.eagle.log.add(answer.features)
             if measure:
                 self.estimates.observe_open(time.perf_counter() - t0, len(self.committed))
 
-        return opened
+        return opened()
 
-    def _reopen(self, spec: SessionSpec, measure: bool = True) -> None:
+    def _reopen(self, spec: SessionSpec, measure: bool = True) -> Iterator[Event]:
         """Re-open after the verifier lost the session, waiting (bounded) for a restarting replica."""
         self.stats.reopens += 1
         deadline = time.perf_counter() + self.cfg.link.timeout_s
         delay, max_delay = REOPEN_BACKOFF_S
         while True:
             try:
-                return self._begin_open(spec, measure)()
+                yield from self._begin_open(spec, measure)
+                return
             except Unavailable:
                 if time.perf_counter() + delay > deadline:
                     raise
                 time.sleep(delay)
                 delay = min(2 * delay, max_delay)
+
+    def _progress(self, update: OpenProgress) -> Event:
+        """The cloud's word on an open's prefill, for the user (not a notice: nothing changed)."""
+        message = (f"the cloud has cached {update.cached:,} of {update.total:,} prompt tokens" if update.cached
+                   else f"the cloud is about to cache {update.total:,} prompt tokens")
+        return Event(EventKind.PROGRESS, message=message, progress=(update.cached, update.total))
 
     def _close_session(self, wait: bool = True) -> None:
         """Free the session on the verifier (a soft cache: failing to is harmless)."""
@@ -768,7 +785,7 @@ def shadow_rule(cfg: EdgeConfig) -> bool:
     return cfg.sampling.greedy or cfg.resolved_mode in SHADOW_SAMPLED_MODES
 
 
-def _waits(tokens: Iterator[int]) -> Iterator[tuple[int, float]]:
+def _waits(tokens: Iterator[int | Event]) -> Iterator[tuple[int | Event, float]]:
     """Each token with the seconds the edge waited for it (next to nothing: it was already waiting)."""
     while True:
         asked = time.perf_counter()

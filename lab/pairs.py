@@ -8,9 +8,11 @@ a GPU? Measured here, then predicted with the edge's own speed-up model (edge/po
    and its greedy continuation of every prompt.
 3. The drafter as the edge runs it (edge/drafters.py): greedy rounds of γmax drafts along each
    continuation, each round starting after the tokens the last one got accepted, give the acceptance
-   α_j at each draft position (counted as the edge counts it, edge/estimates.py `observe_round`); and
-   its costs d(k): drafting one token after k new ones (a round's first draft feeds the tokens the
-   last round committed in one pass, its later drafts one token each).
+   α_j at each draft position (counted as the edge counts it, edge/estimates.py `observe_round`), the
+   drafts accepted per round, and the per-token agreement over every position checked (distill's α,
+   overall and per prompt: α_1 is lower, since a round mostly starts right after a rejection, and
+   misses come in runs); and its costs d(k): drafting one token after k new ones (a round's first
+   draft feeds the tokens the last round committed in one pass, its later drafts one token each).
 4. The predictions: edge/policy.py's rate of hybrid decoding at the γ it would choose over cloud-only's
    1/T, with these α, a verify round costing rtt + t(γ + 1), T = t(1), and the drafter's time per
    drafted token t_d(γ) = (d(E(γ)) + (γ − 1)·d(1)) / γ: what the edge measures at that γ (a block's
@@ -28,7 +30,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..cloud.core.limits import VerifierLimits
@@ -129,7 +131,7 @@ def check(cfg: PairCheckConfig, progress: Callable[[str, int], Callable[[], None
     # 3. The drafter as the edge drafts: rounds of γmax along the target's text.
     drafter = _drafter(drafter_spec, target.vocab_size, frozenset(eos), cfg)
     step = progress("drafter: rounds", sum(len(t) for t in texts))
-    counts = _rounds(drafter, ids, texts, cfg.max_draft, step)
+    counts = draft_rounds(drafter, ids, texts, cfg.max_draft, step)
     alphas = counts.alphas(cfg.max_draft)
     step = progress("drafter: costs", 1)
     d_ms = _draft_costs(drafter, ids, texts, sizes)
@@ -145,7 +147,9 @@ def check(cfg: PairCheckConfig, progress: Callable[[str, int], Callable[[], None
                      "target_parameters": target_files.parameters, "notes": list(fit.notes)},
             "prompts": len(prompts), "target_tokens": sum(len(t) for t in texts), "rounds": counts.rounds,
             "acceptance": {"by_position": [round(a, 3) for a in alphas[:cfg.max_draft]],
-                           "checked": counts.tries[:cfg.max_draft], "mean_accepted": round(counts.mean_accepted, 3)},
+                           "checked": counts.tries[:cfg.max_draft], "mean_accepted": round(counts.mean_accepted, 3),
+                           "agreement": round(counts.agreement, 3),
+                           "per_prompt": [round(a, 3) for a in counts.prompt_agreement]},
             "drafter_ms": list(d_ms), "target_pass_ms": list(t_ms), "c": round(d_ms[0] / t_ms[0], 3),
             "rtt_ms": cfg.rtt_ms,
             "here": asdict(here), "gpu": asdict(gpu) if gpu else None,
@@ -223,12 +227,14 @@ def shape_parameters(shape: dict) -> int:
 @dataclass
 class RoundCounts:
     """Greedy rounds along the target's text: per draft position, drafts checked and accepted (the
-    edge's α_j without its prior and decay)."""
+    edge's α_j without its prior and decay), and per prompt, drafts checked and accepted at any position."""
 
     tries: list[int]
     hits: list[int]
     rounds: int = 0
     accepted: int = 0
+    prompt_tries: list[int] = field(default_factory=list)
+    prompt_hits: list[int] = field(default_factory=list)
 
     def alphas(self, max_draft: int) -> list[float]:
         """α_1..α_{γmax + 1}: a position never reached takes the one before it (the bonus guess of a
@@ -244,25 +250,46 @@ class RoundCounts:
         """Drafts accepted per round."""
         return self.accepted / max(1, self.rounds)
 
+    @property
+    def agreement(self) -> float:
+        """Per token: of the text's positions the rounds checked, the share where the draft was the
+        target's token. Along an accepted run the drafter's context is the target's text, so this is
+        distill's greedy acceptance α (distill/evaluate.py) over the same positions."""
+        return sum(self.hits) / max(1, sum(self.tries))
 
-def _rounds(drafter, prompts: list[list[int]], texts: list[list[int]], max_draft: int, step) -> RoundCounts:
-    """Draft γmax after each round's committed text and count what the target's text accepts."""
+    @property
+    def prompt_agreement(self) -> list[float]:
+        """`agreement` of each prompt's text."""
+        return [h / max(1, t) for h, t in zip(self.prompt_hits, self.prompt_tries)]
+
+
+def draft_rounds(drafter, prompts: list[list[int]], texts: list[list[int]], max_draft: int,
+                 step: Callable[[], None] | None = None) -> RoundCounts:
+    """Greedy rounds along each target text as the edge runs them: draft up to `max_draft` after the
+    committed text, count what the text accepts, commit the accepted drafts and the target's next token.
+    The text's last token is never drafted: it is the verifier's, as the last of a generation's budget
+    is (edge/generation.py), so a draft is only ever checked against a token the target wrote; these
+    are then exactly distill's rounds replayed from teacher-forced flags (distill/evaluate.py `replay`)."""
+    step = step or (lambda: None)
     counts = RoundCounts([0] * max_draft, [0] * max_draft)
     for prompt, text in zip(prompts, texts):
-        done = 0
+        done = tries = hits = 0
         while done < len(text):
-            drafts = drafter.propose(prompt + text[:done], max_draft, fallback=False).ids
-            kept = next((j for j, (a, b) in enumerate(zip(drafts, text[done:])) if a != b),
-                        min(len(drafts), len(text) - done))
-            for j in range(min(kept + 1, len(drafts))):
+            block = min(max_draft, len(text) - done - 1)
+            drafts = drafter.propose(prompt + text[:done], block, fallback=False).ids if block else []
+            kept = next((j for j, (a, b) in enumerate(zip(drafts, text[done:])) if a != b), len(drafts))
+            checked = min(kept + 1, len(drafts))
+            for j in range(checked):
                 counts.tries[j] += 1
                 counts.hits[j] += j < kept
             counts.rounds += 1
             counts.accepted += kept
-            advance = min(kept + 1, len(text) - done)
-            done += advance
-            for _ in range(advance):
+            tries, hits = tries + checked, hits + kept
+            done += kept + 1
+            for _ in range(kept + 1):
                 step()
+        counts.prompt_tries.append(tries)
+        counts.prompt_hits.append(hits)
     return counts
 
 

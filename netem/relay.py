@@ -2,7 +2,9 @@
 
 Edges connect to `listen`; every connection is relayed to `upstream` through two shaped pipes. It
 works with any TCP protocol, gRPC over HTTP/2 included, unmodified. `set_down(True)` emulates an
-outage: open connections are cut and new ones refused until `set_down(False)`.
+outage: open connections are cut and new ones refused until `set_down(False)`. The relay reads the
+time and waits through its `Timing`: the real clock, or a test's virtual one, which shows the schedule
+the relay kept whatever the machine's load.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import contextlib
 import random
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .shaping import LinkSpec, Shaper
@@ -28,6 +31,14 @@ class LinkCounters:
     down_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Where the relay reads the time (seconds) and how it waits until a chunk's release time."""
+
+    now: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+
 @dataclass
 class _Pipe:
     """One shaped direction of one connection."""
@@ -39,8 +50,10 @@ class _Pipe:
 class LinkEmulator:
     """The relay; start() binds, stop() closes everything."""
 
-    def __init__(self, spec: LinkSpec, upstream: str, listen: str = "127.0.0.1:0", seed: int | None = None) -> None:
+    def __init__(self, spec: LinkSpec, upstream: str, listen: str = "127.0.0.1:0", seed: int | None = None,
+                 timing: Timing = Timing()) -> None:
         self.spec = spec
+        self.timing = timing
         self.upstream = split_address(upstream)
         self.listen = split_address(listen)
         self.counters = LinkCounters()
@@ -49,7 +62,7 @@ class LinkEmulator:
         self._tasks: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._down = False
-        self._origin = time.monotonic()
+        self._origin = timing.now()
         self.address = ""
 
     async def start(self) -> str:
@@ -115,7 +128,7 @@ class LinkEmulator:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(CHUNK):
                 setattr(self.counters, counter, getattr(self.counters, counter) + len(data))
-                pipe.queue.put_nowait((pipe.shaper.release_time(time.monotonic(), len(data)), data))
+                pipe.queue.put_nowait((pipe.shaper.release_time(self.timing.now(), len(data)), data))
         pipe.queue.put_nowait((0.0, b""))  # end of stream
 
     async def _write(self, pipe: _Pipe, writer: asyncio.StreamWriter) -> None:
@@ -127,9 +140,9 @@ class LinkEmulator:
                     if writer.can_write_eof():
                         writer.write_eof()
                     return
-                wait = release - time.monotonic()
+                wait = release - self.timing.now()
                 if wait > 0:
-                    await asyncio.sleep(wait)
+                    await self.timing.sleep(wait)
                 writer.write(data)
                 await writer.drain()
 
@@ -137,11 +150,12 @@ class LinkEmulator:
 class BackgroundLink:
     """A LinkEmulator on its own event-loop thread, for synchronous code (tests, experiments)."""
 
-    def __init__(self, spec: LinkSpec, upstream: str, listen: str = "127.0.0.1:0", seed: int | None = None) -> None:
+    def __init__(self, spec: LinkSpec, upstream: str, listen: str = "127.0.0.1:0", seed: int | None = None,
+                 timing: Timing = Timing()) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="netem")
         self._thread.start()
-        self.link = LinkEmulator(spec, upstream, listen, seed)
+        self.link = LinkEmulator(spec, upstream, listen, seed, timing)
         self.address = self._call(self.link.start())
 
     def _call(self, coro):

@@ -3,7 +3,7 @@
 # at most 6 minutes, on a lent GPU machine that has torch, Triton, transformers and grpcio but no registry,
 # no Ray and no llama-cpp-python. Run from the repository's root there:
 #     HYBRIDSPEC_COMMIT=<commit> bash scripts/gpu_run.sh "$OUT" [more bench/gpu_suite.py flags]
-# Wheels in .whl/ (protobuf, grpcio-health-checking, grpcio-reflection, grpcio of one version; see
+# Wheels in .whl/ (protobuf, grpcio with its health-checking, reflection and status packages; see
 # docs/gpu.md) are installed into /tmp/site first. The repository's root is linked as the `hybridspec`
 # package (it is one: cloud/, edge/, common/ ... sit at the root). Writes OUT/results.{json,md,png} and
 # OUT/log.txt.

@@ -4,6 +4,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -16,7 +19,7 @@ from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.loading import LoadedModel, load_model
 
-from hybridspec.lab.tinymodels import make_model, save_model
+from tinymodels import make_model, save_model
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -83,6 +86,24 @@ def started(verifier: Verifier):
         asyncio.run(verifier.stop())
 
 
+T = TypeVar("T")
+# A bounded wait's deadline, for an event that comes within a second or two on a quiet machine: generous,
+# so that load never fails a test that would pass, while an event that never comes still fails it.
+EVENT_TIMEOUT_S = 60.0
+REPLICA_RESTART_S = 120.0  # Ray restarting a killed replica, and the pool counting it alive again
+
+
+def eventually(condition: Callable[[], T], what: str, timeout_s: float = EVENT_TIMEOUT_S, poll_s: float = 0.02) -> T:
+    """Poll `condition` until it returns something true, and return that; fail naming `what` (the event
+    waited for) if it has not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s", pytrace=False)
+        time.sleep(poll_s)
+    return value
+
+
 def require_embedded() -> None:
     """Fail, naming the fix, when the embedded models are missing: `make test` pulls them first, so a
     test of the real model that silently skipped would hide a broken pull. Without them, deselect
@@ -94,6 +115,10 @@ def require_embedded() -> None:
         pytest.fail(f"embedded models not pulled into {models_home()}: run `make models` "
                     "(or deselect these tests with -m 'not embedded')", pytrace=False)
 
+
+# A target `cloud serve` cannot load: a check it makes before loading the model fails with its own
+# message, while one made after (or a start that loads the model first) fails on the target instead.
+UNLOADABLE = "/nonexistent/hybridspec-target"
 
 LLAMA_CAPACITY = 4096  # the llama.cpp engine fixture's cache: four sessions' streams of 1,024 tokens
 

@@ -13,7 +13,7 @@ from hybridspec.common.models.loading import load_model
 
 from conftest import require_embedded
 
-pytestmark = pytest.mark.embedded
+pytestmark = [pytest.mark.embedded, pytest.mark.slow]  # slow: every test reads the embedded GGUF and writes checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ def test_missing_default_model_says_how_to_get_it():
     assert_one_line_error(r, "hybridspec models pull")
 
 
+@pytest.mark.slow
 def test_missing_model_path():
     r = hybridspec("cloud", "serve", "--target", "/no/such/model")
     assert_one_line_error(r, "/no/such/model")
@@ -67,8 +68,9 @@ def served(model_dirs):
         proc.kill()
 
 
+@pytest.mark.slow
 def test_generate_json(served, model_dirs, target):
-    from hybridspec.lab.tinymodels import greedy_reference
+    from tinymodels import greedy_reference
 
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
@@ -84,8 +86,9 @@ def test_generate_json(served, model_dirs, target):
     assert out["stats"]["rounds"] >= 4
 
 
+@pytest.mark.slow
 def test_generate_cloud_only_baseline(served, model_dirs, target):
-    from hybridspec.lab.tinymodels import greedy_reference
+    from tinymodels import greedy_reference
 
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
@@ -96,18 +99,21 @@ def test_generate_cloud_only_baseline(served, model_dirs, target):
     assert "decoded by the cloud alone" in r.stderr and "acceptance" not in r.stderr
 
 
+@pytest.mark.slow
 def test_mismatched_tokenizer_is_refused(served, model_dirs):
     _, address = served
     r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "v5", "--drafter", str(model_dirs["alien"]))
     assert_one_line_error(r, "tokenizer")
 
 
+@pytest.mark.slow
 def test_sigterm_drains_and_exits_zero(served):
     proc, _ = served
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs, tmp_path):
     """The default backend: a real local Ray cluster with one replica, started and stopped by the CLI."""
     import re
@@ -142,6 +148,7 @@ def test_cloud_serve_with_a_ray_pool_serves_metrics_and_drains(model_dirs, tmp_p
             proc.kill()
 
 
+@pytest.mark.slow
 def test_cloud_serve_ray_listens_on_loopback_and_leaves_no_process_behind(model_dirs):
     """Regression: Ray's ports listened on every interface, and a killed front door left two Ray
     agents running (holding their ports for about a minute)."""

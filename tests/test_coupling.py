@@ -17,7 +17,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 from test_verification import FALSE_ALARM, cases, p_value
-from hybridspec.lab.tinymodels import EVERY_ROUND
+from tinymodels import EVERY_ROUND
 
 U64 = (1 << 64) - 1
 
@@ -70,6 +70,7 @@ def test_noise_is_standard_gumbel():
     assert abs(g.mean() - 0.5772156649) < 0.01  # Euler–Mascheroni: the Gumbel mean
 
 
+@pytest.mark.slow
 def test_gumbel_max_draws_are_independent_across_positions_and_seeds():
     """The joint of the draws at two positions over many seeds is the product of the marginals."""
     p0, p1 = torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1])
@@ -132,6 +133,7 @@ def coupled_emitted(q, p, seeds, position=20):
     return counts, accepted / (seeds * gamma)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(cases()))
 def test_coupled_output_is_distributed_as_p(name):
     q, p = cases()[name]
@@ -146,6 +148,7 @@ def test_coupled_output_is_distributed_as_p(name):
         assert acceptance == 0.0
 
 
+@pytest.mark.slow
 def test_the_distribution_test_catches_emitting_the_draft():
     """Power check: a rule that emits the draft token at a mismatch (instead of the target's draw) is
     biased towards q, and the test above would see it."""
@@ -163,6 +166,7 @@ def test_the_distribution_test_catches_emitting_the_draft():
     assert p_value(counts, p[0]) < FALSE_ALARM
 
 
+@pytest.mark.slow
 def test_coupled_agrees_more_the_closer_q_is_to_p():
     _, p = cases()["random q"]
     near = torch.softmax(torch.log(p[:2]) + 0.1 * torch.randn(2, 6, generator=torch.Generator().manual_seed(1)), -1)
@@ -170,6 +174,7 @@ def test_coupled_agrees_more_the_closer_q_is_to_p():
     assert coupled_emitted(near, p, 3000)[1] > coupled_emitted(far, p, 3000)[1] + 0.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(cases()))
 def test_coupled_agreement_bounds_speculative_acceptance_from_below(name):
     """What shadow drafting measures when sampling (docs/edge.md): the coupled draws of q and p agree
@@ -233,6 +238,7 @@ def test_top_k_and_top_p_keep_one_text_per_seed(server, target, random_drafter):
     assert run(server, random_drafter, **EVERY_ROUND, max_draft=5, **cfg) == want
 
 
+@pytest.mark.slow
 def test_coupled_is_distributed_as_the_target_end_to_end(server, target):
     """Over seeds, the first two tokens through a real verifier follow the target's joint distribution.
 

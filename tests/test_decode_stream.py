@@ -15,7 +15,7 @@ from hybridspec.common.protocol.errors import FailedPrecondition, Unavailable
 from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.edge.client import VerifierClient
 
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 LIMITS = VerifierLimits(max_context=512, max_draft=8, max_sessions=8)
@@ -149,6 +149,7 @@ def stream_pool(ray_cluster, model_dirs):
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_client_leaving_early_stops_the_replicas_stream(stream_pool):
     server, pool = stream_pool
     with VerifierClient(server.address) as client:
@@ -161,6 +162,7 @@ def test_a_client_leaving_early_stops_the_replicas_stream(stream_pool):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_stream_is_recovered_from_the_tokens_so_far(stream_pool, target):
     server, pool = stream_pool
     new_tokens = 400  # long enough that the kill lands mid-stream

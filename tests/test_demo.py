@@ -9,6 +9,7 @@ from conftest import require_embedded
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_the_demo_times_both_strategies_in_turns_and_prints_an_interval(tmp_path):
     require_embedded()
     saved = tmp_path / "demo.json"

@@ -7,18 +7,19 @@ import pytest
 import ray
 
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.cloud.pool.ray_pool import RayPool
+from hybridspec.cloud.pool.ray_pool import ACTOR, RayPool, RayReplica
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol import codec
+from hybridspec.common.protocol.wire import SessionSpec
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [7, 19, 40, 81]
 NEW_TOKENS = 20
@@ -53,6 +54,7 @@ def edge_config(address):
     return EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0, **EVERY_ROUND)
 
 
+@pytest.mark.slow
 def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_pool, target, random_drafter):
     server, pool = direct_pool
     assert all(r.verify_address.startswith("127.0.0.1:") for r in pool.replicas.values())
@@ -71,6 +73,7 @@ def test_rounds_skip_the_front_door_and_give_the_target_greedy_output(direct_poo
     assert server.running.metrics.drafts._value.get() - rounds_before >= 2 * NEW_TOKENS / 4
 
 
+@pytest.mark.slow
 def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(direct_pool):
     server, pool = direct_pool
     with grpc.insecure_channel(server.address) as front:
@@ -114,6 +117,7 @@ def test_a_replica_endpoint_serves_only_its_own_sessions_with_clean_statuses(dir
     refused(owner.verify_address, second, grpc.StatusCode.FAILED_PRECONDITION)
 
 
+@pytest.mark.slow
 def test_features_travel_through_the_pool_and_the_replica_endpoint(direct_pool, target):
     """Asked-for features survive the Ray hop (open) and the replica's own endpoint (rounds), and count."""
     server, _ = direct_pool
@@ -135,6 +139,7 @@ def test_features_travel_through_the_pool_and_the_replica_endpoint(direct_pool, 
     assert server.running.metrics.feature_bytes._value.get() - bytes_before == sum(b.nbytes for b in blocks)
 
 
+@pytest.mark.slow
 def test_a_killed_replica_sends_the_edge_back_to_the_front_door(direct_pool, target, random_drafter):
     server, pool = direct_pool
     with VerifierClient(server.address) as client:
@@ -184,6 +189,7 @@ def count_front_door_decodes(pool):
     return calls, lambda: vars(pool).pop("adecode")
 
 
+@pytest.mark.slow
 def test_cloud_only_tokens_come_straight_from_the_replica(direct_pool, target):
     """Issue "serve real conversations": cloud-only tokens crossed the front door and Ray one by one;
     now the edge opens the stream's session at the front door and decodes on its replica's endpoint."""
@@ -210,6 +216,7 @@ def wait_for_replicas(pool, timeout_s=60.0):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_decode_stream_serves_only_a_session_its_replica_holds(direct_pool):
     server, pool = direct_pool
     wait_for_replicas(pool)
@@ -235,6 +242,7 @@ def test_a_decode_stream_serves_only_a_session_its_replica_holds(direct_pool):
         stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
 
 
+@pytest.mark.slow
 def test_a_killed_replica_mid_stream_is_recovered_at_the_front_door(direct_pool, target):
     server, pool = direct_pool
     with VerifierClient(server.address) as client:
@@ -253,3 +261,27 @@ def test_a_killed_replica_mid_stream_is_recovered_at_the_front_door(direct_pool,
         gen = EdgeWorker(target, client, config).generate(PROMPT)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW_TOKENS)
     assert gen.stats.reopens >= 1 and killed
+
+
+
+def test_a_replica_ray_restarted_unseen_serves_at_its_new_endpoint(direct_pool, model_dirs):
+    """CI found it: a replica killed while no call of the pool reached it is restarted by Ray and the
+    pool never hears of it, so nobody calls the new actor's `ready`. Its first open must still start it
+    (model thread, endpoint) and name its new endpoint, and the pool must learn that address."""
+    server, pool = direct_pool
+    spec = PoolSpec(ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
+                                VerifierLimits(max_context=512, max_draft=16, max_sessions=8)),
+                    PoolSettings(replicas=1, replica_num_cpus=0.25), name="unseen")
+    replica = RayReplica("unseen-replica", spec, ReplicaEndpoint("127.0.0.1"))
+    replica.handle = ACTOR.options(num_cpus=0.25).remote(spec.replica, replica.endpoint)  # as Ray restarts it
+    replica.alive, replica.address = True, "127.0.0.1:1"  # what the pool believes: the dead actor's endpoint
+    try:
+        opened = server.call(replica.aopen_session(SessionSpec("s", (5, 6))))
+        assert opened.verify_address not in ("", "127.0.0.1:1")
+        assert replica.verify_address == opened.verify_address
+        with grpc.insecure_channel(opened.verify_address) as channel:
+            replies = list(pb_grpc.VerifierStub(channel).VerifyStream(iter([
+                pb.VerifyRequest(session_id="s", round=0, committed_len=2)]), timeout=60))
+        assert [r.committed_len for r in replies] == [3]
+    finally:
+        ray.kill(replica.handle, no_restart=True)

@@ -72,7 +72,7 @@ def test_pair_check(files):
 
 
 def test_the_error_line_the_page_quotes(files):
-    from hybridspec.lab.tinymodels import save_gguf
+    from tinymodels import save_gguf
 
     (files["root"] / "other").mkdir()
     other = save_gguf(files["root"] / "other" / "other.gguf")

@@ -7,7 +7,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.generation import Origin
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPTS = [[7], [5, 17, 33, 80], [9, 200, 31, 31, 64, 12, 100, 8, 41, 77, 5, 190, 6]]
 NEW_TOKENS = 24
@@ -30,6 +30,7 @@ def test_drafter_that_always_agrees(server, target, gamma, pipeline):
         assert Origin.CORRECTED not in gen.origins
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 @pytest.mark.parametrize("gamma", range(1, 9))
 def test_drafter_that_never_agrees(server, target, random_drafter, gamma, pipeline):

@@ -5,7 +5,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND
+from tinymodels import EVERY_ROUND
 
 PROMPT = [5, 17, 33, 80]
 

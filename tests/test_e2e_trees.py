@@ -9,7 +9,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.generation import Origin
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference, make_model, save_model
+from tinymodels import EVERY_ROUND, greedy_reference, make_model, save_model
 
 PROMPTS = [[7], [5, 17, 33, 80], [9, 200, 31, 31, 64, 12, 100, 8, 41, 77, 5, 190, 6]]
 NEW_TOKENS = 24
@@ -23,6 +23,7 @@ def run(server, drafter, prompts=PROMPTS, **cfg):
         return [worker.generate(p) for p in prompts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes, top_k, depth", [(4, 2, 3), (8, 4, 4), (16, 4, 8)])
 @pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
 def test_greedy_trees_give_the_targets_text(server, target, random_drafter, nodes, top_k, depth, pipeline):

@@ -23,7 +23,7 @@ from hybridspec.edge.eagle import EagleDrafter, FeatureLog
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.lab.baselines import colocated
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, VOCAB, greedy_reference
+from tinymodels import EVERY_ROUND, VOCAB, greedy_reference
 
 PROMPT = [5, 17, 33, 80, 41, 9]
 
@@ -116,6 +116,7 @@ def test_greedy_output_is_the_targets_over_grpc(server, target, eagle, chat_prom
     assert not [e for e in events if e.message and "features" in e.message]  # never fell back
 
 
+@pytest.mark.slow
 def test_sampling_with_the_eagle_drafter_is_distributed_as_the_target(target, eagle, chat_prompt):
     """The first token of sampled generations (drafted from features, then accepted or corrected) is
     distributed as the target's p: the q the edge sends is exactly what it sampled from."""

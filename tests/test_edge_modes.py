@@ -1,6 +1,5 @@
 """The edge worker's modes over real gRPC: adaptive γ, cloud-only hand-over, offline and recovery,
 pipelining, and the event stream. Every output must still be the target's own greedy decoding."""
-import threading
 import time
 
 import pytest
@@ -11,12 +10,13 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.controller import WARMUP_CLOUD_TOKENS, Controller
 from hybridspec.edge.drafter import ModelDrafter
+from hybridspec.edge.estimates import Estimates
 from hybridspec.edge.generation import EventKind, Generation, Origin
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
 
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW = 40
@@ -69,18 +69,28 @@ def link(server):
         yield link
 
 
-def _cut_during_round(client, link, at_round: int, outage_s: float):
-    """Cut the link just before the at_round-th round is sent; restore it outage_s later."""
+def _cut_during_round(client, link, at_round: int):
+    """Cut the link just before the at_round-th round is sent."""
     original, calls = client.submit, {"n": 0}
 
     def submit(block):
         calls["n"] += 1
         if calls["n"] == at_round:
             link.set_down(True)
-            threading.Timer(outage_s, link.set_down, args=(False,)).start()
         return original(block)
 
     client.submit = submit
+
+
+def _restored_after_offline_tokens(gen, link, offline: int = 2) -> list:
+    """The generation's events, the link restored once it has drafted `offline` tokens alone: the
+    outage lasts until the edge has worked through it, however fast or slow this machine is."""
+    events = []
+    for event in gen:
+        events.append(event)
+        if sum(e.kind is EventKind.UNVERIFIED for e in events) == offline:
+            link.set_down(False)
+    return events
 
 
 @pytest.mark.parametrize("drafter_name", ["target", "random"])
@@ -91,9 +101,9 @@ def test_offline_tokens_are_verified_when_the_cloud_returns(link, target, random
                            reconnect_s=0.2)
     with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(drafter, client, config)
-        _cut_during_round(client, link, at_round=3, outage_s=1.0)
+        _cut_during_round(client, link, at_round=3)
         gen = worker.stream(PROMPT)
-        events = list(gen)
+        events = _restored_after_offline_tokens(gen, link)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
     assert Origin.UNVERIFIED not in gen.origins, (gen.stats, [e for e in events if e.kind is not EventKind.UNVERIFIED])
     assert gen.stats.offline_tokens > 0
@@ -109,7 +119,7 @@ def test_without_allow_unverified_an_outage_is_a_clear_error(link, target):
                            cloud_only_switch=False, timeout_s=3)
     with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
-        _cut_during_round(client, link, at_round=2, outage_s=2.0)
+        _cut_during_round(client, link, at_round=2)  # and never restored
         # A reset stream says "unreachable"; on a loaded machine the reply timeout may fire first.
         gen = worker.stream(PROMPT)
         with pytest.raises(Unavailable, match="unreachable|did not answer within"):
@@ -127,11 +137,11 @@ def test_allow_unverified_works_when_the_cloud_is_down_at_start(link, target):
                            gamma_policy="fixed", cloud_only_switch=False, allow_unverified=True, timeout_s=5,
                            reconnect_s=0.2)
     link.set_down(True)
-    threading.Timer(1.0, link.set_down, args=(False,)).start()
     with VerifierClient(link.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
         assert not worker.connected
-        gen = worker.generate(PROMPT)
+        gen = worker.stream(PROMPT)
+        _restored_after_offline_tokens(gen, link)
     assert gen.token_ids == greedy_reference(target, PROMPT, NEW)
     assert gen.stats.offline_tokens > 0 and gen.stats.unverified == 0 and worker.connected
 
@@ -197,7 +207,7 @@ def test_shadow_drafting_measures_the_drafters_time(server, target):
         worker = EdgeWorker(target, client, config)
         gen = worker.generate(PROMPT)
     assert gen.stats.rounds == 0 and gen.stats.cloud_only_tokens == 12
-    assert worker.estimates.draft_s.value is not None and worker.estimates.draft_s.value < 1.0
+    assert worker.estimates.draft_s.value is not None  # measured: no longer the default
 
 
 def test_shadow_drafting_measures_where_the_clouds_tokens_rank(server, target):
@@ -214,22 +224,31 @@ def test_shadow_drafting_measures_where_the_clouds_tokens_rank(server, target):
     assert gen.stats.shadow_guesses > 0 and worker.estimates.ranks[0] > prior
 
 
-def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(server, target):
+def test_a_cloud_only_stream_prices_a_switch_by_its_wait_for_the_first_token(server, target, monkeypatch):
     """Regression: until a session had been opened, a switch to hybrid was priced at one round trip,
     without the prefill. With 8 edges on one replica, two edges switched after their warm-up and
     then waited 3 s for their session's prefill behind the others' prompts. A cloud-only stream's
-    wait for its first token is the same round trip and prefill, queue included."""
+    wait for its first token is the same round trip and prefill, queue included: it is observed once,
+    for the whole prompt, when that token arrives (before it is handed on)."""
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=12, max_draft=4)  # a new worker warms up cloud-only
+    committed, observed = [], []
+    observe_open = Estimates.observe_open
+
+    def recording(self, seconds, context_tokens):
+        observed.append((context_tokens, len(committed)))
+        observe_open(self, seconds, context_tokens)
+
+    monkeypatch.setattr(Estimates, "observe_open", recording)
     with VerifierClient(server.address, timeout_s=config.link.timeout_s) as client:
         worker = EdgeWorker(target, client, config)
-        started = time.perf_counter()
         run = worker.stream(PROMPT)
-        first_wait = next(time.perf_counter() - started for e in run if e.kind is EventKind.COMMIT)
-        list(run)
+        for event in run:
+            if event.kind is EventKind.COMMIT:
+                committed.extend(event.tokens)
     assert run.stats.rounds == 0 and run.stats.reopens == 0
+    assert observed == [(len(PROMPT), 0)]
     per_token = worker.estimates.prefill_per_token_s.value
     assert per_token is not None, "no session was opened, and the stream's first token priced nothing"
-    assert 0 <= per_token * len(PROMPT) <= first_wait
     assert worker.estimates.switch_cost_s(100) >= 100 * per_token
 
 

@@ -10,7 +10,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW = 16

@@ -16,7 +16,7 @@ from hybridspec.edge.worker import EdgeWorker
 
 from conftest import require_embedded
 
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW = 40

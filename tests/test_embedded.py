@@ -12,7 +12,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 pytestmark = pytest.mark.embedded
 
@@ -23,6 +23,7 @@ def target():
     return load_model(default_paths()["target"], device="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["plain", "eagle"])
 def test_embedded_pair_is_lossless_over_grpc(target, role):
     drafter = load_model(default_paths()[role], device="cpu")
@@ -42,6 +43,7 @@ def test_embedded_pair_is_lossless_over_grpc(target, role):
     assert "Paris" in gen.text
 
 
+@pytest.mark.slow
 def test_the_reported_vanishing_repetition_penalty_is_served(target):
     """The fuzzer's request (issue: INTERNAL on a setting the server accepts), on the real model."""
     import grpc

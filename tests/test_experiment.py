@@ -17,7 +17,7 @@ from hybridspec.lab.rows import read_rows
 from hybridspec.lab.runner import run_experiment
 from hybridspec.lab.spec import load_spec
 from hybridspec.lab.stats import crossing, mean_ci, t_quantile
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
 
@@ -40,6 +40,7 @@ def smoke(model_dirs, tmp_path_factory):
     return path, out
 
 
+@pytest.mark.slow
 def test_every_strategy_ran_and_greedy_rows_match_the_independent_reference(smoke, target):
     _, out = smoke
     rows = read_rows(out)
@@ -59,12 +60,12 @@ def test_every_strategy_ran_and_greedy_rows_match_the_independent_reference(smok
     assert json.loads((out / "meta.json").read_text())["versions"]["torch"]
 
 
+@pytest.mark.slow
 def test_rows_carry_what_the_edge_measured_and_one_trace_per_strategy_and_point(smoke):
     _, out = smoke
     linked = [r for r in read_rows(out) if r["kind"] in ("hybrid", "cloud_only")]
-    assert all(r["ttft_s"] > 0 and r["measured_rtt_ms"] > 0 for r in linked)
-    slow = [r for r in linked if r["rtt_ms"] == 40 and r["strategy"] == "cloud-only"]
-    assert slow and all(r["measured_rtt_ms"] >= 35 for r in slow)  # the emulated 40 ms, as the edge saw it
+    assert all(r["ttft_s"] > 0 and r["measured_rtt_ms"] > 0 for r in linked)  # filled in (that they
+    # crossed the link: test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool)
     assert any(r.get("step_ms_p50") for r in linked)
     assert all(r["step_ms_p95"] >= r["step_ms_p50"] for r in linked if r.get("step_ms_p50"))
     traces = list((out / "traces").glob("*.jsonl"))
@@ -72,6 +73,7 @@ def test_rows_carry_what_the_edge_measured_and_one_trace_per_strategy_and_point(
                           for t in traces)
 
 
+@pytest.mark.slow
 def test_strategies_take_turns_on_each_prompt_over_the_link(smoke):
     """Over a link, every strategy runs a prompt before any runs the next one, so drift between
     strategies cannot pose as a speed-up; the order rotates, so none always goes first."""
@@ -87,6 +89,7 @@ def test_strategies_take_turns_on_each_prompt_over_the_link(smoke):
     assert len({names[0] for names in groups.values()}) > 1
 
 
+@pytest.mark.slow
 def test_smoke_varies_every_dimension_and_the_report_gives_each_value_its_panel(smoke):
     _, out = smoke
     rows = aggregate.ok_rows(read_rows(out))
@@ -103,6 +106,7 @@ def test_smoke_varies_every_dimension_and_the_report_gives_each_value_its_panel(
     assert summary.count("\n## ") == len(panels)
 
 
+@pytest.mark.slow
 def test_report_writes_non_empty_plots_and_a_summary(smoke):
     _, out = smoke
     pngs = {p.name: p for p in out.glob("*.png")}
@@ -113,6 +117,7 @@ def test_report_writes_non_empty_plots_and_a_summary(smoke):
     assert "| cloud-only | cloud_only |" in summary and "Greedy exactness" in summary
 
 
+@pytest.mark.slow
 def test_a_cloud_only_row_is_never_its_own_reference(smoke, model_dirs):
     """Regression: the first greedy cloud-only row became the reference, so it always matched itself."""
     from hybridspec.lab.runner import Lab
@@ -129,6 +134,7 @@ def test_a_cloud_only_row_is_never_its_own_reference(smoke, model_dirs):
     assert lab.references[0] == reference  # and the row did not become the reference either
 
 
+@pytest.mark.slow
 def test_a_rerun_resumes_instead_of_repeating(smoke):
     path, out = smoke
     before = len(read_rows(out))
@@ -267,6 +273,7 @@ def test_the_worst_prompts_interval_resamples_its_repeats_in_pairs():
     assert noisy.lo < noisy.value < 0.9 and noisy.hi > noisy.value
 
 
+@pytest.mark.slow
 def test_report_keeps_bandwidths_apart(tmp_path):
     """Regression: rows at different bandwidths were averaged together into one tokens/s per RTT."""
     from hybridspec.lab.report import report
@@ -285,23 +292,44 @@ def test_report_keeps_bandwidths_apart(tmp_path):
     assert "| hybrid | 0.50 [0.50, 0.50] |" in summary  # 5 / 10 at 1 Mbit/s; pooled it would read 17.5 / 15
 
 
-def test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool(model_dirs, tmp_path):
+@pytest.mark.slow
+def test_hybrid_rounds_cross_the_emulated_link_with_a_ray_pool(model_dirs, tmp_path, monkeypatch):
     """Regression: with the Ray pool's direct verify on (its default), an edge streamed its rounds to
-    the replica's own port and bypassed the emulated link: rows at RTT 60 ms measured about 2 ms."""
+    the replica's own port and bypassed the emulated link: rows at RTT 60 ms measured about 2 ms. Every
+    channel an edge opens, hybrid or cloud-only, must go to a link the runner started."""
+    from hybridspec.edge import client as client_module
+    from hybridspec.lab import runner
+
+    dialled, links = [], []
+    endpoint = client_module._Endpoint.__init__
+
+    def recording_endpoint(self, address, *args, **kwargs):
+        dialled.append(address)
+        endpoint(self, address, *args, **kwargs)
+
+    class RecordedLink(runner.BackgroundLink):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            links.append(self.address)
+
+    monkeypatch.setattr(client_module._Endpoint, "__init__", recording_endpoint)
+    monkeypatch.setattr(runner, "BackgroundLink", RecordedLink)
     spec = {"target": str(model_dirs["target"]), "drafter": str(model_dirs["target"]), "chat": False,
             "prompts": ["w5 w17 w33 w80"], "max_new_tokens": 12, "repeats": 1, "pin": False,
             "cloud": {"replica_num_cpus": 0.5}, "grid": {"rtt_ms": [60]},
             "strategies": [{"name": "fixed-g4", "kind": "hybrid",
                             "edge": {"gamma_policy": "fixed", "max_draft": 4, "fallback_threshold": 0.0,
-                                     "cloud_only_switch": False, "pipeline": False}}]}
+                                     "cloud_only_switch": False, "pipeline": False}},
+                           {"name": "cloud-only", "kind": "cloud_only"}]}
     path = tmp_path / "linked.yaml"
     path.write_text(yaml.safe_dump(spec))
-    (row,) = read_rows(run_experiment(load_spec(path), tmp_path / "out"))
-    assert "error" not in row, row.get("error")
-    assert row["measured_rtt_ms"] >= 50 and row["step_ms_p50"] >= 50, row
-    assert row["same_as_target"] is True
+    rows = read_rows(run_experiment(load_spec(path), tmp_path / "out"))
+    assert len(rows) == 2 and not [r.get("error") for r in rows if "error" in r]
+    assert all(r["same_as_target"] is True for r in rows)
+    assert dialled and set(dialled) <= set(links), (dialled, links)  # none to a replica's own port
 
 
+@pytest.mark.slow
 def test_edges_can_run_as_processes_of_their_own(model_dirs, tmp_path):
     """edge_processes: each concurrent edge slot is a process (N devices), kept across strategies and
     prompts; its rows are as exact as a thread's."""
@@ -336,6 +364,7 @@ def test_direct_verify_in_an_experiment_is_refused(tmp_path):
         load_spec(path)
 
 
+@pytest.mark.slow
 def test_the_cloud_and_every_prompt_are_warm_before_the_first_timed_generation_and_orders_rotate(
         model_dirs, tmp_path, monkeypatch):
     """Regression: the first generation after the cloud started paid its one-time costs (the first

@@ -15,7 +15,7 @@ from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, SessionOpened, SessionSpec,
                                     VerifyResult)
 
-from hybridspec.lab.tinymodels import VOCAB, greedy_reference
+from tinymodels import VOCAB, greedy_reference
 
 PROMPT = [7, 19, 40, 81, 100, 5, 33, 9]  # 7 context tokens: prefill chunks of 3, 3 and 1
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=16, prefill_chunk=3)

@@ -6,6 +6,7 @@ CI runs a few hundred derandomized cases; `bench/soak.py fuzz` runs 10^4 and mor
 import threading
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from hybridspec.cloud.pool.pool import inprocess_pool
@@ -15,13 +16,14 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.fuzzing import Fuzzer, calls
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from fuzzing import Fuzzer, calls
+from tinymodels import EVERY_ROUND, greedy_reference
 
 PROMPT = [5, 17, 33, 80]
 NEW_TOKENS = 16
 
 
+@pytest.mark.slow
 def test_every_rpc_survives_fuzzing_beside_an_honest_edge(target):
     backend = inprocess_pool(Verifier(target, VerifierLimits(max_context=512, max_draft=16, max_sessions=48),
                                       max_batch=16, max_wait_ms=5.0))

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path):
     out = tmp_path / "suite"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(out), "--device", "cpu",

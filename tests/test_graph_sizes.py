@@ -26,7 +26,7 @@ def test_a_verify_pass_of_64_sessions_pays_for_its_own_rows_not_the_512_row_grap
 
 
 def test_served_block_sizes_add_a_graph_for_every_batch_of_them():
-    sizes = graph_sizes(512, blocks=(5, 3), max_sessions=64)
+    sizes = graph_sizes(512, blocks=(5, 3), graph_sessions=64)
     assert all(padding_waste(b * 5, sizes) == 0.0 for b in range(1, 65) if b * 5 <= 512)
     assert all(padding_waste(b * 3, sizes) == 0.0 for b in range(1, 65))
     assert max(sizes) == 512

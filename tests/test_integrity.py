@@ -5,7 +5,6 @@ Each test names the defect it pins down; each failed on the code before the fix 
 import copy
 import re
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -25,7 +24,8 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from conftest import eventually
+from tinymodels import EVERY_ROUND, greedy_reference
 
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=32)
 POISON_TOKEN = 7  # the broken model's logit for this token is NaN
@@ -251,9 +251,12 @@ def test_routes_of_sessions_a_replica_expired_are_dropped(target):
             for _ in range(4):
                 stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
             assert len(backend.table) == 4
-            time.sleep(1.5)
-            srv.call(srv.running.refresh_metrics())
-            assert len(backend.table) == 0
+
+            def dropped() -> bool:
+                srv.call(srv.running.refresh_metrics())  # the front door asks its replica what it holds
+                return len(backend.table) == 0
+
+            eventually(dropped, "the routes of the sessions the replica expired (idle for 1 s) dropped")
             for _ in range(4):  # the client's count went with them: it has its 4 slots back
                 stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
     finally:
@@ -329,14 +332,13 @@ def test_a_refused_message_ends_its_stream_at_once_after_the_answered_rounds(ser
                 yield from messages
                 held.wait(30)
 
-            started = time.perf_counter()
             call = stream(requests(), timeout=30)
             replies = []
             with pytest.raises(grpc.RpcError) as info:
                 for reply in call:
                     replies.append(reply)
             held.set()
-            assert time.perf_counter() - started < 5
+            # At once: a stream left waiting for the client to half-close ends at the deadline instead.
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "committed_len 42" in info.value.details()
             assert [r.round for r in replies] == [0]
             # Both sessions go on from where the answered round left them.

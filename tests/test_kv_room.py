@@ -5,7 +5,8 @@ import pytest
 
 from conftest import random_ids, require_embedded
 from hybridspec.cloud.core.passes import opening_sessions, split_rounds
-from hybridspec.cloud.core.session import Session
+from hybridspec.cloud.core import session as session_module
+from hybridspec.cloud.core.session import Session, SessionStore
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Capabilities
 from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
@@ -51,6 +52,7 @@ def test_a_pass_carries_at_most_the_engines_sessions_and_keeps_one_for_a_prompt(
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_llamacpp_sessions_beyond_the_streams_are_served_and_parked_exactly():
     """Two streams, three live sessions and a new one: every round is answered (the third waits for
     the pass after), idle sessions are parked and restored, and each session's tokens equal those it
@@ -84,3 +86,26 @@ def test_llamacpp_sessions_beyond_the_streams_are_served_and_parked_exactly():
         for block, result in zip(blocks, shared.verify_batch(blocks)):
             got[block.session_id].append(result.next_token)
     assert got == alone and engine.restores >= 4
+
+
+def test_idle_sessions_expire_in_order_of_last_use_and_a_slow_prefill_is_not_idle(monkeypatch):
+    """Expiry reads only the store's stale head (every round's lookup asks): a session counts as used when
+    it goes live, so one whose prefill outlasted the timeout is not expired on its first round, and a
+    session used since stays while an older one goes."""
+    now = [1000.0]
+    monkeypatch.setattr(session_module.time, "monotonic", lambda: now[0])
+    released = []
+    store = SessionStore(max_sessions=8, idle_timeout_s=10, release=released.append)
+    slow = Session(SessionSpec("slow", (5, 6)), kv="slow-kv")  # its open starts at 1000
+    now[0] = 1005.0
+    store.go_live(Session(SessionSpec("a", (5,)), kv="a-kv"))
+    now[0] = 1012.0
+    store.go_live(slow)  # a 12 s prefill
+    now[0] = 1014.0
+    assert store.get("a").spec.session_id == "a" and store.ids() == ("slow", "a")
+    now[0] = 1023.0
+    assert store.expire_idle() == 1 and store.ids() == ("a",) and released == ["slow-kv"]
+    now[0] = 1025.0
+    with pytest.raises(FailedPrecondition, match="evicted"):
+        store.get("a")
+    assert released == ["slow-kv", "a-kv"] and store.evictions == 2

@@ -237,7 +237,7 @@ def test_greedy_generation_through_the_verifier_is_the_targets(converted, server
     from hybridspec.edge.client import VerifierClient
     from hybridspec.edge.config import EdgeConfig
     from hybridspec.edge.worker import EdgeWorker
-    from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+    from tinymodels import EVERY_ROUND, greedy_reference
 
     _, path = converted
     drafter = load_model(path, device="cpu")
@@ -251,6 +251,7 @@ def test_greedy_generation_through_the_verifier_is_the_targets(converted, server
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_the_shipped_drafter_on_llamacpp_agrees_with_torch():
     """The conversion `models pull` writes (Q8_0): top-1 as the torch drafter's on >= 97 % of 800
     positions (16 free-form chat prompts, each followed along the torch drafter's greedy continuation;
@@ -280,6 +281,7 @@ def test_the_shipped_drafter_on_llamacpp_agrees_with_torch():
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_models_pull_writes_the_drafters_gguf_once(tmp_path, monkeypatch):
     """A fresh home: pull installs the drafters with the plain one's GGUF; a second pull does nothing;
     an install from before the llama.cpp drafter (no conversion) is completed in place."""

@@ -28,6 +28,7 @@ def score(llama_engine, kv, block, **kw):
 
 
 @pytest.mark.parametrize("context", [40, 700])  # below and above 512 cached tokens
+@pytest.mark.slow
 def test_a_block_scores_exactly_as_its_tokens_one_by_one(llama_engine, context):
     kv = open_seq(llama_engine, random_ids(context, context))
     block = random_ids(1, 8)
@@ -120,6 +121,7 @@ def test_features_are_the_final_hidden_states(llama_engine):
     llama_engine.release(kv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role", ["plain", "eagle"])
 def test_hybrid_output_equals_cloud_only_over_grpc(role):
     """The lossless reference on this engine is its own one-token decoding (--cloud-only): greedy
@@ -137,7 +139,7 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
     from hybridspec.edge.config import EdgeConfig
     from hybridspec.edge.prompt import encode_prompt
     from hybridspec.edge.worker import EdgeWorker
-    from hybridspec.lab.tinymodels import EVERY_ROUND
+    from tinymodels import EVERY_ROUND
 
     limits = VerifierLimits(max_sessions=4, kv_cache_tokens=4096)
     target, served = load_engine(str(default_paths()["target"]), EngineKind.LLAMACPP, "cpu", DType.AUTO, 1, limits)
@@ -160,6 +162,7 @@ def test_hybrid_output_equals_cloud_only_over_grpc(role):
         server.stop()
 
 
+@pytest.mark.slow
 def test_experiment_references_come_from_the_served_engine(tmp_path):
     """An experiment judges greedy rows against the engine the cloud serves with: a llama.cpp cloud's
     rows against llama.cpp's own decoding, kept apart from a torch reference of the same prompts."""

@@ -44,6 +44,7 @@ def score(engine, kv, block):
     return logits
 
 
+@pytest.mark.slow
 def test_a_cache_does_not_depend_on_how_its_tokens_were_chunked(engine):
     """Regression: in ubatches of 64 rows or more llama.cpp's flash attention takes a tiled kernel
     that rounds otherwise; a prompt prefilled in chunks of 100 then scored a block with logits up to
@@ -58,6 +59,7 @@ def test_a_cache_does_not_depend_on_how_its_tokens_were_chunked(engine):
         assert torch.equal(logits, expected), chunk
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("huge", [False, True], ids=["bytes", "huge pages"])
 def test_a_session_past_the_streams_parks_the_least_recently_used_and_is_restored_exactly(engine, huge,
                                                                                          monkeypatch):
@@ -95,6 +97,7 @@ def test_no_session_the_coming_pass_feeds_is_parked(engine):
         engine.release(kv)
 
 
+@pytest.mark.slow
 def test_host_memory_for_parked_sessions_is_bounded(engine):
     held = [prefill(engine, random_ids(28 + i, 800)) for i in range(3)]  # the third parks the first
     assert engine.parked_tokens == 800
@@ -107,6 +110,7 @@ def test_host_memory_for_parked_sessions_is_bounded(engine):
     assert engine.parked_tokens == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parked", [False, True])
 def test_a_copied_prefix_scores_as_if_prefilled(engine, parked):
     """copy_prefix: a new session from another's first tokens (resident or parked) then holds exactly

@@ -54,6 +54,7 @@ def chain_scores(llama_engine, context, path):
     return scores
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,context", [(0, 40), (1, 300), (2, 7), (3, 130)])
 def test_a_tree_pass_scores_every_node_as_its_root_path_as_a_chain(llama_engine, seed, context):
     rng = random.Random(seed)
@@ -213,6 +214,7 @@ def _resident_mb() -> int:
         return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) // 1024
 
 
+@pytest.mark.slow
 def test_the_tree_context_is_ready_before_the_first_tree_and_bounds_trees_per_pass():
     """Made at the first tree, the tree context (1.5 GB cleared at the default 65,536 cells) stalled that
     pass, and every session's round in it, for seconds. It is made with the engine, of TREE_STREAMS

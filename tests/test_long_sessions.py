@@ -10,7 +10,7 @@ from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.common.protocol.errors import InvalidArgument, ResourceExhausted
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
-from hybridspec.lab.tinymodels import VOCAB, greedy_reference
+from tinymodels import VOCAB, greedy_reference
 
 LENGTHS = [4096, 8192]
 TAIL = 3  # tokens decoded after the prompt, the last of them at position max_context - 1
@@ -38,6 +38,7 @@ def grow_to_the_limit(verifier: Verifier, prompt: list[int], max_context: int) -
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_context", LENGTHS)
 def test_torch_sessions_grow_to_max_context(target, max_context):
     prompt = [4 + (i * 37) % (VOCAB - 4) for i in range(max_context - TAIL)]
@@ -46,6 +47,7 @@ def test_torch_sessions_grow_to_max_context(target, max_context):
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 @pytest.mark.parametrize("max_context", LENGTHS)
 def test_llamacpp_sessions_grow_to_max_context(max_context, tmp_path):
     require_embedded()

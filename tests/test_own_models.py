@@ -257,7 +257,7 @@ def test_pairs_are_compared_file_to_file(bare, exported, tmp_path, model_dirs):
     longer = check_pair(target, describe(str(exported)), 16384)
     assert any("exceeds the 8192 tokens the target" in n for n in longer.notes)
     assert any("the drafter was trained for 8192" in n for n in longer.notes)
-    from hybridspec.lab.tinymodels import save_gguf
+    from tinymodels import save_gguf
 
     other = describe(str(save_gguf(tmp_path / "other.gguf")))
     with pytest.raises(PairMismatch, match="token id 0 is '<|endoftext|>' to the target and 'a' to the drafter"):
@@ -270,7 +270,7 @@ def test_pairs_are_compared_file_to_file(bare, exported, tmp_path, model_dirs):
 def test_a_mismatched_pair_check_is_one_line_before_any_weights_load(bare, tmp_path):
     """`pair check` with a drafter of another family: one line, exit 2, and neither model was loaded
     (the process never imported llama.cpp or torch)."""
-    from hybridspec.lab.tinymodels import save_gguf
+    from tinymodels import save_gguf
 
     (tmp_path / "drafter").mkdir()
     other = save_gguf(tmp_path / "drafter" / "other.gguf")
@@ -407,7 +407,7 @@ def test_a_cloud_only_edge_server_loads_no_drafter(bare, bare_server):
 def test_an_edge_whose_drafter_cannot_draft_for_the_cloud_fails_before_loading_it(bare_server, tmp_path):
     """`edge generate` with a GGUF drafter of another vocabulary: one line, before the drafter's
     weights load (the process never imported torch or llama.cpp)."""
-    from hybridspec.lab.tinymodels import save_gguf
+    from tinymodels import save_gguf
 
     (tmp_path / "other").mkdir()
     other = save_gguf(tmp_path / "other" / "other.gguf")

@@ -10,7 +10,7 @@ from hybridspec.common.protocol.wire import GenerateSpec, Mode, SamplingParams, 
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
-from hybridspec.lab.tinymodels import EVERY_ROUND
+from tinymodels import EVERY_ROUND
 from transformers import RepetitionPenaltyLogitsProcessor
 
 PROMPT = [5, 17, 33, 80, 17, 33, 5, 9]

@@ -99,6 +99,7 @@ def test_torch_reuse_is_exact(target, trees, mode):
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 @pytest.mark.parametrize("trees,mode", [(False, Mode.GREEDY), (True, Mode.COUPLED)])
 def test_llamacpp_reuse_is_exact(trees, mode, llama_target):
     target, make_engine = llama_target

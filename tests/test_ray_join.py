@@ -8,6 +8,7 @@ directory (its HOME and RAY_TMPDIR) on free ports, and is ended by this module (
 """
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import socket
@@ -23,9 +24,11 @@ import pytest
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
+from conftest import REPLICA_RESTART_S
 from raynodes import CloudServe, Operator, free_port, private_dir
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
+pytestmark = pytest.mark.slow  # Ray clusters of our own, started with Ray's CLI
 STARTS_WITHIN_S = 180  # a local cluster and one tiny replica on a loaded 2-core machine take 15-40 s
 FAILS_WITHIN_S = 45  # a join that cannot work: connection check + the head check + Python's start
 PROMPTS = [[5, 17, 33, 80], [7, 19, 40, 81], [9, 21, 47, 82], [11, 23, 54, 83]]
@@ -97,7 +100,7 @@ def local_serve(operator, model_dirs):
                        env={"RAY_ADDRESS": dead})
     try:
         address = serve.wait_serving(STARTS_WITHIN_S)
-        record = {"dead": dead, "serving_after_s": time.monotonic() - serve.started, "address": address}
+        record = {"dead": dead, "address": address}
         gcs = next(p for p in serve.tree() if p.name() == "gcs_server")  # its port: a free one Ray picked
         ports = [c.laddr.port for c in gcs.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
         for key, auth in (("no_token", {"RAY_AUTH_MODE": "disabled"}),
@@ -116,8 +119,7 @@ def local_serve(operator, model_dirs):
 def test_without_an_address_it_starts_its_own_cluster_whatever_the_machine_says(local_serve):
     """Regression: with a stale /tmp/ray/ray_current_cluster (or RAY_ADDRESS) naming a head that is
     gone, `cloud serve` with the local config tried to join it and waited for minutes without a word."""
-    assert local_serve["exit"] == 0, local_serve["stderr"]
-    assert local_serve["serving_after_s"] < STARTS_WITHIN_S
+    assert local_serve["exit"] == 0, local_serve["stderr"]  # it served (within STARTS_WITHIN_S) and stopped
     assert f"ignoring RAY_ADDRESS={local_serve['dead']}" in local_serve["stderr"]
 
 
@@ -202,18 +204,20 @@ def test_join_two_nodes_serve_recover_and_leave_the_cluster_running(operator_clu
         assert killed is not None, "no session landed on the second node's replica"
         # 3. Ray restarts it on the node that lost it; once the pool counts it alive again (its view is
         #    refreshed every 2 s), it serves exact rounds again.
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + REPLICA_RESTART_S
         while metric(metrics(ready_line), "hybridspec_replicas_alive") < 2 or \
                 not (restarted := {pid for pid, node in replica_pids(op).items() if node == 1} - {killed}):
             assert time.monotonic() < deadline, "the killed replica did not come back"
             time.sleep(0.5)
-        for prompt in PROMPTS:
+        #    New sessions go to the replica holding fewer; a route the pool kept for the killed session
+        #    counts until the pool's refresh drops it (it asks each replica what it holds every 2 s).
+        deadline = time.monotonic() + 60
+        for prompt in itertools.cycle(PROMPTS):
             gen, served_by = generate_watched(address, random_drafter, prompt)
             assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
             if served_by in restarted:
                 break
-        else:
-            pytest.fail(f"no session was served by the restarted replica {restarted}")
+            assert time.monotonic() < deadline, f"no session was served by the restarted replica {restarted}"
         # 4. A clean stop: the pool ends its replicas and leaves the operator's cluster running.
         tree = serve.tree()
         serve.proc.send_signal(signal.SIGTERM)

@@ -16,7 +16,7 @@ from hybridspec.common.protocol.errors import FailedPrecondition, PermissionDeni
 from hybridspec.common.protocol.wire import DraftBlock, GenerateSpec, SessionSpec
 from hybridspec.common.security.credentials import Identity, anonymous
 
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=8)
 CALLER = anonymous("ipv4:127.0.0.1")

@@ -15,6 +15,7 @@ from conftest import require_embedded
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path):
     out = tmp_path / "path.json"
     run = subprocess.run([sys.executable, "bench/round_path.py", "--tokens", "26", "--gamma", "4", "--out", str(out)],
@@ -66,6 +67,7 @@ def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_on_the_default_deployment_the_servicer_hands_the_round_straight_to_the_step(tmp_path):
     """The embedded target on llama.cpp, rounds sent to the verifier's own endpoint (direct verify): the
     cloud's spine is the servicer, the verifier's step and the engine, with no pool in between."""

@@ -58,6 +58,7 @@ def assert_distribution(probs: torch.Tensor) -> None:
     torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(scored_block())
 def test_the_transform_is_a_distribution_for_every_accepted_setting(case):
@@ -73,6 +74,7 @@ def test_the_transform_is_a_distribution_for_every_accepted_setting(case):
 @settings(max_examples=300, deadline=None)
 @given(scored_block(), scored_block(), st.sampled_from([Mode.SPECULATIVE, Mode.COUPLED, Mode.BILD, Mode.LENIENT]),
        st.integers(0, 2**63 - 1))
+@pytest.mark.slow
 def test_drafting_and_every_rule_run_for_every_accepted_setting(target_case, draft_case, mode, seed):
     """The edge drafts as edge/drafter.py does (penalise, transform, truncate, sample); the cloud
     applies the session's rule to its own logits (cloud/core/verifier.py)."""
@@ -131,13 +133,13 @@ def test_a_vanishing_repetition_penalty_verifies_and_generates(stub, temperature
 def test_greedy_argmaxes_match_torch_on_the_cpu_ties_included(rows_per_round, seed, penalized):
     """The CPU path takes argmaxes with numpy (a tenth of torch's per-call cost): it must pick what
     torch picks, the first of tied maxima included, and leave penalized rounds to the full rule."""
-    from hybridspec.cloud.core.rules import greedy_argmaxes
+    from hybridspec.cloud.core.rules import prepare_pass
 
     g = torch.Generator().manual_seed(seed)
     logits = [torch.randint(0, 3, (n, 50), generator=g).float() for n in rows_per_round]  # many ties
     sampling = SamplingParams(repetition_penalty=1.3) if penalized else SamplingParams()
     specs = [SessionSpec("s", (1, 2), sampling=sampling if r == 0 else SamplingParams()) for r in range(len(logits))]
-    got = greedy_argmaxes(specs, logits)
+    got = [prepared.best for prepared in prepare_pass(specs, logits)]
     for r, rows in enumerate(logits):
         expected = None if (penalized and r == 0) else rows.argmax(dim=-1).tolist()
         assert got[r] == expected

@@ -11,7 +11,7 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
 from test_security import NEW_TOKENS, PROMPT, edge_access, pki, secure_server, tokens  # noqa: F401 (fixtures)
-from hybridspec.lab.tinymodels import EVERY_ROUND, greedy_reference
+from tinymodels import EVERY_ROUND, greedy_reference
 
 def test_edge_serve_over_https_with_api_keys(secure_server, pki, tokens, target, model_dirs):
     """The edge's HTTP side: HTTPS with a throw-away certificate, /v1/ only with a key from a

@@ -30,7 +30,7 @@ from hybridspec.edge.serve.generation import warm_up
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from hybridspec.lab.tinymodels import EOS_ID, EVERY_ROUND, greedy_reference
+from tinymodels import EOS_ID, EVERY_ROUND, greedy_reference
 
 CHAT = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": "w5 w17 w33"}]
 NEW = 16
@@ -309,13 +309,22 @@ def test_cloud_lost_mid_stream_ends_it_with_an_error_event(link, target, random_
         assert httpx2.get(f"{base}/health/ready").status_code == 503
 
 
+@pytest.mark.slow
 def test_cloud_lost_mid_generation_gives_503_with_the_partial_text(link, target, random_drafter):
     prompt = _long_prompt(target, 400)
     text, _, _ = expected(target, prompt, 400)
     worker = make_worker(link.address, random_drafter, max_draft=1, timeout_s=3)
+    answer = worker.client.wait
+
+    def cut_after_round_3(round_, *args, **kwargs):  # mid-generation: some text is verified, most is not
+        result = answer(round_, *args, **kwargs)
+        if result.round == 3:
+            link.set_down(True)
+        return result
+
+    worker.client.wait = cut_after_round_3
     with serving(worker) as (base, model):
         request = {"model": model, "prompt": prompt, "max_tokens": 400}
-        threading.Timer(0.5, link.set_down, args=(True,)).start()  # the 400 tokens take seconds
         r = httpx2.post(f"{base}/v1/completions", json=request, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"]
         error = r.json()["error"]
@@ -344,6 +353,7 @@ def test_allow_unverified_keeps_generating_and_says_so_in_usage(link, target, mo
         link.set_down(False)
 
 
+@pytest.mark.slow
 def test_the_cli_serves_and_drains_on_sigterm(server, model_dirs):
     env = {**os.environ, "HYBRIDSPEC_HOME": "/nonexistent-hybridspec-home"}
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "edge", "serve", "--cloud", server.address,

@@ -13,10 +13,11 @@ from hybridspec.edge.prompt import encode_messages
 
 from conftest import require_embedded
 from test_serve import make_worker, serving
-from hybridspec.lab.tinymodels import greedy_reference
+from tinymodels import greedy_reference
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_embedded_pair_answers_a_chat_completion_exactly():
     require_embedded()
     target = load_model(default_paths()["target"], device="cpu")

@@ -1,10 +1,9 @@
-"""Start-up that cannot lie: a taken port is one line and a quick non-zero exit, never a shared port;
-the metrics server answers /metrics and /health only. Real processes and sockets throughout."""
+"""Start-up that cannot lie: a taken port is one line and a non-zero exit before any model loads, never a
+shared port; the metrics server answers /metrics and /health only. Real processes and sockets throughout."""
 import asyncio
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -14,6 +13,7 @@ from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.api.ports import PortUnavailable
 from hybridspec.cloud.api.server import BackgroundServer, start_server
 
+from conftest import UNLOADABLE
 from test_cli import ENV
 
 
@@ -26,31 +26,29 @@ def busy_port():
         yield sock.getsockname()[1]
 
 
-def serve(model_dirs, *args):
-    start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
-                             str(model_dirs["target"]), "--backend", "inprocess", "--torch-threads", "1", *args],
-                            capture_output=True, text=True, timeout=60, env=ENV)
-    return result, time.monotonic() - start
+def serve(*args):
+    """`cloud serve` of a target it cannot load, with these flags, run to its exit."""
+    return subprocess.run([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target", UNLOADABLE,
+                           "--backend", "inprocess", "--torch-threads", "1", *args],
+                          capture_output=True, text=True, timeout=60, env=ENV)
 
 
 @pytest.mark.parametrize("flags, what", [
     (["--port", "{port}", "--metrics-port", "-1"], "gRPC front door"),
     (["--port", "0", "--metrics-port", "{port}"], "metrics HTTP server"),
 ])
-def test_busy_port_is_one_line_and_a_quick_exit(model_dirs, busy_port, flags, what):
-    result, seconds = serve(model_dirs, *(f.format(port=busy_port) for f in flags))
+def test_busy_port_is_one_line_before_the_model_loads(busy_port, flags, what):
+    result = serve(*(f.format(port=busy_port) for f in flags))
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         f"hybridspec: error: port {busy_port} on 127.0.0.1 is already in use ({what})"], result.stderr
-    assert seconds < 5, seconds
 
 
-def test_busy_port_from_config_file(model_dirs, busy_port, tmp_path):
+def test_busy_port_from_config_file(busy_port, tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text(f"port: 0\nmetrics_port: {busy_port}\n")
-    result, seconds = serve(model_dirs, "--config", str(config))
-    assert result.returncode != 0 and seconds < 5, (result.returncode, seconds)
+    result = serve("--config", str(config))
+    assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         f"hybridspec: error: port {busy_port} on 127.0.0.1 is already in use (metrics HTTP server)"], result.stderr
 

@@ -92,6 +92,7 @@ def test_a_token_scores_the_same_bits_decoded_in_a_block_beside_others_and_in_a_
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 def test_the_embedded_target_scores_the_same_bits_wherever_a_token_sits():
     require_embedded()
     from hybridspec.common.models.embedded import default_paths

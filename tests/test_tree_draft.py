@@ -282,6 +282,7 @@ def test_in_coupled_mode_the_target_is_ranked_against_the_coupled_draw_first(ran
     assert any(d.ids[i].item() != t for d, i, t in zip(chain.dists, likeliest, chain.ids))
 
 
+@pytest.mark.slow
 def test_siblings_are_draws_without_replacement(random_drafter):
     """Over 3000 trees of the root's two children: the first child is distributed as q, the second as
     q with the first removed (chi-square, 7 degrees of freedom, each below 24.3: p = 0.001)."""
@@ -316,6 +317,7 @@ def test_the_cache_is_reused_after_a_tree(random_drafter):
 
 
 @pytest.mark.embedded
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["torch", "llamacpp"])
 def test_the_shipped_drafter_drafts_trees(engine):
     """The real drafter on a free-form prompt: nodes score as their root paths, the top-1 tree is the

@@ -284,6 +284,7 @@ def continue_sample(seq, gen):
 
 @pytest.mark.parametrize("rule, parents", [(verify_tree_speculative, TREE), (verify_tree_speculative, CHAIN),
                                            (as_tree_rule, CHAIN)], ids=["tree", "chain", "chain rule"])
+@pytest.mark.slow
 def test_speculative_output_matches_the_exact_law(rule, parents):
     outputs = sampled_outputs(rule, parents, TRIALS, seed=5)
     # The emitted sequences follow the rule's exact law (so acceptances happen as often as they

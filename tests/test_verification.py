@@ -138,6 +138,7 @@ def cases():
             "random q": (skewed, p)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(cases()))
 def test_speculative_output_is_distributed_as_p(name):
     q, p = cases()[name]
@@ -151,6 +152,7 @@ def test_speculative_output_is_distributed_as_p(name):
         assert counts[2].sum() > DRAWS * 0.9  # everything accepted, so the bonus token is tested too
 
 
+@pytest.mark.slow
 def test_the_distribution_test_catches_a_wrong_residual():
     """Power check: sampling the correction from p instead of max(0, p − q) is biased and detected."""
     def wrong_rule(draft, q, p, gen):

@@ -73,6 +73,12 @@ class Access:
             return 0.0
         return self.limiter.charge(caller, tokens, time.monotonic())
 
+    def pace_named(self, name: str, tokens: int) -> float:
+        """`pace` for the identity of that name (an authenticated owner, as a session or round records it;
+        "" or a name the credentials file no longer has: nothing to pace)."""
+        identity = self.store.named(name) if self.store is not None and name else None
+        return self.pace(identity, tokens) if identity is not None else 0.0
+
     def enter_call(self, caller: Identity) -> None:
         """Count a call the caller starts; ResourceExhausted (counting nothing) if it already holds its
         limit. Every call that entered must `leave_call` once."""

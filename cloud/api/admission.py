@@ -96,10 +96,11 @@ class Admission(grpc.aio.ServerInterceptor):
         messages = aiter(requests)
         while True:
             try:
-                message = await asyncio.wait_for(anext(messages), idle_s)
+                async with asyncio.timeout(idle_s):  # not wait_for: no task per message
+                    message = await anext(messages)
             except StopAsyncIteration:
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await self._abort(context, "UNAVAILABLE", f"no message on this stream for {idle_s:g} s; "
                                                           "it was closed: open a new one")
             yield message

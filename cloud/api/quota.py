@@ -46,7 +46,8 @@ class RateLimiter:
         delay = new_tat - now - BURST_S
         if delay > MAX_DELAY_S:
             raise ResourceExhausted(f"{identity.name} is over its limit of {rate:g} tokens/s: this request "
-                                    f"({tokens} tokens) would wait {delay:.1f} s; retry later")
+                                    f"({tokens} tokens) would wait {delay:.1f} s; retry in "
+                                    f"{delay - MAX_DELAY_S:.1f} s", delay - MAX_DELAY_S)
         if identity.name not in self._tat and len(self._tat) >= MAX_TRACKED:
             self._forget_idle(now)
         self._tat[identity.name] = new_tat

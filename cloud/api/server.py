@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -150,10 +151,17 @@ class VerifyEndpoint:
     server: grpc.aio.Server
     address: str  # HOST:PORT as clients should dial it
     tally: EndpointTally  # its rounds and errors, until the front door collects them
+    gate: Access  # its callers' identities, call counts and rates
 
     def take_tally(self) -> Tally:
         """Its rounds and errors since the last call (the replica hands them to the front door's metrics)."""
         return self.tally.take()
+
+    def pace(self, owner: str, tokens: int) -> float:
+        """Seconds work of `tokens` target tokens for the identity `owner` must wait, charged to the same
+        rate bucket as this endpoint's own calls (ResourceExhausted if too long): how the replica charges
+        the opens and the rounds that reach it through the front door."""
+        return self.gate.pace_named(owner, tokens)
 
 
 @dataclass(frozen=True)
@@ -186,7 +194,7 @@ async def start_verify_endpoint(verifier: Verifier, host: str, advertised_host: 
     port = _bind_grpc(server, host, 0, "a replica's verify endpoint", access.tls)
     await server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    return VerifyEndpoint(server, f"{advertised_host}:{port}", tally)
+    return VerifyEndpoint(server, f"{advertised_host}:{port}", tally, gate)
 
 
 async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, metrics_port: int | None = None,
@@ -194,6 +202,9 @@ async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, met
                         access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
     running = await start_server(backend, host, port, metrics_port, metrics_host, access)
+    # What start-up loaded (torch, the model, gRPC: hundreds of thousands of objects) lives as long as
+    # the process: frozen, a full collection no longer scans it, holding every session's round meanwhile.
+    gc.freeze()
     # Installed after the backend started, so they replace any handler Ray installed meanwhile.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ reflection are separate services and need no token.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -25,14 +26,17 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import Message
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from ...common.protocol import codec
 from ...common.security.credentials import Identity
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, incident
 from ...common.protocol.proto import verifier_pb2 as pb
-from ...common.protocol.wire import (DecodeSpec, DraftBlock, GenerateSpec, Mode, ModelInfo, SessionOpened,
-                                     SessionSpec, VerifyResult, check_context, check_session_id)
+from ...common.protocol.wire import (DecodeSpec, DraftBlock, GenerateSpec, Mode, ModelInfo, OpenProgress,
+                                     SessionOpened, SessionSpec, VerifyResult, check_context, check_session_id)
 from .access import Access, AccessSpec
 from .metrics import EndpointTally, Metrics
 
@@ -74,6 +78,10 @@ class Decoder(Protocol):
     """What a replica's own endpoint serves (a Verifier), and what the front door's pool serves too:
     rounds and decode steps of sessions it holds, each stamped with its sender."""
 
+    # True: the backend charges its callers' rates where the work runs (a Ray pool whose replicas have
+    # their own endpoints), and this servicer charges nothing.
+    paces: bool
+
     def model_info(self) -> ModelInfo:
         """What is served."""
 
@@ -87,8 +95,10 @@ class Decoder(Protocol):
 class Sessions(Decoder, Protocol):
     """A decoder that also opens and closes sessions for their callers (the front door's pool)."""
 
-    async def open_session(self, spec: SessionSpec, caller: Identity) -> SessionOpened:
-        """Open a session for `caller`, or re-open the live one spec.session_id names."""
+    async def open_session(self, spec: SessionSpec, caller: Identity,
+                           progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """Open a session for `caller`, or re-open the live one spec.session_id names, telling
+        `progress` how far its replica has got."""
 
     async def close_session(self, session_id: str, caller: Identity) -> bool:
         """Free `caller`'s session."""
@@ -115,6 +125,8 @@ class VerifierService:
             "GetModelInfo": unary(self.GetModelInfo, _lenient(pb.GetModelInfoRequest), pb.ModelInfo.SerializeToString),
             "OpenSession": unary(self.OpenSession, _lenient(pb.OpenSessionRequest),
                                  pb.OpenSessionReply.SerializeToString),
+            "OpenSessionStream": server_stream(self.OpenSessionStream, _lenient(pb.OpenSessionRequest),
+                                               pb.OpenSessionProgress.SerializeToString),
             "Verify": unary(self.Verify, _lenient(pb.VerifyRequest), pb.VerifyReply.SerializeToString),
             "VerifyStream": bidi(self.VerifyStream, _lenient(pb.VerifyRequest), pb.VerifyReply.SerializeToString),
             "CloseSession": unary(self.CloseSession, _lenient(pb.CloseSessionRequest),
@@ -137,19 +149,27 @@ class VerifierService:
         return await self._guard(context, "GetModelInfo", work())
 
     async def OpenSession(self, request, context):
-        async def work() -> pb.OpenSessionReply:
-            caller = identify(self.access, context)
-            message = await self._decoded(request)
-            check_session_id(message.session_id, allow_empty=True)
-            spec = codec.session_from_pb(message)
-            await self._pace(caller, len(spec.committed_ids))
-            opened = await self.backend.open_session(spec, caller)
-            # A generation that already has rounds behind it is being resumed, whatever id it gets.
-            (self.metrics.reopens if spec.next_round > 0 else self.metrics.sessions_opened).inc()
-            self.metrics.observe_opened(len(spec.committed_ids), opened)
-            return codec.opened_to_pb(opened)
+        return await self._guard(context, "OpenSession", self._open(request, context))
 
-        return await self._guard(context, "OpenSession", work())
+    async def OpenSessionStream(self, request, context) -> AsyncIterator[pb.OpenSessionProgress]:
+        """OpenSession with the replica's progress on the way (every second while it has the prompt),
+        then a last message with the reply; an error ends the stream with OpenSession's status."""
+        updates: asyncio.Queue[OpenProgress] = asyncio.Queue()
+        opening = asyncio.ensure_future(self._guard(context, "OpenSessionStream",
+                                                    self._open(request, context, updates.put_nowait)))
+        update = None
+        try:
+            while not opening.done():
+                update = asyncio.ensure_future(updates.get())
+                await asyncio.wait({opening, update}, return_when=asyncio.FIRST_COMPLETED)
+                if update.done():
+                    yield codec.progress_to_pb(update.result())
+            reply = opening.result()  # the abort the guard made, if the open failed
+        finally:
+            for task in (opening, update):  # the client went away: the open is abandoned
+                if task is not None:
+                    task.cancel()
+        yield pb.OpenSessionProgress(opened=reply)
 
     async def Verify(self, request, context):
         return await self._guard(context, "Verify", self._verify(request, context))
@@ -190,6 +210,19 @@ class VerifierService:
 
     # ---- helpers ------------------------------------------------------------------------------
 
+    async def _open(self, request, context: grpc.aio.ServicerContext,
+                    progress: Callable[[OpenProgress], None] | None = None) -> pb.OpenSessionReply:
+        caller = identify(self.access, context)
+        message = await self._decoded(request)
+        check_session_id(message.session_id, allow_empty=True)
+        spec = codec.session_from_pb(message)
+        await self._pace(caller, len(spec.committed_ids))
+        opened = await self.backend.open_session(spec, caller, progress)
+        # A generation that already has rounds behind it is being resumed, whatever id it gets.
+        (self.metrics.reopens if spec.next_round > 0 else self.metrics.sessions_opened).inc()
+        self.metrics.observe_opened(len(spec.committed_ids), opened)
+        return codec.opened_to_pb(opened)
+
     async def _stream_tokens(self, context: grpc.aio.ServicerContext, rpc: str,
                              start: Awaitable[tuple[Identity, AsyncIterator[int]]]) -> AsyncIterator[pb.GenerateReply]:
         """A cloud-only stream's replies, each token paced at the caller's rate; closing it (the client
@@ -220,6 +253,8 @@ class VerifierService:
         return await anext(tokens, None)
 
     async def _pace(self, caller: Identity, tokens: int) -> None:
+        if self.backend.paces:
+            return
         delay = self.access.pace(caller, tokens)
         if delay > 0:
             await asyncio.sleep(delay)
@@ -232,20 +267,38 @@ class VerifierService:
 
     async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Awaitable[T]) -> T:
         """Await `work` within the call's deadline; every failure becomes one status with a message."""
+        retry_after_s = None
         try:
+            remaining = context.time_remaining()
+            if remaining is None:  # no deadline (an edge's VerifyStream): no timer per message either
+                return await work
             # asyncio.timeout, not wait_for: no task per call (Generate guards every token).
-            async with asyncio.timeout(context.time_remaining()):
+            async with asyncio.timeout(remaining):
                 return await work
         except HybridSpecError as exc:
-            code, message = exc.code, str(exc)
+            code, message, retry_after_s = exc.code, str(exc), exc.retry_after_s
         except asyncio.TimeoutError:
             code, message = "DEADLINE_EXCEEDED", "the verifier did not answer within the deadline"
         except Exception as exc:
             error = incident(log, exc, rpc)
             code, message = error.code, str(error)
         self.metrics.observe_error(code)
-        await context.abort(getattr(grpc.StatusCode, code), message)
+        await context.abort(getattr(grpc.StatusCode, code), message, retry_info(code, message, retry_after_s))
         raise AssertionError("context.abort returned")  # it always raises
+
+
+def retry_info(code: str, message: str, retry_after_s: float | None) -> tuple:
+    """The trailing metadata of an error with a retry hint: the standard google.rpc.Status with a
+    RetryInfo detail (`grpc-status-details-bin`, what grpcio-status and other gRPC stacks read); none
+    without a hint."""
+    if retry_after_s is None:
+        return ()
+    delay = duration_pb2.Duration()
+    delay.FromTimedelta(datetime.timedelta(seconds=retry_after_s))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    status = status_pb2.Status(code=getattr(code_pb2, code), message=message, details=[detail])
+    return tuple(rpc_status.to_status(status).trailing_metadata)
 
 
 async def decode_tokens(decoder: Decoder, spec: DecodeSpec, caller: Identity) -> AsyncIterator[int]:

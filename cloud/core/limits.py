@@ -18,10 +18,20 @@ class PrefixScope(Choice):
     SHARED = "shared"  # any identity's: an operator's choice, never a client's (a timing side channel)
 
 
+class Hold(Choice):
+    """Which policy holds a replica's queued rounds for the company of others' (cloud/core/holding.py)."""
+
+    COMPANY = "company"  # every recently active session's, at most max_wait
+    COHORT = "cohort"  # those of the sessions the same pass answered, at most max_wait
+    QUORUM = "quorum"  # most active sessions', at most max_wait or the last pass's time
+
+
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
+DEFAULT_HOLD = Hold.COHORT  # which ones it waits for (docs/measurements.md, "Rounds that meet")
 # A step with a prompt chunk takes about this long while others wait: about one round on a CPU core.
 DEFAULT_PREFILL_BUDGET_MS = 60.0
+DEFAULT_FAIR_SHARE = True  # passes shared among identities by weight (cloud/core/passes.py)
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,8 @@ class VerifierLimits:
     kv_cache_tokens: int = setting(65536, "KV cache per replica in tokens, everything its sessions cache (torch: a "
                                           "page pool allocated once; llamacpp: kv_streams x max_context cells "
                                           "allocated once, the rest for idle sessions parked in host memory); "
-                                          "when it is full the least recently used idle sessions are evicted", ge=1)
+                                          "when it is full idle sessions are evicted, of the identity most over "
+                                          "its share first", ge=1)
     kv_streams: int = setting(8, "llamacpp: sessions whose KV is resident at once, in a stream of max_context "
                                  "cells each; an idle session beyond them is parked in host memory and "
                                  "restored when it runs again", ge=1, le=256)

@@ -6,64 +6,130 @@ rule by the session's mode and the block's shape.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from ...common.maths import tree_verification as tree_rules
 from ...common.maths import verification as rules
-from ...common.maths.sampling import logits_to_probs, penalize, round_generator
+from ...common.maths.sampling import SamplingParams, logits_to_probs, penalize, round_generator
 from ...common.protocol.tree import path_to
 from ...common.protocol.wire import DraftBlock, Mode, SessionSpec
 
 
-def greedy_argmaxes(specs: list[SessionSpec], logits: list[torch.Tensor]) -> list[list[int] | None]:
-    """Each round's row argmaxes where its rule needs nothing else (greedy, no penalty), else None,
-    taken on the device and brought to the host together: one wait for a whole step, not one per
-    round."""
-    plain = [spec.mode is Mode.GREEDY and not spec.sampling.penalized for spec in specs]
-    rows_used = [rows for rows, use in zip(logits, plain) if use]
-    if all(rows.device.type == "cpu" and rows.dtype == torch.float32 for rows in rows_used):
-        # On the CPU numpy's argmax costs a tenth of torch's (6 against 77 us for a 49,152-token row),
-        # and a cloud-only token pays it once.
-        flat = [int(i) for rows in rows_used for i in rows.numpy().argmax(axis=-1)]
-    else:
-        flat = torch.cat([rows.argmax(dim=-1) for rows in rows_used]).tolist()
-    out: list[list[int] | None] = []
-    for rows, use in zip(logits, plain):
-        out.append(flat[:rows.shape[0]] if use else None)
-        flat = flat[rows.shape[0]:] if use else flat
+@dataclass(frozen=True)
+class Prepared:
+    """What one round's rule reads from its logits, computed with the rest of its pass (`prepare_pass`);
+    empty: the rule computes it from the logits itself."""
+
+    best: list[int] | None = None  # each row's argmax (greedy, no penalty)
+    probs: torch.Tensor | None = None  # each row's target probabilities on the CPU (sampling, no penalty)
+
+
+def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor]) -> list[Prepared]:
+    """What every round of a pass reads, for all of them at once, with one wait for the device: the
+    greedy rounds' row argmaxes (`row_argmaxes`: on a device one argmax over all their rows), and the
+    sampling rounds' target probabilities, their rows brought to the host in one copy and transformed
+    together per sampling setting. The transform reads each row alone, so a row's probabilities are the
+    very bits its round would compute by itself (tests/test_batched_rules.py). Penalized rounds are left
+    to their rule: each row's history, and so its penalty, is its own."""
+    out = [Prepared()] * len(specs)
+    greedy = [i for i, spec in enumerate(specs) if spec.mode is Mode.GREEDY and not spec.sampling.penalized]
+    for i, best in zip(greedy, row_argmaxes([logits[i] for i in greedy])):
+        out[i] = Prepared(best=best)
+    sampled = [i for i, spec in enumerate(specs) if spec.mode is not Mode.GREEDY and not spec.sampling.penalized]
+    if sampled:
+        counts = [logits[i].shape[0] for i in sampled]
+        on_host = dict(zip(sampled, _rows(joined([logits[i] for i in sampled]).cpu(), counts)))
+        groups: dict[SamplingParams, list[int]] = {}
+        for i in sampled:
+            groups.setdefault(specs[i].sampling, []).append(i)
+        for params, members in groups.items():
+            parts = [on_host[i] for i in members]
+            probs = logits_to_probs(joined(parts), params)
+            for i, rows in zip(members, _rows(probs, [len(part) for part in parts])):
+                out[i] = Prepared(probs=rows)
     return out
 
 
-def apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor,
-               committed: list[int], best: list[int] | None = None) -> tuple[list[int], int]:
+def row_argmaxes(parts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Each part's row argmaxes, brought to the host together. On a device, parts that lie one after
+    another in one buffer (a torch engine's pass) take one argmax over all their rows and one copy,
+    else one argmax per part and one copy. On the CPU numpy's, per part (6 against torch's 77 us for a
+    49,152-token row, and no copy of the rows), which breaks ties as torch does, by the first maximum."""
+    if all(part.is_cpu and part.dtype == torch.float32 for part in parts):
+        return [part.numpy().argmax(axis=-1).tolist() for part in parts]
+    whole = _adjacent(parts)
+    flat = (whole.argmax(dim=-1) if whole is not None else torch.cat([part.argmax(dim=-1) for part in parts])).tolist()
+    return [flat[start:start + n] for start, n in _starts([part.shape[0] for part in parts])]
+
+
+def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows as one tensor: a view where they lie one after another in one buffer, else a copy."""
+    whole = _adjacent(parts)
+    return whole if whole is not None else torch.cat(list(parts))
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One view of every part's rows if they are contiguous slices of one tensor, each starting where
+    the one before ends (how a pass's logits are cut per feed), else None."""
+    first = parts[0]
+    base, at = first._base, first.data_ptr()
+    for part in parts:
+        if part._base is not base or base is None or part.data_ptr() != at or not part.is_contiguous():
+            return None
+        at += part.numel() * part.element_size()
+    rows, width = sum(part.shape[0] for part in parts), first.shape[1]
+    return torch.as_strided(base, (rows, width), (width, 1), first.storage_offset())
+
+
+def _starts(counts: Sequence[int]) -> list[tuple[int, int]]:
+    starts, at = [], 0
+    for n in counts:
+        starts.append((at, n))
+        at += n
+    return starts
+
+
+def _rows(whole: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """`whole` cut back into parts of `counts` rows (views)."""
+    return [whole[start:start + n] for start, n in _starts(counts)]
+
+
+def apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int],
+               prepared: Prepared = Prepared()) -> tuple[list[int], int]:
     """The session's acceptance rule on one block: (accepted nodes, the verifier's token). logits:
     [nodes + 1, V] float32 on the model's device; row 0 scores the position after the committed
     tokens, row i + 1 the position after node i (for a chain: after committed + draft[:i + 1]).
 
     Greedy needs only argmaxes, taken on the device; the sampling rules get probabilities on the CPU
     so that a seeded round draws the same numbers on CPU and GPU replicas. Penalties come first in
-    every mode (docs/design.md §2.1). `best`: the rows' argmaxes from greedy_argmaxes, where it gave them.
+    every mode (docs/design.md §2.1). `prepared`: what prepare_pass computed for the round with the
+    rest of its pass (argmaxes or probabilities), where it did.
     """
-    if best is not None:
+    if prepared.best is not None:
         if block.is_tree:
-            outcome = tree_rules.tree_greedy_from_argmax(block.parents, list(block.draft_ids), best)
+            outcome = tree_rules.tree_greedy_from_argmax(block.parents, list(block.draft_ids), prepared.best)
             return list(outcome.path), outcome.token
-        outcome = rules.greedy_from_argmax(list(block.draft_ids), best)
+        outcome = rules.greedy_from_argmax(list(block.draft_ids), prepared.best)
         return list(range(outcome.num_accepted)), outcome.token
     if block.is_tree:
-        outcome = _apply_tree_rule(spec, block, logits, committed)
+        outcome = _apply_tree_rule(spec, block, logits, committed, prepared.probs)
         return list(outcome.path), outcome.token
-    outcome = _apply_chain_rule(spec, block, logits, committed)
+    outcome = _apply_chain_rule(spec, block, logits, committed, prepared.probs)
     return list(range(outcome.num_accepted)), outcome.token
 
 
-def _apply_chain_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int]) -> rules.Outcome:
+def _apply_chain_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int],
+                      target_probs: torch.Tensor | None) -> rules.Outcome:
     if spec.mode is Mode.GREEDY:
         logits = penalize(logits, spec.sampling, committed, spec.prompt_end, block.draft_ids)
         return rules.verify_greedy(torch.tensor(block.draft_ids, dtype=torch.long, device=logits.device), logits)
     draft = torch.tensor(block.draft_ids, dtype=torch.long)
-    logits = penalize(logits.cpu(), spec.sampling, committed, spec.prompt_end, block.draft_ids)
-    target_probs = logits_to_probs(logits, spec.sampling)
+    if target_probs is None:
+        logits = penalize(logits.cpu(), spec.sampling, committed, spec.prompt_end, block.draft_ids)
+        target_probs = logits_to_probs(logits, spec.sampling)
     if spec.mode is Mode.COUPLED:
         # Row 0 scores the position after the committed tokens: noise by position, never by round.
         return rules.verify_coupled(draft, target_probs, spec.seed, len(committed))
@@ -75,8 +141,8 @@ def _apply_chain_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor
     return rules.verify_speculative(draft, _dense_q(block, logits.shape[-1]), target_probs, generator, lenience)
 
 
-def _apply_tree_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor,
-                     committed: list[int]) -> tree_rules.TreeOutcome:
+def _apply_tree_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int],
+                     target_probs: torch.Tensor | None) -> tree_rules.TreeOutcome:
     """The tree form of the session's rule (greedy, speculative or coupled: validation refused the rest)."""
     parents = block.parents
     if spec.sampling.penalized:
@@ -87,7 +153,8 @@ def _apply_tree_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor,
     draft = torch.tensor(block.draft_ids, dtype=torch.long, device=logits.device)
     if spec.mode is Mode.GREEDY:
         return tree_rules.verify_tree_greedy(parents, draft, logits)
-    target_probs = logits_to_probs(logits.cpu(), spec.sampling)
+    if target_probs is None:
+        target_probs = logits_to_probs(logits.cpu(), spec.sampling)
     if spec.mode is Mode.COUPLED:
         return tree_rules.verify_tree_coupled(parents, draft.cpu(), target_probs, spec.seed, len(committed))
     return tree_rules.verify_tree_speculative(parents, draft.cpu(), _dense_q(block, logits.shape[-1]), target_probs,

@@ -6,15 +6,17 @@ a session of the same id: a re-open). A session that cannot be opened is FAILED 
 for the caller. Everything that changes a session is a method here; the verifier only decides when.
 
 The KV cache is a soft cache (docs/design.md §3): the store drops sessions that sit idle too long,
-and evicts the least recently used ones when the engine has no room for a pass. A dropped session's
-next round gets FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The
-session count itself is a hard limit: past it, new sessions get RESOURCE_EXHAUSTED.
+and evicts idle ones when the engine has no room for a pass: first those of the tenant (identity)
+holding the most cells beyond its share of the cache, least recently used first, and never one of a
+tenant within its share while another is over its own. A dropped session's next round gets
+FAILED_PRECONDITION and the edge re-opens it from the committed tokens it holds. The session count
+itself is a hard limit: past it, new sessions get RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from ...common.maths.features import join_blocks
@@ -23,6 +25,9 @@ from ...common.protocol.wire import DraftBlock, FeatureBlock, SessionOpened, Ses
 from ..engine.base import KVSequence
 
 REMEMBERED_EVICTIONS = 4096  # ids of recently evicted sessions, so their next round can say so
+# When a full replica tells a client to retry (RetryInfo): a few rounds' time, in which busy sessions
+# usually fall idle (then they may be parked or evicted) or end.
+FULL_RETRY_S = 5.0
 
 
 class Phase(enum.Enum):
@@ -139,6 +144,10 @@ class SessionStore:
         """Committed tokens held by all sessions (a proxy for KV memory)."""
         return sum(len(s.committed) for s in self._sessions.values())
 
+    def find(self, session_id: str) -> Session | None:
+        """The live session of that id, if any, changing nothing (not even its last use)."""
+        return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> Session:
         """The live session, marked as just used; FailedPrecondition if unknown or evicted."""
         self.expire_idle()
@@ -154,7 +163,8 @@ class SessionStore:
         """Check there is room for `session_id` (a re-open of a live session always fits)."""
         self.expire_idle()
         if session_id not in self._sessions and len(self._sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions; retry later")
+            raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions, its limit; retry in "
+                                    f"about {FULL_RETRY_S:g} s", FULL_RETRY_S)
 
     def go_live(self, session: Session) -> None:
         """Make a fully prefilled session LIVE, replacing (and freeing) one of the same id; a session
@@ -168,6 +178,7 @@ class SessionStore:
         if old is not None:
             self._release(old.kv)
         session.phase = Phase.LIVE
+        session.last_used = time.monotonic()  # appended as the most recently used (see expire_idle)
         self._sessions[session.spec.session_id] = session
 
     def pop(self, session_id: str) -> bool:
@@ -177,19 +188,50 @@ class SessionStore:
             self._retire(session)
         return session is not None
 
-    def make_room(self, fits: Callable[[], bool], keep: Iterable[str], spare: KVSequence | None = None) -> None:
-        """Evict least recently used sessions (never those in `keep`, nor the one caching `spare`) until `fits()`."""
-        keep = set(keep)
-        for sid, session in list(self._sessions.items()):
-            if fits():
+    def make_room(self, fits: Callable[[], bool], keep: Iterable[str], spare: KVSequence | None = None,
+                  asker: Session | None = None, capacity: int = 0, running: Iterable[str] = ()) -> None:
+        """Evict sessions until `fits()`: each time one of the tenant holding the most cells (committed
+        tokens, resident or parked, with `asker`'s counted for its tenant) beyond its share (`capacity` ×
+        its weight / the weights of the tenants holding sessions), least recently used first. Never one in
+        `running` (the pass being planned), nor the one caching `spare`; one in `keep` (work queued) only
+        when its tenant is over its share and the room is for a tenant within its own; and never one of a
+        tenant within its share while another tenant is over its own, unless it is `asker`'s own tenant.
+        Stops when nothing more may be evicted."""
+        keep, running = set(keep), set(running)
+        while not fits():
+            held, weights = Counter(), {}
+            for session in self._sessions.values():
+                held[session.spec.tenant] += len(session.committed)
+                weights[session.spec.tenant] = session.spec.weight
+            if asker is not None:
+                weights.setdefault(asker.spec.tenant, asker.spec.weight)
+                if self._sessions.get(asker.spec.session_id) is not asker:  # an open: not held yet
+                    held[asker.spec.tenant] += len(asker.committed)
+            total = sum(weights.values())
+            excess = {t: held[t] - capacity * w / total for t, w in weights.items()}
+            under = asker is not None and excess[asker.spec.tenant] <= 0
+            movable = [(sid, s) for sid, s in self._sessions.items() if sid not in running and s.kv is not spare
+                       and (sid not in keep or (under and excess[s.spec.tenant] > 0))]
+            if not movable:
                 return
-            if sid not in keep and session.kv is not spare:
-                self._evict(sid)
+            # Least recently used first within a tenant: the store's order (min keeps the first of equals).
+            sid, victim = min(movable, key=lambda item: -excess[item[1].spec.tenant])
+            tenant = victim.spec.tenant
+            if excess[tenant] <= 0 and any(e > 0 for e in excess.values()) and (asker is None
+                                                                                 or tenant != asker.spec.tenant):
+                return
+            self._evict(sid)
 
     def expire_idle(self) -> int:
-        """Drop sessions idle longer than the timeout; returns how many."""
+        """Drop sessions idle longer than the timeout; returns how many. The store is in order of last
+        use (`get` moves a session to the end, `go_live` appends one), so only its stale head is read:
+        every round's `get` asks, and a scan of every session would make a step quadratic."""
         deadline = time.monotonic() - self.idle_timeout_s
-        stale = [sid for sid, s in self._sessions.items() if s.last_used < deadline]
+        stale = []
+        for sid, session in self._sessions.items():
+            if session.last_used >= deadline:
+                break
+            stale.append(sid)
         for sid in stale:
             self._evict(sid)
         return len(stale)

@@ -5,11 +5,14 @@ replica may live in another process; the front door exports the snapshots, cloud
   (prefill, the edge's first draft, the round trip and the round itself);
 - inter-token latency: for every later round, the time since the session's previous answer divided
   over the tokens the round committed (each token is one observation, so the mean is seconds/token);
-- iteration tokens: the tokens each forward pass carried (rounds' blocks plus prefill chunks).
+- iteration tokens: the tokens each forward pass carried (rounds' blocks plus prefill chunks);
+- where a step's host time goes, part by part (`StepClock`): only when a benchmark asks for it.
 """
 from __future__ import annotations
 
 import bisect
+import enum
+import time
 from dataclasses import dataclass
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -94,3 +97,46 @@ class Tally:
     rounds: tuple[RoundSample, ...] = ()
     errors: tuple[tuple[str, int], ...] = ()  # (status code, calls)
     tokens: int = 0  # cloud-only tokens its Decode streams sent
+
+
+class Part(enum.Enum):
+    """The parts of a step (cloud/core/verifier.py `Verifier.step`) whose time a StepClock adds up."""
+
+    HOLD = "hold"  # before a step: holding queued rounds for company (its wall time is mostly idle)
+    SCHEDULE = "schedule"  # 1-2: taking the queues, admitting opens, plan_pass
+    ADMIT = "admit"  # 3-4: each round's admission and its KV reservation
+    FORWARD = "forward"  # 5: the engine's pass (not the step's own host work)
+    RULES = "rules"  # 6: argmaxes and sampling rules, commits, prompt features, latency telemetry
+    ANSWER = "answer"  # 7: timing and resolving answers, decode streams' next rounds, opens settled
+
+
+class StepClock:
+    """Wall and thread-CPU seconds per Part, summed over the steps that ran a pass, and the rounds those
+    steps answered. Off unless `enabled` (a Verifier's default clock is off): then a stamp is one test."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.wall = dict.fromkeys(Part, 0.0)
+        self.cpu = dict.fromkeys(Part, 0.0)
+        self.steps = 0
+        self.rounds = 0
+        self._wall = self._cpu = 0.0
+
+    def start(self) -> None:
+        """A step begins."""
+        if self.enabled:
+            self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self, part: Part) -> None:
+        """The time since the last stamp went to `part`."""
+        if self.enabled:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            self.wall[part] += wall - self._wall
+            self.cpu[part] += cpu - self._cpu
+            self._wall, self._cpu = wall, cpu
+
+    def done(self, rounds: int) -> None:
+        """A step that ran a pass ended, having answered `rounds` rounds."""
+        if self.enabled:
+            self.steps += 1
+            self.rounds += rounds

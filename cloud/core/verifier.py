@@ -6,12 +6,13 @@ A step (`Verifier.step`) reads top-down:
   1. take what is queued: bookkeeping calls (run at once), opens (a new one is admitted here:
      validated and given a session slot, since a pass is planned over sessions), rounds (verify
      blocks and cloud-only decode steps alike);
-  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues and the
-     engine's capabilities; what it leaves goes first in the next step;
+  2. plan the pass: `plan_pass` (cloud/core/passes.py), a pure function of the queues, the engine's
+     capabilities and who asks (`_shares`: each session's identity and weight, each identity's share
+     of the passes so far, who holds a stream); what it leaves goes first in the next step;
   3. admit each round: its session, the block's validation, a replay answered from memory;
-  4. reserve KV for every feed, evicting what may be evicted; a new session first starts from a
-     cached prefix of its prompt;
-  5. one `engine.forward` over every feed;
+  4. reserve KV for every feed, evicting what may be evicted (from the identity most over its share of
+     the cache first); a new session first starts from a cached prefix of its prompt;
+  5. one `engine.forward` over every feed, timed and charged to the feeds' identities;
   6. each round's rule (cloud/core/rules.py) and commit; opened sessions whose prompt is cached go live;
   7. answer: time each round, resolve its future, queue a decode stream's next round, settle opens.
 A failure in 3–6 is the item's own (its error is its answer; a session touched by a failed pass is
@@ -23,7 +24,11 @@ held only to queue, to take and to hand work back. Everything else (the engine, 
 prefix cache, telemetry, the batching state) belongs to the one thread that steps: the model thread
 while the verifier is started (`start`: a replica serving), else a blocking caller, which runs the
 steps itself until its answer is in (tests, benchmarks, a co-located baseline); never two at once.
-Answers reach event loops through their futures, and a decode stream's tokens through its loop.
+Answers reach an event loop through its `_Mail`: a step queues its answers (awaited rounds' results, decode
+streams' tokens) and hands each loop all of its own in one call at the step's end, so a step that
+answers 64 rounds wakes their loop once, not 64 times, and is not interrupted by that loop meanwhile.
+An awaited open reports its progress from its own event loop (`aopen_progress`), reading the length
+of its session's cache as the model thread grows it: an int, at worst one chunk old.
 
 Two ways in. Blocking: `open_session`, `verify`, `verify_batch`, `close_session`, `stats`. Awaited:
 `aopen_session`, `averify`, `adecode`, `aclose_session`, `astats` (an `a` marks the awaited twin, as
@@ -69,6 +74,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -78,23 +84,28 @@ import torch
 
 from ...common.maths.features import encode_features
 from ...common.models.loading import tokenizer_fingerprint
-from ...common.protocol.errors import FailedPrecondition, HybridSpecError, InvalidArgument, Unavailable, incident
+from ...common.protocol.errors import (FailedPrecondition, HybridSpecError, InvalidArgument, ResourceExhausted,
+                                       Unavailable, incident)
 from ...common.protocol.tree import feed_parents
-from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, SessionOpened, SessionSpec,
-                                     VerifyResult)
-from ..engine.base import Engine, Feed, KVSequence, Scores, Target
+from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, OpenProgress, SessionOpened,
+                                     PROGRESS_EVERY_S, SessionSpec, VerifyResult)
+from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import BATCH_SESSIONS, CurveMeasurement
-from .limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
-from .passes import Pass, StepCost, plan_pass, prefill_tokens, tree_nodes
+from .holding import Waiting, policy
+from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
+                     DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits)
+from .passes import Pass, PassTime, Shares, StepCost, Usage, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
-from .rules import apply_rule, greedy_argmaxes
-from .session import Phase, Session, SessionStore
-from .telemetry import ReplicaTelemetry, Tally, Telemetry
+from .rules import Prepared, apply_rule, prepare_pass
+from .session import FULL_RETRY_S, Phase, Session, SessionStore
+from .telemetry import Part, ReplicaTelemetry, StepClock, Tally, Telemetry
 
 log = logging.getLogger(__name__)
 
 ACTIVE_WINDOW_S = 0.5  # a session that sent a round this recently is expected to send another
+HELD_BACK_WAIT_S = 0.01  # the model thread's nap when every queued round waits for a stream
+PROGRESS_S = PROGRESS_EVERY_S / 2  # an awaited open reports how far it got this often: twice what the wire promises
 _END = object()  # a decode stream's last item
 
 
@@ -112,14 +123,69 @@ class VerifierStats:
     parked_tokens: int = 0  # tokens of idle sessions parked in host memory (an engine that parks)
 
 
+class _Mail:
+    """What the stepping thread hands one event loop: queued as a step answers (`post`) and run on the loop
+    in one call when the step ends (`send`). Each call across threads is a write to the loop's wake-up pipe
+    and lets the loop's thread take the interpreter in the middle of the step: once per step, not per round."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._items: list[tuple[Callable[[object], None], object]] = []
+        self._due = False  # a delivery is scheduled and has not run yet
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        """The loop is gone or closed: nothing sent would run."""
+        loop = self._loop()
+        return loop is None or loop.is_closed()
+
+    def post(self, fn: Callable[[object], None], arg: object) -> None:
+        """Run fn(arg) on the loop at the next `send`."""
+        with self._lock:
+            self._items.append((fn, arg))
+
+    def send(self) -> None:
+        """Hand the loop what is posted, in one call (dropped if the loop is closed: nobody waits for it)."""
+        with self._lock:
+            if self._due or not self._items:
+                return
+            self._due = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._items.clear()
+                self._due = False
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._due = self._items, [], False
+        for fn, arg in items:
+            fn(arg)
+
+
+_MAILS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mail] = weakref.WeakKeyDictionary()
+
+
+def _mail() -> _Mail:
+    """The running loop's mail (called on that loop)."""
+    loop = asyncio.get_running_loop()
+    mail = _MAILS.get(loop)
+    return mail if mail is not None else _MAILS.setdefault(loop, _Mail(loop))
+
+
 class DecodeStream:
     """One session's decode steps; `answered` runs on the model thread, `tokens` on the consumer's loop."""
 
-    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, first: DraftBlock, max_tokens: int, eos: frozenset[int], mail: _Mail) -> None:
         self.first = first  # an empty block at the session's current length
+        self.mail = mail  # the consumer's loop's
         self._left = max_tokens
         self._eos = eos
-        self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._gone = False  # the consumer stopped listening
 
@@ -132,7 +198,7 @@ class DecodeStream:
         token = result.next_token
         self._left -= 1
         self._push(token)
-        if self._left > 0 and token not in self._eos and not self._gone:
+        if self._left > 0 and token not in self._eos and not self._gone and not self.mail.closed:
             return replace(block, round=block.round + 1, committed_len=block.committed_len + 1)
         self._push(_END)
         return None
@@ -151,18 +217,25 @@ class DecodeStream:
             self._gone = True
 
     def _push(self, item: object) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            self._gone = True
+        self.mail.post(self._queue.put_nowait, item)
 
 
 @dataclass
 class _Round:
     block: DraftBlock
-    future: Future
+    future: Future | asyncio.Future  # an awaited round's is its loop's, answered through `mail`
     arrived: float
     stream: DecodeStream | None = None  # a cloud-only stream's round: its answer queues the next one
+    mail: _Mail | None = None  # the loop an awaited round's answer (or its stream's token) goes to
+
+    def answer(self, result: VerifyResult | HybridSpecError) -> _Mail | None:
+        """Resolve the round: a blocking caller's future at once, an awaited one's through its loop's
+        mail; returns the mail the step must send (an awaited round's or its decode stream's), if any."""
+        if isinstance(self.future, Future):
+            _resolve(self.future, result)
+        else:
+            self.mail.post(_settle, (self.future, result))
+        return self.mail
 
 
 @dataclass
@@ -179,16 +252,19 @@ class Verifier:
     """Owns one engine (the target and its KV cache), the sessions verified against it, and the step
     that serves them; in the front door's process it is also the pool's only replica."""
 
-    alive = True  # it never dies on its own
+    alive = answering = True  # it never dies or stops on its own
     failures = 0
+    paces = False  # whoever serves it charges its callers' rates
     verify_address = ""  # no endpoint of its own: its rounds come through the front door
 
     def __init__(self, target: Target, limits: VerifierLimits | None = None, engine: Engine | None = None, *,
                  max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, name: str = "in-process") -> None:
+                 prefill_budget_ms: float = DEFAULT_PREFILL_BUDGET_MS, hold: Hold = DEFAULT_HOLD,
+                 fair_share: bool = DEFAULT_FAIR_SHARE, name: str = "in-process") -> None:
         """`engine` defaults to the torch engine over `target`'s model (a LoadedModel). The batching
-        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`); `name` is the
-        replica's in a pool."""
+        settings apply on the model thread (cloud/pool/specs.py `ReplicaSettings`; `hold`: which
+        rounds a queued one waits for, cloud/core/holding.py); `fair_share` off: rounds go into passes
+        by arrival whoever sent them (cloud/core/passes.py); `name` is the replica's in a pool."""
         if max_batch < 1 or max_wait_ms < 0 or not prefill_budget_ms > 0:
             raise ValueError(f"max_batch must be >= 1, max_wait_ms >= 0 and prefill_budget_ms > 0, got {max_batch}, "
                              f"{max_wait_ms}, {prefill_budget_ms}")
@@ -212,16 +288,31 @@ class Verifier:
             max_tree_nodes=tree_nodes(self.limits.max_tree_nodes, caps))
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1e3
+        self.hold = policy(hold, self.max_wait_s)
         self.prefill_budget_ms = prefill_budget_ms
+        self.fair_share = fair_share
         # The stepping thread's state.
         self.prefixes = PrefixCache(self.limits.prefix_scope, self.limits.prefix_cache_tokens, self.engine.release)
         self._sessions = SessionStore(self.limits.max_sessions, self.limits.idle_timeout_s, self.engine.release,
                                       self._retire)
         self.telemetry = Telemetry()
+        self.clock = StepClock(enabled=False)  # a benchmark swaps in an enabled one (bench/hop_overhead.py host)
         self.cost = StepCost()  # of the steps that fed a prompt
+        self.pass_time = PassTime()  # every pass's time, per feed (refitted from the measured curve: publish_pass_costs)
+        self._usage = Usage()  # each active tenant's share of the passes so far
+        self._parking = isinstance(self.engine, Parking)  # an engine that parks sessions beyond its streams
+        if self._parking:
+            self.engine.park_rank = self._park_rank
+        self._stream_excess: dict[str, float] | None = None  # per tenant, streams held beyond its share (per step)
+        self._kv_tenant: dict[int, str] = {}  # id of a resident cache -> its tenant, with _stream_excess
+        self._held_back = False  # the last step ran nothing: every queued round waits for a stream
         self._fed_last_step = False
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
+        self._cohort: dict[str, int] = {}  # session -> the pass that carried its last round
+        self._passes = 0  # passes run so far
+        self._last_pass_s = 0.0  # the last pass's time, from admission to answers
+        self._fresh: dict[str, float] = {}  # session -> when it went live (it keeps its stream for its first round)
         # Under `_cv`: the queues (made once, changed only in place) and who steps.
         self._cv = threading.Condition()
         self._rounds: deque[_Round] = deque()
@@ -318,8 +409,10 @@ class Verifier:
 
     def publish_pass_costs(self, points: tuple[tuple[int, float], ...],
                            batches: tuple[tuple[int, int, float], ...] = ()) -> None:
-        """Report measured curves in `info`, and so to every edge that asks from now on."""
+        """Report measured curves in `info`, and so to every edge that asks from now on; the fair share's
+        pass-time model starts from them (run on the stepping thread, which owns it)."""
         self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
+        self.pass_time = PassTime(points)
 
     # ---- the pool's Replica (awaited; cloud/pool/pool.py) --------------------------------------
 
@@ -346,20 +439,49 @@ class Verifier:
         """What it serves."""
         return self.info
 
-    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
-        """`open_session`, awaited; cancelling abandons the open."""
-        return await _awaited("OpenSession", self._put(self._opens, _Open(spec, Future()), awaited=True))
+    async def aopen_session(self, spec: SessionSpec,
+                            progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """`open_session`, awaited; cancelling abandons the open. `progress` is told how far it has got
+        every PROGRESS_S (`aopen_progress`)."""
+        opened = None
+        async for item in self.aopen_progress(spec):
+            if isinstance(item, SessionOpened):
+                opened = item
+            elif progress is not None:
+                progress(item)
+        return opened
+
+    async def aopen_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened]:
+        """Open (or re-open) a session: how far it has got every PROGRESS_S, read from this event loop
+        (so it shows that the replica's process is alive even while a pass takes long), then the answer.
+        Raises the open's domain error; leaving early abandons the open."""
+        item = _Open(spec, Future())
+        answer = asyncio.ensure_future(_awaited("OpenSession", self._put(self._opens, item, awaited=True)))
+        total = len(spec.committed_ids) - 1
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=PROGRESS_S)
+                if done:
+                    break
+                session = item.session  # set by the model thread at admission; its length grows with each chunk
+                yield OpenProgress(session.kv.length if session is not None else 0, total)
+            yield answer.result()
+        finally:
+            if not answer.done():
+                answer.cancel()  # the caller left: cancelling the awaited future abandons the open
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
-        """`verify`, awaited."""
-        return await _awaited("Verify", self._put(self._rounds, _Round(block, Future(), time.perf_counter()),
-                                                  awaited=True))
+        """`verify`, awaited; cancelling the await cancels the round. Its answer comes with the others
+        of its step (`_Mail`)."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(self._rounds, _Round(block, future, time.perf_counter(), mail=_mail()), awaited=True)
+        return _raised(await future)
 
     async def adecode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int]:
         """Cloud-only decoding of up to `max_tokens` tokens from the empty block `block`, each the next
         round's bonus token, queued by the model thread itself (`DecodeStream`)."""
-        stream = DecodeStream(block, max_tokens, eos, asyncio.get_running_loop())
-        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream), awaited=True)
+        stream = DecodeStream(block, max_tokens, eos, _mail())
+        self._put(self._rounds, _Round(block, Future(), time.perf_counter(), stream, stream.mail), awaited=True)
         async for token in stream.tokens():
             yield token
 
@@ -382,6 +504,8 @@ class Verifier:
         """One turn of the stepping thread (the module's docstring lists its seven steps): the model
         thread, or a blocking caller while none runs (`wait`), never anyone else. Returns False when
         nothing was queued."""
+        clock = self.clock  # swapped by a benchmark between steps, never within one
+        clock.start()
         # 1. Take what is queued. Bookkeeping runs first, so a close or a stats call never waits
         #    behind a long queue; a new open is admitted (validated, a session slot) so it can be planned.
         with self._cv:
@@ -395,18 +519,22 @@ class Verifier:
             _resolve(future, _call(fn))
         feeding = self._admit_opens(opens) if opens else []
         # 2. Plan the pass: one round per session, up to max_batch, as many as the engine may carry,
-        #    and the prompt tokens it may carry beside them. What it leaves goes first next time.
+        #    each tenant its share, and the prompt tokens it may carry beside them. What it leaves goes
+        #    first next time.
         plan = plan_pass([r.block for r in rounds], feeding, self._prompt_tokens(feeding), self.engine.capabilities,
-                         self.max_batch)
+                         self.max_batch, self._shares(rounds, feeding))
         with self._cv:
             self._rounds.extendleft(reversed([rounds[i] for i in plan.split + plan.waiting]))
         work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
+            self._cohort[item.block.session_id] = self._passes
+        self._held_back = not taken and not work.openings and bool(rounds)
         if not taken and not work.openings:
             if opens:
                 self._settle_opens(opens)  # opens refused at admission leave the queue
             return True
+        clock.lap(Part.SCHEDULE)
         started = time.perf_counter()
         results: list[VerifyResult | HybridSpecError | None] = [None] * len(taken)
         try:
@@ -414,8 +542,11 @@ class Verifier:
             rounds_in = self._admit(work.rounds, results)
             # 4. Room in the cache for every feed; a feed that cannot get it fails alone.
             feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
+            clock.lap(Part.ADMIT)
             # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-            scores = self._forward(feeds, rounds_in, work.openings, results)
+            owners = [session for *_, session in rounds_in] + [session for session, _ in chunks]
+            scores = self._forward(feeds, owners, rounds_in, work.openings, results)
+            clock.lap(Part.FORWARD)
             if scores is not None:
                 # 6. Each round's rule; its session commits the accepted drafts and the new token;
                 #    prompt chunks keep the features their session asked for.
@@ -427,9 +558,11 @@ class Verifier:
             for session in work.openings:
                 if session.phase is Phase.PREFILLING and session.remaining == 0:
                     self._sessions.go_live(session)
+                    self._fresh[session.spec.session_id] = time.perf_counter()  # its first round comes next
             if work.prefill_tokens:
                 self.cost.observe(time.perf_counter() - started, work.round_tokens + work.prefill_tokens)
             self._fed_last_step = work.prefill_tokens > 0
+            clock.lap(Part.RULES)
         except Exception as exc:  # a bug the step did not contain: fail this step's items, keep serving
             error = incident(log, exc, "a verification step")
             results = [error] * len(taken)
@@ -438,15 +571,20 @@ class Verifier:
         # 7. Answer, timing each round here, where it is answered (the one place `verify_ms` and
         #    `queue_ms` are set): the wait before this step is its queueing.
         done = time.perf_counter()
+        self._passes, self._last_pass_s = self._passes + 1, done - started
+        mails = set()
         for item, result in zip(taken, results):
             if isinstance(result, VerifyResult):
                 result = replace(result, verify_ms=(done - item.arrived) * 1e3,
                                  queue_ms=max(0.0, started - item.arrived) * 1e3)
             if item.stream is not None:
                 self._continue(item.stream, item.stream.answered(item.block, result), done)
-            _resolve(item.future, result)
+            mails.add(item.answer(result))
+        _send(mails)
         if opens:
             self._settle_opens(opens)
+        clock.lap(Part.ANSWER)
+        clock.done(len(taken))
         return True
 
     # ---- 1. taking work ------------------------------------------------------------------------
@@ -498,6 +636,36 @@ class Verifier:
         opening = {s.spec.session_id for s in feeding}
         return any(now - t <= ACTIVE_WINDOW_S and sid not in opening for sid, t in self._recent.items())
 
+    def _shares(self, rounds: list[_Round], feeding: list[Session]) -> Shares | None:
+        """Who asks, for the planner's fair share and stream rotation (cloud/core/passes.py): the tenants
+        of the sessions with rounds queued, being opened or recently active, their weights and usage,
+        what each round would add to the pass, and on an engine that parks, who holds a stream and since
+        when. None for a blocking caller stepping on its own: its passes never depend on timing."""
+        self._stream_excess = None  # the parking ranks of this step are worked out when first needed
+        if threading.current_thread() is not self._thread:
+            return None
+        now, clock = time.perf_counter(), time.monotonic()
+        self._fresh = {sid: t for sid, t in self._fresh.items() if now - t <= ACTIVE_WINDOW_S}
+        recent = {sid for sid, t in self._recent.items() if now - t <= ACTIVE_WINDOW_S} | set(self._fresh)
+        sessions = {sid: s for sid in recent | {r.block.session_id for r in rounds}
+                    if (s := self._sessions.find(sid)) is not None}
+        sessions.update((s.spec.session_id, s) for s in feeding)
+        tenant = {sid: self._tenant(s) for sid, s in sessions.items()}
+        active = frozenset(tenant.values())
+        resident = None
+        if self._parking:
+            since = {sid: self.engine.resident_since(s.kv) for sid, s in sessions.items()}
+            resident = {sid: clock - t for sid, t in since.items() if t is not None}
+        return Shares(tenant, {tenant[sid]: s.spec.weight for sid, s in sessions.items()}, self._usage.settle(active),
+                      active, self.prefill_budget_ms,
+                      lambda block: self.pass_time.feed_ms(len(block.draft_ids) + 1, block.committed_len),
+                      [now - r.arrived for r in rounds], resident, self.engine.capabilities.max_sequences_per_pass,
+                      frozenset(recent | {s.spec.session_id for s in feeding}))
+
+    def _tenant(self, session: Session) -> str:
+        """Whose share a session draws on: its identity's, or everyone's one share with fair share off."""
+        return session.spec.tenant if self.fair_share else ""
+
     # ---- 3. admitting rounds -------------------------------------------------------------------
 
     def _admit(self, blocks: Sequence[DraftBlock], results: list) -> list[Round]:
@@ -528,9 +696,9 @@ class Verifier:
         for i, block, session in admitted:
             tokens = session.round_tokens(block)
             try:
-                self._room_for(session.kv, len(tokens), work.keep)
+                self._room_for(session, len(tokens), work)
             except HybridSpecError as exc:
-                results[i] = exc
+                results[i] = self._no_room(f"this round's {len(tokens)} tokens", work, exc)
                 continue
             feeds.append(Feed(session.kv, tokens, scored=True, features=_wants_features(session.spec),
                               parents=feed_parents(block.parents) if block.is_tree else None))
@@ -540,15 +708,16 @@ class Verifier:
             if budget == 0 or streams == 0 or session.phase is not Phase.PREFILLING:
                 continue
             if not session.looked_for_prefix:
-                self._start_from_prefix(session, work.keep)
+                self._start_from_prefix(session, work)
             if session.remaining == 0:  # a one-token prompt, or one cached whole by another session
                 streams -= session.kv.length > 0
                 continue
             start, chunk = session.kv.length, session.next_chunk(budget)
             try:
-                self._room_for(session.kv, len(chunk), work.keep)
+                self._room_for(session, len(chunk), work)
             except HybridSpecError as exc:
-                session.fail(exc, self.engine.release)
+                session.fail(self._no_room(f"a {len(session.committed):,}-token prompt", work, exc),
+                             self.engine.release)
                 continue
             feeds.append(Feed(session.kv, chunk, scored=False, features=_wants_features(session.spec)))
             chunks.append((session, start))
@@ -556,7 +725,24 @@ class Verifier:
             streams -= 1
         return feeds, rounds, chunks
 
-    def _start_from_prefix(self, session: Session, keep: frozenset[str]) -> None:
+    def _no_room(self, what: str, work: Pass, error: HybridSpecError) -> HybridSpecError:
+        """The refusal of a feed the cache could not make room for (`error`, the engine's): what was
+        asked, the replica's state, and when to retry (RetryInfo)."""
+        if not isinstance(error, ResourceExhausted):
+            return error
+        held = len(self._sessions)
+        busy = sum(sid in work.keep for sid in self._sessions.ids())
+        used = round(self.engine.fill() * self.engine.capacity_tokens) + getattr(self.engine, "parked_tokens", 0)
+        idle = held - busy
+        why = ("none is idle, to be parked or evicted" if idle == 0 else
+               "the idle one belongs to an identity within its share of the cache" if idle == 1 else
+               f"the {idle} idle ones belong to identities within their share of the cache")
+        return ResourceExhausted(
+            f"this replica has no room for {what} now: it holds {held} session{'s' * (held != 1)} in {used:,} of its "
+            f"{self.limits.kv_cache_tokens:,} KV tokens, {busy} of them busy, and {why}; retry in about "
+            f"{FULL_RETRY_S:g} s", FULL_RETRY_S)
+
+    def _start_from_prefix(self, session: Session, work: Pass) -> None:
         """Start a new session's cache from the longest prefix of its prompt that a session of its
         scope cached (cloud/core/prefixes.py), if there is one and room for it; else nothing changes."""
         session.looked_for_prefix = True
@@ -568,36 +754,43 @@ class Verifier:
             return
         source, length = found
         try:
-            self._make_room(session.kv, length, keep, spare=source)
+            self._make_room(session, length, work, spare=source)
             self.engine.copy_prefix(source, session.kv, length)
         except HybridSpecError:
             return  # no room now: the prompt is prefilled as usual, or refused as it would have been
         self.prefixes.hit(length)
 
-    def _room_for(self, kv: KVSequence, tokens: int, keep: frozenset[str]) -> None:
-        """Room for `tokens` more tokens of `kv`, made if the cache is full (`_make_room`)."""
-        self._make_room(kv, tokens, keep)
-        self.engine.reserve(kv, tokens)
+    def _room_for(self, session: Session, tokens: int, work: Pass) -> None:
+        """Room for `tokens` more tokens of `session`'s cache, made if the cache is full (`_make_room`)."""
+        self._make_room(session, tokens, work)
+        self.engine.reserve(session.kv, tokens)
 
-    def _make_room(self, kv: KVSequence, tokens: int, keep: frozenset[str], spare: KVSequence | None = None) -> None:
-        """Until `tokens` more tokens of `kv` fit: drop closed sessions' kept caches, then evict idle
-        sessions, least recently used first; never a session in `keep`, nor the cache `spare`."""
+    def _make_room(self, session: Session, tokens: int, work: Pass, spare: KVSequence | None = None) -> None:
+        """Until `tokens` more tokens of `session`'s cache fit: drop closed sessions' kept caches, then
+        evict sessions, from the tenant most over its share of the cache first (SessionStore.make_room):
+        never one in the pass, nor the cache `spare`; one with work queued only for a tenant within its
+        share, from a tenant over its own."""
+        kv = session.kv
         fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
         while not fits() and self.prefixes.drop_oldest(spare):
             pass
         if not fits():
-            self._sessions.make_room(fits, keep, spare)
+            self._sessions.make_room(fits, work.keep, spare, session, self.limits.kv_cache_tokens, work.running)
 
     # ---- 5. the forward pass -------------------------------------------------------------------
 
-    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: Sequence[Session],
+    def _forward(self, feeds: list[Feed], owners: list[Session], rounds: list[Round], openings: Sequence[Session],
                  results: list) -> list[Scores] | None:
-        """The engine's pass; on failure every fed session is left as it was and the pass's rounds and
-        opens get the incident."""
+        """The engine's pass, timed: the pass-time model learns from it and each feed's tenant (`owners`,
+        per feed) is charged its part. On failure every fed session is left as it was and the pass's
+        rounds and opens get the incident."""
         if not feeds:
             return None
+        sizes = [(len(feed.tokens), feed.kv.length) for feed in feeds]
         try:
+            started = time.perf_counter()
             scores = self.engine.forward(feeds)
+            ms = (time.perf_counter() - started) * 1e3
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
             for i, _, session in rounds:
@@ -608,28 +801,33 @@ class Verifier:
                     session.fail(error, self.engine.release)
             return None
         self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
+        if threading.current_thread() is self._thread:  # the shares a blocking caller's passes never use
+            for session, part in zip(owners, self.pass_time.split(sizes, ms)):
+                self._usage.charge(self._tenant(session), part, session.spec.weight)
+        self.pass_time.observe(sizes, ms)
         return scores
 
     # ---- 6. rules and commit -------------------------------------------------------------------
 
     def _conclude_all(self, rounds: list[Round], scores: list[Scores], results: list) -> None:
-        """Every round's rule on its rows, the greedy ones' argmaxes taken together (one wait for the
-        device, not one per round)."""
+        """Every round's rule on its rows, what the rules read from the logits taken for the whole pass
+        at once (`prepare_pass`: one argmax over the greedy rounds' rows, the sampling rounds'
+        probabilities in one copy to the host; one wait for the device, not one per round)."""
         answered = time.monotonic()
         try:
-            bests = greedy_argmaxes([session.spec for _, _, session in rounds], [s.logits for s in scores])
-        except Exception as exc:  # each rule then takes its own argmaxes, and fails alone if it must
-            log.warning("batched argmax failed (%s); rules take their own", exc)
-            bests = [None] * len(rounds)
-        for (i, block, session), round_scores, best in zip(rounds, scores, bests):
-            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, best)
+            prepared = prepare_pass([session.spec for _, _, session in rounds], [s.logits for s in scores])
+        except Exception as exc:  # each rule then reads its own logits, and fails alone if it must
+            log.warning("preparing the pass's rules failed (%s); each rule reads its own logits", exc)
+            prepared = [Prepared()] * len(rounds)
+        for (i, block, session), round_scores, ready in zip(rounds, scores, prepared):
+            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, ready)
 
     def _conclude(self, block: DraftBlock, session: Session, scores: Scores, batch_size: int, answered: float,
-                  best: list[int] | None = None) -> VerifyResult | HybridSpecError:
+                  prepared: Prepared) -> VerifyResult | HybridSpecError:
         """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
         token is fed at the head of the next block) and commit. A failure is this session's alone."""
         try:
-            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, best)
+            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, prepared)
             # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
             # features are the session's next committed context, and only their keys stay cached.
             rows = [0, *(node + 1 for node in nodes)]
@@ -675,7 +873,7 @@ class Verifier:
         if follow is None:
             return
         try:
-            self._put(self._rounds, _Round(follow, Future(), now, stream))
+            self._put(self._rounds, _Round(follow, Future(), now, stream, stream.mail))
         except Unavailable as exc:
             stream.answered(follow, exc)
 
@@ -704,6 +902,7 @@ class Verifier:
         """Close a session: it is no longer company to wait for, nor a reason to cut another session's
         prefill into small chunks."""
         self._recent.pop(session_id, None)
+        self._cohort.pop(session_id, None)
         return self._sessions.pop(session_id)
 
     def _stats(self) -> VerifierStats:
@@ -712,6 +911,20 @@ class Verifier:
                              self._sessions.ids(), self.engine.capacity_tokens,
                              self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
                              getattr(self.engine, "parked_tokens", 0))
+
+    def _park_rank(self, kv: KVSequence) -> float:
+        """The engine's order for parking idle sessions (engine.base.Parking): the tenant holding the
+        most streams beyond its share first (streams × weight / the weights of the tenants holding one)."""
+        if self._stream_excess is None:
+            owners = [s for s in self._sessions.live() if self.engine.resident_since(s.kv) is not None]
+            held, weights = {}, {}
+            for s in owners:
+                tenant = self._tenant(s)
+                held[tenant], weights[tenant] = held.get(tenant, 0) + 1, s.spec.weight
+            streams, total = self.engine.capabilities.max_sequences_per_pass, sum(weights.values())
+            self._stream_excess = {t: held[t] - streams * weights[t] / total for t in held}
+            self._kv_tenant = {id(s.kv): self._tenant(s) for s in owners}
+        return -self._stream_excess.get(self._kv_tenant.get(id(kv), ""), 0.0)
 
     def _retire(self, session: Session) -> None:
         """A closed session's cache: kept for new sessions to start from, or released."""
@@ -745,24 +958,35 @@ class Verifier:
                     self._cv.wait()
                 if self._stopping:
                     return
+                if self._held_back:  # nothing could run: wait for new work, or for a stream to come free
+                    self._held_back = False
+                    self._cv.wait(HELD_BACK_WAIT_S)
+                    continue
+                clock = self.clock  # swapped by a benchmark between waits, never within one
+                clock.start()
                 self._wait_for_company(free_since)
+                clock.lap(Part.HOLD)
             self.step()
 
     def _wait_for_company(self, free_since: float) -> None:
-        """Hold queued rounds while recently active sessions have none queued (cv held): at most
-        max_wait after the model became free or the oldest round arrived, whichever is later. The
-        sessions answered by the step that just ended need that moment to send their next round."""
+        """Hold queued rounds for the company of others' while the batching policy says so (cv held;
+        cloud/core/holding.py), asked again at each arrival: its holding starts when the model became
+        free or the oldest round arrived, whichever is later. The sessions answered by the step that
+        just ended need that moment to send their next round."""
         if not self._rounds or self.max_wait_s == 0 or self._split:
             return  # (the rounds the last pass could not carry were ready for it: they go at once)
-        deadline = max(free_since, self._rounds[0].arrived) + self.max_wait_s
+        since = max(free_since, self._rounds[0].arrived)
         while not self._stopping:
             now = time.perf_counter()
             for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
                 del self._recent[sid]
-            queued = {r.block.session_id for r in self._rounds}
-            if len(queued) >= min(self.max_batch, len(self._recent | dict.fromkeys(queued))) or now >= deadline:
+                self._cohort.pop(sid, None)
+            queued = frozenset(r.block.session_id for r in self._rounds)
+            until = self.hold.hold_until(Waiting(now, since, queued, queued.union(self._recent), self.max_batch,
+                                                 self._last_pass_s, self._cohort))
+            if until is None:
                 return
-            self._cv.wait(deadline - now)
+            self._cv.wait(until - now)
 
     def _halt(self) -> None:
         """`stop` on a thread of its own: the last stop ends the model thread, then fails what is queued."""
@@ -781,9 +1005,9 @@ class Verifier:
             self._calls.clear()
         gone = Unavailable("the verifier is shutting down")
         for item in rounds:
-            _resolve(item.future, gone)
             if item.stream is not None:
                 item.stream.answered(item.block, gone)
+        _send({item.answer(gone) for item in rounds})
         for item in opens:
             if item.session is not None and item.session.phase is Phase.PREFILLING:
                 item.session.fail(gone, self.engine.release)
@@ -824,6 +1048,20 @@ def _resolve(future: Future, value: object) -> None:
     """Set a result unless the caller cancelled or it is answered already."""
     if not future.done() and future.set_running_or_notify_cancel():
         future.set_result(value)
+
+
+def _settle(answer: tuple[asyncio.Future, object]) -> None:
+    """`_resolve` for an awaited round's future, on its loop."""
+    future, value = answer
+    if not future.done():
+        future.set_result(value)
+
+
+def _send(mails: set[_Mail | None]) -> None:
+    """Hand every loop in `mails` what the step posted for it."""
+    for mail in mails:
+        if mail is not None:
+            mail.send()
 
 
 def _raised(result):

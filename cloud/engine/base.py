@@ -9,9 +9,9 @@ the llama.cpp engine, cloud/engine/llamacpp_engine.py) serves every rule, mode a
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # tensors only pass through here: a process that serves no model never imports torch
     import torch
@@ -140,3 +140,17 @@ class Engine(Protocol):
 
     def release(self, kv: KVSequence) -> None:
         """Give back everything `kv` holds; the handle is empty afterwards."""
+
+
+@runtime_checkable
+class Parking(Protocol):
+    """What an engine that keeps only some sessions' caches in its fast memory (llama.cpp's streams) and
+    parks the others tells the core, and what the core tells it, so that the core's policy decides who
+    is served from a stream (cloud/core/passes.py `stream_rounds`) and who is parked first."""
+
+    # When the engine must park an idle session to free a stream: the one of least rank, then the least
+    # recently used. The core sets it (default: every rank 0, least recently used alone).
+    park_rank: Callable[[KVSequence], float]
+
+    def resident_since(self, kv: KVSequence) -> float | None:
+        """When `kv` last took a stream (time.monotonic()); None while it has none (parked or empty)."""

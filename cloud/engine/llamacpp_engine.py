@@ -44,7 +44,8 @@ ctypes releases the GIL during every llama.cpp call, so the replica's gRPC threa
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 
 from ...common.protocol.errors import ResourceExhausted
-from .base import Capabilities, Feed, KVLimits, Scores
+from .base import Capabilities, Feed, KVLimits, KVSequence, Scores
 from .llamacpp_context import LOG_CALLBACK, MAX_BATCH_TOKENS, UBATCH, Context, Mover
 from .llamacpp_trees import PlantedTree, is_tree, plant
 
@@ -75,6 +76,7 @@ class LlamaSequence:
     parked: bytearray | mmap.mmap | None = None  # its state while parked
     parked_cells: int = 0  # tokens that state holds (>= length: a cut while parked applies at the restore)
     used: int = 0  # the engine's pass count when it was last reserved: who is parked first, and who not now
+    since: float = 0.0  # when it last took a stream (time.monotonic())
     tree: PlantedTree | None = None  # the last pass's tree, until keep_rows, truncate or release
 
 
@@ -115,6 +117,7 @@ class LlamaCppEngine:
         self.pass_settings = {"library": f"llama-cpp-python {llama.__version__}", "threads": threads,
                               "flash_attention": flash_attention, "ubatch": UBATCH, "batch": self._main.batch_size,
                               "tree_cells": streams * self._per_sequence if trees else 0}
+        self.park_rank: Callable[[KVSequence], float] = lambda kv: 0.0  # the core's policy (base.Parking)
         ftype = llama.llama_model_ftype(self._model)
         self.capabilities = Capabilities(name="llamacpp", device="cpu", dtype=FTYPES.get(ftype, f"ftype {ftype}"),
                                          feature_dim=self._hidden, tree_masks=trees, max_tree_leaves=TREE_BRANCHES,
@@ -160,6 +163,10 @@ class LlamaCppEngine:
     def new_sequence(self) -> LlamaSequence:
         """An empty handle; it takes a stream when it first grows."""
         return LlamaSequence()
+
+    def resident_since(self, kv: LlamaSequence) -> float | None:
+        """When `kv` took its stream (time.monotonic()); None while it has none (base.Parking)."""
+        return kv.since if kv.seq_id is not None else None
 
     def fits(self, kv: LlamaSequence, extra: int) -> bool:
         """True if `extra` more tokens fit in `kv`'s stream, and `kv` has a stream or can have one: a
@@ -289,19 +296,20 @@ class LlamaCppEngine:
                 for f, feed in enumerate(feeds)]
 
     def _victim(self, incoming: LlamaSequence) -> LlamaSequence | None:
-        """The least recently used resident sequence that may give `incoming` its stream: not reserved for
-        the coming pass, no tree pending, its state within what host memory has left once `incoming`'s
-        own parked state (if any) is restored."""
+        """The resident sequence that may give `incoming` its stream, of least `park_rank`, then least
+        recently used: not reserved for the coming pass, no tree pending, its state within what host
+        memory has left once `incoming`'s own parked state (if any) is restored."""
         room = self._parked_budget - self._parked_cells + incoming.parked_cells
         idle = [kv for kv in self._resident.values()
                 if kv.used != self._passes and kv.tree is None and kv.length <= room]
-        return min(idle, key=lambda kv: kv.used, default=None)
+        return min(idle, key=lambda kv: (self.park_rank(kv), kv.used), default=None)
 
     def _take_stream(self, kv: LlamaSequence) -> None:
         """Give `kv` a stream (fits() said one can be had), restoring its parked state into it."""
         if not self._free_ids:
             self._park(self._victim(kv))
         kv.seq_id = self._free_ids.pop()
+        kv.since = time.monotonic()
         self._resident[kv.seq_id] = kv
         if kv.parked is None:
             return

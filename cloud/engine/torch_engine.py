@@ -59,15 +59,17 @@ GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # the first engine
 GRAPH_GROUP_TOKENS = 64  # queries (and fed path) of one group in a graph pass at most; beyond: eager
 FINE_STEP, COARSE_STEP, FINE_UNTIL = 8, 16, 256  # graph sizes every 8 tokens up to 256, every 16 beyond
 MAX_GRAPH_TOKENS = 512  # the largest graph by default: 64 sessions × 8 tokens
+GRAPH_SESSIONS = 64  # the most sessions B whose passes of B × (γ + 1) tokens get graphs of their own
 
 
-def graph_sizes(largest: int = MAX_GRAPH_TOKENS, blocks: Sequence[int] = (), max_sessions: int = 64) -> tuple[int, ...]:
+def graph_sizes(largest: int = MAX_GRAPH_TOKENS, blocks: Sequence[int] = (),
+                graph_sessions: int = GRAPH_SESSIONS) -> tuple[int, ...]:
     """Pass sizes to capture, increasing: 1, 2, 4, every FINE_STEP up to FINE_UNTIL, every COARSE_STEP
     up to `largest` (which is always among them), and B × block for every served block size (γ + 1)
-    and B ≤ max_sessions that fits: a verify pass of B sessions then replays a graph of its own size."""
+    and B ≤ graph_sessions that fits: a verify pass of B sessions then replays a graph of its own size."""
     grid = {1, 2, 4, *range(FINE_STEP, min(FINE_UNTIL, largest) + 1, FINE_STEP),
             *range(FINE_UNTIL + COARSE_STEP, largest + 1, COARSE_STEP), largest}
-    grid |= {b * block for block in blocks for b in range(1, max_sessions + 1) if b * block <= largest}
+    grid |= {b * block for block in blocks for b in range(1, graph_sessions + 1) if b * block <= largest}
     return tuple(sorted(t for t in grid if 1 <= t <= largest))
 
 
@@ -133,7 +135,7 @@ class EngineOptions:
     cublas: bool = True  # let a weight that cuBLAS provably keeps row-invariant be multiplied by it
     graph_tokens: int = MAX_GRAPH_TOKENS  # the largest pass replayed from a graph
     blocks: tuple[int, ...] = ()  # served block sizes (γ + 1) whose B × (γ + 1) get graphs of their own
-    max_sessions: int = 64  # B for `blocks`
+    graph_sessions: int = GRAPH_SESSIONS  # the most sessions B for `blocks`
     budget: GraphBudget = field(default_factory=GraphBudget)
 
 
@@ -325,7 +327,7 @@ class TorchEngine:
         """Capture a CUDA graph per size of `graph_sizes` within the budget (capture_order: the largest
         first, its memory pool reused by the smaller ones), and report what it took."""
         o, b = self.options, self.options.budget
-        sizes = GRAPH_TOKENS if o.products is Products.SPLIT else graph_sizes(o.graph_tokens, o.blocks, o.max_sessions)
+        sizes = GRAPH_TOKENS if o.products is Products.SPLIT else graph_sizes(o.graph_tokens, o.blocks, o.graph_sessions)
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]

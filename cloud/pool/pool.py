@@ -19,12 +19,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
-from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.wire import (PROGRESS_EVERY_S, DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec,
+                                     VerifyResult)
 from ...common.security.credentials import Identity
 from ..core.prefixes import PrefixStats
 from ..core.telemetry import ReplicaTelemetry, Tally
@@ -40,6 +41,17 @@ class ReplicaLost(FailedPrecondition):
     """The replica holding the session died: the edge re-opens and lands on a live one."""
 
 
+class ReplicaSilent(Unavailable):
+    """A replica said nothing for REPLICA_SILENT_S during an open (a stopped process, a hung host): it
+    takes no new sessions until it answers again, and the open is placed on another replica."""
+
+
+# An open's replica reports its progress every second (cloud/core/verifier.py PROGRESS_S): this long
+# without a word, it is taken as not answering. Well below the edge's own timeout, so the edge gets this
+# clear error (or a fail-over) in seconds instead of waiting for a deadline scaled to its prompt.
+REPLICA_SILENT_S = 4 * PROGRESS_EVERY_S
+
+
 class Replica(Protocol):
     """One verifier replica, as the pool calls it. Every call speaks wire dataclasses and raises
     domain errors; `ReplicaLost` means the replica died and its sessions with it."""
@@ -53,6 +65,10 @@ class Replica(Protocol):
     @property
     def failures(self) -> int:
         """Times it died (0 where a replica cannot die on its own)."""
+
+    @property
+    def answering(self) -> bool:
+        """False while it is alive but said nothing for REPLICA_SILENT_S (it gets no new sessions)."""
 
     @property
     def verify_address(self) -> str:
@@ -71,8 +87,10 @@ class Replica(Protocol):
     async def wait_alive(self) -> None:
         """Return once it is alive (at once if it is)."""
 
-    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
-        """Open or re-open a session there."""
+    async def aopen_session(self, spec: SessionSpec,
+                            progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """Open or re-open a session there, telling `progress` how far it has got at least every 2 s;
+        ReplicaSilent if the replica says nothing for REPLICA_SILENT_S."""
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
         """Verify one round of a session it holds."""
@@ -121,9 +139,10 @@ class Pool:
     """Session ids, placement, routing and limits over named replicas: what the front door serves."""
 
     def __init__(self, replicas: Sequence[Replica], max_sessions_per_client: int, max_sessions_per_address: int,
-                 replica_wait_s: float, cluster: Cluster | None = None) -> None:
+                 replica_wait_s: float, cluster: Cluster | None = None, paces: bool = False) -> None:
         """The session limits hold over every replica: per token identity, and per address without a
-        token. replica_wait_s: with every replica down, how long a new session waits for one."""
+        token. replica_wait_s: with every replica down, how long a new session waits for one. paces: the
+        replicas charge their callers' rates themselves, so the front door must not charge them again."""
         if not replicas:
             raise ValueError("a pool needs at least one replica")
         self.replicas: dict[str, Replica] = {r.name: r for r in replicas}
@@ -132,6 +151,7 @@ class Pool:
         self.info: ModelInfo | None = None  # set once the models are loaded
         self.replica_wait_s = replica_wait_s
         self.cluster = cluster
+        self.paces = paces
 
     async def start(self) -> None:
         """Start the cluster, then every replica; the front door reports SERVING only after this
@@ -167,16 +187,19 @@ class Pool:
                                     batch_pass_costs=measured.batch_pass_costs)
         return self.info
 
-    async def open_session(self, spec: SessionSpec, caller: Identity) -> SessionOpened:
-        """Open a session for `caller`, or re-open the live session spec.session_id names (its owner only).
+    async def open_session(self, spec: SessionSpec, caller: Identity,
+                           progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """Open a session for `caller`, or re-open the live session spec.session_id names (its owner only),
+        telling `progress` how far the replica has got.
 
         The session counts towards the caller's limit from the start and records the caller as its
         owner. Everything is checked before a replica is asked; an open that fails, times out or is
-        abandoned leaves nothing behind.
+        abandoned leaves nothing behind. A replica that dies or stops answering meanwhile is left for
+        another (a fail-over), or, with none left, the error says so.
         """
         info = self.model_info()
         session_id, route = self.table.claim(spec.session_id, caller)
-        spec = replace(spec, session_id=session_id, owner=caller.owner)
+        spec = replace(spec, session_id=session_id, owner=caller.owner, tenant=caller.name, weight=caller.weight)
         try:
             spec.check_against(info)
             for _ in range(len(self.replicas) + 1):  # a replica may die under us: try another
@@ -189,8 +212,12 @@ class Pool:
                 route.opening = True
                 try:
                     with self._noticing_loss(replica):
-                        opened = await replica.aopen_session(spec)
-                except ReplicaLost:
+                        opened = await replica.aopen_session(spec, progress)
+                except (ReplicaLost, ReplicaSilent) as exc:
+                    if isinstance(exc, ReplicaSilent):
+                        log.warning("replica %s stopped answering during an open; it gets no new sessions until "
+                                    "it answers again", replica.name)
+                        self._close_quietly(replica, session_id)  # if it wakes up, it must not keep the open
                     route.replica = ""
                     self._check_still_routed(session_id, route)
                     continue
@@ -266,14 +293,20 @@ class Pool:
     # ---- helpers ------------------------------------------------------------------------------
 
     async def _place(self) -> str:
-        """The name of the live replica a new session goes to: the one with the fewest sessions (ties:
-        the one that got fewer so far); with none alive, wait up to replica_wait_s for one."""
+        """The name of the live, answering replica a new session goes to: the one with the fewest
+        sessions (ties: the one that got fewer so far); Unavailable at once if every live one stopped
+        answering; with none alive, wait up to replica_wait_s for one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replica_wait_s
         while True:
-            live = [r.name for r in self.replicas.values() if r.alive]
+            alive = [r for r in self.replicas.values() if r.alive]
+            live = [r.name for r in alive if r.answering]
             if live:
                 return min(live, key=lambda name: (self.table.count(name), self.routed_total.get(name, 0)))
+            if alive:
+                which = "every verifier replica" if len(alive) > 1 else "the verifier replica"
+                raise Unavailable(f"{which} stopped answering (nothing for {REPLICA_SILENT_S:g} s during an open) "
+                                  "and gets no new session until it answers again; retry shortly")
             waits = [loop.create_task(r.wait_alive()) for r in self.replicas.values()]
             try:
                 done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - loop.time()),

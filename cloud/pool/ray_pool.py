@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import RayActorError
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
-from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
 from ..core.telemetry import Tally
 from .cluster import join, last_line, start_local
-from .pool import Pool, ReplicaLost
+from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
 from .reaper import start_reaper
 from .replica import EndpointStarter, ReplicaReady, VerifierReplica
 from .specs import PoolSettings, PoolSpec
@@ -55,7 +55,7 @@ def RayPool(spec: PoolSpec, endpoint: EndpointStarter | None = None) -> Pool:
     settings = spec.settings
     replicas = [RayReplica(f"{spec.name}-replica-{i}", spec, endpoint) for i in range(settings.replicas)]
     return Pool(replicas, settings.max_sessions_per_client, settings.max_sessions_per_address,
-                settings.replica_wait_s, RayCluster(settings))
+                settings.replica_wait_s, RayCluster(settings), paces=endpoint is not None)
 
 
 class RayCluster:
@@ -90,7 +90,9 @@ class RayCluster:
 class RayReplica:
     """A `Replica` that is a Ray actor (cloud/pool/replica.py `VerifierReplica`), restarted by Ray when
     it dies. Actor calls return domain errors as values; a raised RayActorError means the actor died:
-    it is marked down, counted, watched until Ray has it back, and the call raises ReplicaLost."""
+    it is marked down, counted, watched until Ray has it back, and the call raises ReplicaLost. An actor
+    that says nothing for REPLICA_SILENT_S during an open, or does not answer a status call, is marked
+    not answering (no new sessions) until any call is answered again."""
 
     def __init__(self, name: str, spec: PoolSpec, endpoint: EndpointStarter | None) -> None:
         self.name = name
@@ -98,6 +100,7 @@ class RayReplica:
         self.endpoint = endpoint
         self.handle: ray.actor.ActorHandle | None = None
         self.alive = False  # until `start` has it loaded
+        self.answering = True  # False while it is silent (alive, but not answering)
         self.failures = 0  # times this replica died
         self.address = ""  # its direct endpoint (changes when Ray restarts it); "" = none
         self.info: ModelInfo | None = None  # what it serves, as it last said (its pass-cost curve once in)
@@ -144,9 +147,35 @@ class RayReplica:
         """Return once Ray has it back (at once if it is alive)."""
         await self._back.wait()
 
-    async def aopen_session(self, spec: SessionSpec) -> SessionOpened:
-        """Open or re-open a session on the actor."""
-        return await self._call(self.handle.open_session.remote(spec), "OpenSession")
+    async def aopen_session(self, spec: SessionSpec,
+                            progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+        """Open or re-open a session on the actor, as a Ray streaming call of its progress (every second)
+        then its answer; ReplicaSilent, the open abandoned, if nothing comes for REPLICA_SILENT_S. The
+        answer names the actor's endpoint: Ray may have restarted it (on a new port) without any call of
+        ours seeing it die."""
+        stream = self.handle.open_session_progress.options(num_returns="streaming").remote(spec)
+        try:
+            while True:
+                try:
+                    ref = await asyncio.wait_for(stream.__anext__(), REPLICA_SILENT_S)
+                except StopAsyncIteration:
+                    raise incident(log, RuntimeError("the open's stream ended without an answer"), "OpenSession") \
+                        from None
+                except asyncio.TimeoutError:
+                    self.answering = False
+                    raise ReplicaSilent(f"the verifier replica stopped answering: nothing for {REPLICA_SILENT_S:g} s "
+                                        "while it had the prompt") from None
+                except RayActorError as exc:
+                    raise self._lost(exc) from None
+                item = await self._call(ref, "OpenSession")
+                self.answering = True
+                if isinstance(item, SessionOpened):
+                    self.address = item.verify_address
+                    return item
+                if progress is not None:
+                    progress(item)
+        finally:
+            ray.cancel(stream)  # a no-op once it ended; abandons the open when the caller left early
 
     async def averify(self, block: DraftBlock) -> VerifyResult:
         """Verify one round on the actor."""
@@ -178,11 +207,16 @@ class RayReplica:
         if not self.alive:
             return None
         try:
-            return await asyncio.wait_for(self._call(self.handle.stats.remote(), "stats"), timeout=CHECK_S)
+            stats = await asyncio.wait_for(self._call(self.handle.stats.remote(), "stats"), timeout=CHECK_S)
         except ReplicaLost:
             raise
-        except (HybridSpecError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
+            self.answering = False
             return None
+        except HybridSpecError:
+            return None
+        self.answering = True
+        return stats
 
     async def take_tally(self) -> Tally:
         """What its direct endpoint answered since the last call."""

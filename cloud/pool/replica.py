@@ -8,18 +8,22 @@ Given an endpoint to start (the gRPC layer's `ReplicaEndpoint`, cloud/api/server
 through the pool so that the pool never imports the layer above it), the actor also hosts its own
 small gRPC endpoint on its event loop, beside the Ray calls: edges stream their rounds to it
 directly, saving the front door's hop and the Ray call per round. Protobuf stays in cloud/api/.
+Such a replica charges every call that does work on it to its endpoint's rate buckets, the opens
+and the rounds that come through the front door too (which then charges nothing), so an identity's
+rate on one replica is its rate, not one bucket at the front door plus one at the endpoint.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
-from ...common.protocol.wire import DraftBlock, ModelInfo, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
 from .specs import ReplicaSpec
 from ..core import cost_cache
 from ..core.costs import CurveMeasurement, measure_in_background
@@ -42,6 +46,10 @@ class Endpoint(Protocol):
 
     def take_tally(self) -> Tally:
         """Its rounds and errors since the last call."""
+
+    def pace(self, owner: str, tokens: int) -> float:
+        """Seconds work of `tokens` tokens for the identity `owner` must wait by its rate, charged to the
+        bucket the endpoint's own calls use; ResourceExhausted if too long."""
 
 
 class EndpointStarter(Protocol):
@@ -75,7 +83,8 @@ def load_verifier(spec: ReplicaSpec, measured: Callable[[ModelInfo], None] | Non
     target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
                                  settings.torch_threads, spec.limits)
     verifier = Verifier(target, spec.limits, engine, max_batch=settings.max_batch_size,
-                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms)
+                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms,
+                        hold=settings.hold, fair_share=settings.fair_share)
     if settings.pass_cost_tokens:
         _pass_costs(verifier, verifier.pass_cost_measurement(settings.pass_cost_tokens), measured)
     return verifier
@@ -127,6 +136,7 @@ class VerifierReplica:
             if not self._started:
                 await self.verifier.start()
                 self._started = True
+                gc.freeze()  # start-up's objects out of the collector's sight (cloud/api/server.py serve_forever)
             if self._starter is not None and self._endpoint is None:
                 self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
         return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")
@@ -139,30 +149,58 @@ class VerifierReplica:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""
         return self._endpoint.take_tally() if self._endpoint else Tally()
 
-    async def open_session(self, spec: SessionSpec) -> SessionOpened | HybridSpecError:
-        """Open or re-open a session."""
-        return await _as_value(self.verifier.aopen_session(spec))
+    async def open_session_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened
+                                                                               | HybridSpecError]:
+        """Open or re-open a session, streamed (the pool calls it with num_returns="streaming"): how far
+        it has got every second, then its answer, which names this replica's endpoint (a restart moves
+        it); a domain error is the last item. Its prompt is charged to the caller's rate first.
+
+        Ray restarts a dead actor without anyone calling `ready` unless the pool saw it die, so every
+        call starts what `ready` starts first."""
+        ready = await self.ready()
+        try:
+            await self._pace(spec.owner, len(spec.committed_ids))
+            async for item in self.verifier.aopen_progress(spec):
+                yield replace(item, verify_address=ready.verify_address) if isinstance(item, SessionOpened) else item
+        except HybridSpecError as exc:
+            yield exc
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
-        """Verify one round in the next batch."""
+        """Verify one round in the next batch (charged to its sender's rate first)."""
+        await self.ready()
+        try:
+            await self._pace(block.owner, len(block.draft_ids) + 1)
+        except HybridSpecError as exc:
+            return exc
         return await _as_value(self.verifier.averify(block))
 
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
-        """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"); a domain
-        error is the last item."""
+        """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"), each token
+        charged to the caller's rate; a domain error is the last item."""
+        await self.ready()
         try:
             async for token in self.verifier.adecode(block, max_tokens, eos):
+                await self._pace(block.owner, 1)
                 yield token
         except HybridSpecError as exc:
             yield exc
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
+        await self.ready()
         return await _as_value(self.verifier.aclose_session(session_id))
 
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
+        await self.ready()
         return await _as_value(self.verifier.astats())
+
+    async def _pace(self, owner: str, tokens: int) -> None:
+        """Wait as the caller's rate says (its endpoint's bucket; nothing without an endpoint: then the
+        front door paces); ResourceExhausted if it would wait too long."""
+        delay = self._endpoint.pace(owner, tokens) if self._endpoint is not None else 0.0
+        if delay > 0:
+            await asyncio.sleep(delay)
 
 
 def _advertised(host: str) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...common.config import DType, check_fields, device_setting, setting
-from ..core.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS, DEFAULT_PREFILL_BUDGET_MS, VerifierLimits
+from ..core.limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
+                           DEFAULT_PREFILL_BUDGET_MS, Hold,
+                           VerifierLimits)
 from ..engine.kinds import EngineKind
 
 
@@ -32,12 +34,21 @@ class ReplicaSettings:
                                   ge=1)
     max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, "a round waits at most this long for others to batch with",
                                  ge=0)
+    hold: Hold = setting(DEFAULT_HOLD, "which others a queued round waits for: company = every session that "
+                                       "sent a round lately, up to max_wait; cohort = those the same pass "
+                                       "answered (groups that draft while another is verified); quorum = nine in ten "
+                                       "of them, up to the last pass's time (one group)")
     pass_cost_tokens: int = setting(32, "a replica times passes of 1 to this many tokens and reports the curve "
                                         "to edges, which size their blocks by it: kept from an earlier start on "
                                         "the same model, engine and machine ($HYBRIDSPEC_HOME/pass-costs), else "
                                         "measured while it serves; 0 = do not measure", ge=0)
-    prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others send rounds, a pass carrying a "
-                                                                  "prompt chunk takes about this long", gt=0)
+    prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others wait, a pass takes about this "
+                                                                  "long: one carrying a prompt chunk beside other "
+                                                                  "sessions' rounds, and one shared by several "
+                                                                  "identities", gt=0)
+    fair_share: bool = setting(DEFAULT_FAIR_SHARE, "share each pass among the identities with work by weight, "
+                                                   "in measured pass time (an identity alone gets all of it); "
+                                                   "off: rounds go by arrival")
 
     def __post_init__(self) -> None:
         check_fields(self)

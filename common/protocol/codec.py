@@ -6,7 +6,8 @@ import math
 from .errors import InvalidArgument
 from .proto import verifier_pb2 as pb
 from .wire import (DEFAULT_LENIENCE, DEFAULT_ROLLBACK_THRESHOLD, DecodeSpec, DraftBlock, FeatureBlock, FeatureFormat,
-                   GenerateSpec, Mode, ModelInfo, SamplingParams, SessionOpened, SessionSpec, VerifyResult)
+                   GenerateSpec, Mode, ModelInfo, OpenProgress, SamplingParams, SessionOpened, SessionSpec,
+                   VerifyResult)
 
 _MODE_TO_PB = {Mode.GREEDY: pb.MODE_GREEDY, Mode.SPECULATIVE: pb.MODE_SPECULATIVE,
                Mode.BILD: pb.MODE_BILD, Mode.LENIENT: pb.MODE_LENIENT, Mode.COUPLED: pb.MODE_COUPLED}
@@ -135,6 +136,20 @@ def opened_from_pb(m: pb.OpenSessionReply) -> SessionOpened:
     """Decode the answer to OpenSession."""
     return SessionOpened(session_id=m.session_id, committed_len=m.committed_len, verify_address=m.verify_address,
                          features=features_from_pb(m.features) if m.HasField("features") else None)
+
+
+def progress_to_pb(item: OpenProgress | SessionOpened) -> pb.OpenSessionProgress:
+    """Encode one message of OpenSessionStream: progress, or the last one with the reply."""
+    if isinstance(item, SessionOpened):
+        return pb.OpenSessionProgress(opened=opened_to_pb(item))
+    return pb.OpenSessionProgress(cached_tokens=item.cached, prompt_tokens=item.total)
+
+
+def progress_from_pb(m: pb.OpenSessionProgress) -> OpenProgress | SessionOpened:
+    """Decode one message of OpenSessionStream."""
+    if m.HasField("opened"):
+        return opened_from_pb(m.opened)
+    return OpenProgress(cached=m.cached_tokens, total=m.prompt_tokens)
 
 
 def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:

@@ -9,9 +9,16 @@ import secrets
 
 
 class HybridSpecError(Exception):
-    """Base class; `code` names a grpc.StatusCode member."""
+    """Base class; `code` names a grpc.StatusCode member. `retry_after_s`, when set, is when retrying may
+    succeed: the servicer sends it as gRPC's RetryInfo in the status details."""
 
     code = "INTERNAL"
+    retry_after_s: float | None = None
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(HybridSpecError):
@@ -69,10 +76,10 @@ def incident(log: logging.Logger, exc: BaseException, during: str) -> Internal:
     return Internal(f"internal error during {during} (incident {incident_id}; the server log has the details)")
 
 
-def error_for_code(code: str, message: str) -> HybridSpecError:
+def error_for_code(code: str, message: str, retry_after_s: float | None = None) -> HybridSpecError:
     """The domain error for a gRPC status name (DEADLINE_EXCEEDED counts as Unavailable)."""
     if code == "DEADLINE_EXCEEDED":
         code = "UNAVAILABLE"
-    err = _BY_CODE.get(code, HybridSpecError)(message)
+    err = _BY_CODE.get(code, HybridSpecError)(message, retry_after_s)
     err.code = code
     return err

@@ -23,6 +23,7 @@ MAX_SESSION_ID_CHARS = 64  # server-issued ids are far shorter; longer ones are 
 MAX_REPETITION_PENALTY = 10.0  # beyond this every repeated token is ruled out anyway
 MAX_OPENAI_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as in the OpenAI API
 DEFAULT_MAX_NEW_TOKENS = 128  # a generation's tokens at most, unless asked otherwise (the edge's default too)
+PROGRESS_EVERY_S = 2.0  # OpenSessionStream: the server reports an open's progress at least this often
 
 
 class Mode(str, Enum):
@@ -203,6 +204,10 @@ class SessionSpec:
     # Never on the wire: the authenticated identity the front door opened the session for ("" on a
     # server without credentials). Every round must come from the same identity.
     owner: str = ""
+    # Never on the wire, set by the front door: whose share of a replica the session draws on (the
+    # identity's name, a caller's address without a token) and that identity's weight.
+    tenant: str = ""
+    weight: float = 1.0
 
     @property
     def prompt_end(self) -> int:
@@ -246,6 +251,15 @@ class SessionOpened:
     committed_len: int
     verify_address: str = ""
     features: FeatureBlock | None = None  # asked-for features of committed_ids[:-1] (all but the last)
+
+
+@dataclass(frozen=True)
+class OpenProgress:
+    """How far an open has got: `cached` of its `total` prompt tokens are in the verifier's cache
+    (total = len(committed_ids) - 1: the newest token is cached by the first round)."""
+
+    cached: int
+    total: int
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ stores its digest. Tokens carry 256 random bits, so a digest lookup is as good a
         sha256: 3b1f…(64 hex digits)
         max_sessions: 8        # optional: overrides the server's per-client session limit
         tokens_per_s: 2000     # optional: overrides the server's per-client rate
+        weight: 2              # optional: its share of a replica's passes and KV cells (default 1)
 
 A server re-reads the file when it changes (checked at most once a second), so adding or revoking an
 edge needs no restart; a file that became unreadable or invalid keeps the last good table in force
@@ -42,6 +43,8 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 MAX_TOKEN_CHARS = 256  # longer bearer values are refused unread
 RELOAD_CHECK_S = 1.0  # how often the file's modification time is looked at
+DEFAULT_WEIGHT = 1.0  # an identity's share weight when its entry sets none (anonymous callers too)
+MAX_WEIGHT = 1000.0  # a larger ratio between two tenants' shares would starve the lighter one in practice
 HEADER = "# hybridspec credentials: edit with `hybridspec token add/remove/list`; only digests are stored\n"
 
 
@@ -54,6 +57,9 @@ class Identity:
     authenticated: bool = False
     max_sessions: int | None = None  # None: the server's per-client default
     tokens_per_s: float | None = None  # None: the server's per-client default
+    # Its share of a replica's passes and KV cells against the other identities with work there
+    # (cloud/core/passes.py): an identity of weight 2 gets twice the share of one of weight 1.
+    weight: float = DEFAULT_WEIGHT
 
     @property
     def owner(self) -> str:
@@ -102,8 +108,8 @@ def parse_credentials(data: Any, source: str) -> dict[str, Identity]:
         where = f"credentials file {source}, identity {name!r}"
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise ConfigError(f"{where}: names are 1-64 letters, digits, '.', '_', '@' or '-'")
-        if not isinstance(entry, dict) or set(entry) - {"sha256", "max_sessions", "tokens_per_s"}:
-            raise ConfigError(f"{where}: an entry has sha256 and optionally max_sessions, tokens_per_s")
+        if not isinstance(entry, dict) or set(entry) - {"sha256", "max_sessions", "tokens_per_s", "weight"}:
+            raise ConfigError(f"{where}: an entry has sha256 and optionally max_sessions, tokens_per_s, weight")
         token_digest = entry.get("sha256")
         if not isinstance(token_digest, str) or not DIGEST_PATTERN.fullmatch(token_digest):
             raise ConfigError(f"{where}: sha256 must be 64 lowercase hex digits (hybridspec token add writes it)")
@@ -116,7 +122,10 @@ def parse_credentials(data: Any, source: str) -> dict[str, Identity]:
         rate = entry.get("tokens_per_s")
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
             raise ConfigError(f"{where}: tokens_per_s must be a number > 0")
-        table[token_digest] = Identity(name, True, max_sessions, None if rate is None else float(rate))
+        weight = entry.get("weight", DEFAULT_WEIGHT)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+            raise ConfigError(f"{where}: weight must be a number in (0, {MAX_WEIGHT:g}]")
+        table[token_digest] = Identity(name, True, max_sessions, None if rate is None else float(rate), float(weight))
     return table
 
 
@@ -157,6 +166,11 @@ class CredentialStore:
         if identity is None:
             raise Unauthenticated("invalid credentials: the token is not known to this server")
         return identity
+
+    def named(self, name: str) -> Identity | None:
+        """The identity of that name, if the file (as last read) has it."""
+        self._refresh()
+        return next((identity for identity in self._table.values() if identity.name == name), None)
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -209,8 +223,9 @@ def _write(path: Path, entries: dict[str, dict]) -> None:
 
 
 def add_identity(path: str | Path, name: str, max_sessions: int | None = None,
-                 tokens_per_s: float | None = None) -> str:
-    """Add `name` with a fresh token (replacing its old token, if any); returns the token."""
+                 tokens_per_s: float | None = None, weight: float | None = None) -> str:
+    """Add `name` with a fresh token (replacing its old token, if any); returns the token. ConfigError
+    (the file unchanged) for a limit or weight the server would refuse."""
     path = Path(path)
     entries = _entries(path)
     token = new_token()
@@ -219,6 +234,8 @@ def add_identity(path: str | Path, name: str, max_sessions: int | None = None,
         entry["max_sessions"] = max_sessions
     if tokens_per_s is not None:
         entry["tokens_per_s"] = tokens_per_s
+    if weight is not None:
+        entry["weight"] = weight
     entries[name] = entry
     parse_credentials({"identities": entries}, str(path))  # the same checks a server makes
     _write(path, entries)

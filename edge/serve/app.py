@@ -2,9 +2,11 @@
 health and metrics, in front of one already-built EdgeWorker.
 
 Each request is its own generation (generation.Job) on a worker thread. A streamed response starts
-once its first text is final, so a generation that cannot start (the cloud is unreachable, a bad
-value) still gets its HTTP status; after that, a failure ends the stream with an error event. A
-client that goes away stops its generation.
+once its first text is final, or once the cloud first reports how far it got with a long prompt
+(each report is an SSE comment, `: prefill CACHED/TOTAL tokens`, which clients ignore and proxies
+see as traffic), so a generation that cannot start (the cloud is unreachable, a bad value) still gets
+its HTTP status; after that, a failure ends the stream with an error event. A client that goes away
+stops its generation.
 """
 from __future__ import annotations
 
@@ -28,10 +30,10 @@ from . import errors
 from .auth import APIKeys
 from .config import ServeOptions
 from .errors import APIError, api_error
-from .generation import Job, Outcome, Text
+from .generation import Job, Outcome, Progress, Text
 from .limits import Admission, BodyLimit
 from .metrics import RequestMetrics, ServeMetrics
-from .responses import DONE, ChatFormat, CompletionFormat, error_event, event, usage
+from .responses import DONE, ChatFormat, CompletionFormat, comment, error_event, event, usage
 from .schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -175,15 +177,15 @@ class Service:
         job = Job(self.worker, prompt, config, self.admission.limiter, self.metrics.running.inc)
         job.start(on_done=lambda done: self._finished(done, request.url.path))
         try:
-            texts, outcome = await self._until(job, request, stop_at_text=body.stream)
+            items, outcome = await self._until(job, request, stop_at_text=body.stream)
         except BaseException:  # cancelled (the server is stopping): nobody will read the rest
             job.cancel()
             raise
-        if outcome is None and not texts:
+        if outcome is None and not items:
             raise APIError(499, "the client closed the request", code="client_closed_request")
         if outcome is not None and (outcome.error is not None or not body.stream):
             return self._whole(fmt, outcome, len(prompt))
-        stream = self._events(job, fmt, texts, outcome, len(prompt), body.include_usage)
+        stream = self._events(job, fmt, items, outcome, len(prompt), body.include_usage)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -202,21 +204,24 @@ class Service:
         self.metrics.observe_generation(endpoint, kind, len(job.prompt_ids), gen.stats if gen else None, job.ttft_s,
                                         job.itl_s(gen.stats.new_tokens) if gen else None)
 
-    async def _until(self, job: Job, request: Request, stop_at_text: bool) -> tuple[list[str], Outcome | None]:
-        """The job's text until its Outcome (or, with stop_at_text, its first text); cancels the job
-        and returns no Outcome if the client disconnects first."""
-        texts: list[str] = []
+    async def _until(self, job: Job, request: Request,
+                     stop_at_text: bool) -> tuple[list[Text | Progress], Outcome | None]:
+        """The job's text (and, with stop_at_text, progress reports) until its Outcome, or with
+        stop_at_text until its first text or report; cancels the job and returns no Outcome if the
+        client disconnects first."""
+        items: list[Text | Progress] = []
         outcome = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._on_disconnect, request, job, tg.cancel_scope)
-            while not (stop_at_text and texts):
+            while not (stop_at_text and items):
                 item = await job.next()
                 if isinstance(item, Outcome):
                     outcome = item
                     break
-                texts.append(item.text)
+                if isinstance(item, Text) or stop_at_text:
+                    items.append(item)
             tg.cancel_scope.cancel()
-        return texts, outcome
+        return items, outcome
 
     @staticmethod
     async def _on_disconnect(request: Request, job: Job, scope: anyio.CancelScope) -> None:
@@ -235,18 +240,20 @@ class Service:
         assert gen is not None
         return JSONResponse(fmt.whole(gen.text, gen.finish_reason, usage(prompt_tokens, gen)).model_dump())
 
-    async def _events(self, job: Job, fmt: ChatFormat, texts: list[str], outcome: Outcome | None,
+    async def _events(self, job: Job, fmt: ChatFormat, items: list[Text | Progress], outcome: Outcome | None,
                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         try:
             opening = fmt.opening()
             if opening is not None:
                 yield event(opening)
-            for text in texts:
-                yield event(fmt.text(text))
+            for item in items:
+                yield event(fmt.text(item.text)) if isinstance(item, Text) else comment(item)
             while outcome is None:
                 item = await job.next()
                 if isinstance(item, Text):
                     yield event(fmt.text(item.text))
+                elif isinstance(item, Progress):
+                    yield comment(item)
                 else:
                     outcome = item
             gen = outcome.generation

@@ -2,7 +2,8 @@
 
 The worker's loop is blocking code (drafter forward passes, gRPC waits), so each generation runs on
 one of anyio's worker threads, at most `max_concurrent` at once (limits.Admission). The thread puts
-`Text` items (newly final text) and, last, one `Outcome` on an asyncio queue; the request's
+`Text` items (newly final text), `Progress` items (the cloud's word on a long prompt's prefill) and,
+last, one `Outcome` on an asyncio queue; the request's
 coroutine awaits them. Cancelling a job (the client went away) stops its generation after the
 event in hand and closes its cloud session.
 """
@@ -30,6 +31,14 @@ class Text:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """The cloud has cached `cached` of the prompt's `total` tokens (it reports at least every 2 s)."""
+
+    cached: int
+    total: int
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How the generation ended: `error` is what it raised, `cancelled` whether the client went away;
     `generation`, ended, holds what was committed either way (None: it never started)."""
@@ -54,7 +63,7 @@ class Job:
         self.first_text_at: float | None = None
         self.ended_at: float | None = None
         self.outcome: Outcome | None = None  # set by the thread; None if the job never got one
-        self._queue: asyncio.Queue[Text | Outcome] = asyncio.Queue()
+        self._queue: asyncio.Queue[Text | Progress | Outcome] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._cancelled = threading.Event()
         self._started = threading.Event()
@@ -84,7 +93,7 @@ class Job:
         self._task = asyncio.ensure_future(anyio.to_thread.run_sync(self._run, limiter=self.limiter))
         self._task.add_done_callback(done)
 
-    async def next(self) -> Text | Outcome:
+    async def next(self) -> Text | Progress | Outcome:
         """The next item; after an Outcome there are none."""
         return await self._queue.get()
 
@@ -109,6 +118,8 @@ class Job:
                     return self._end(Outcome(generation, cancelled=True))
                 if event.kind is EventKind.COMMIT and event.text:
                     self._text(event.text)
+                elif event.kind is EventKind.PROGRESS:
+                    self._put(Progress(*event.progress))
             self._text_after_commits(generation)
             self._end(Outcome(generation))
         except Exception as exc:  # noqa: BLE001 — the request's coroutine turns it into the client's error
@@ -133,7 +144,7 @@ class Job:
         if generation.text.startswith(self._sent) and len(generation.text) > len(self._sent):
             self._text(generation.text[len(self._sent):])
 
-    def _put(self, item: Text | Outcome) -> None:
+    def _put(self, item: Text | Progress | Outcome) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:

@@ -41,6 +41,12 @@ def event(body) -> str:
     return f"data: {data}\n\n"
 
 
+def comment(progress) -> str:
+    """An SSE comment saying how far the cloud got with a long prompt (`generation.Progress`): clients
+    skip comments, and the bytes keep proxies from timing the stream out."""
+    return f": prefill {progress.cached}/{progress.total} tokens\n\n"
+
+
 def error_event(error: APIError) -> str:
     """The event that ends a stream whose generation failed (OpenAI's clients raise it)."""
     return event(error.body())

@@ -14,7 +14,7 @@ histogram the replica's Telemetry kept over the window (tokens per forward pass)
 Cloud-only edges stream the target's tokens with the Generate RPC; their complete generations are
 the references. Hybrid edges open a session per prompt and send rounds of γ drafts. The drafter is an
 oracle that knows the reference: it proposes the right token with probability α, or it replays a real
-drafter's agreement trace (bench/acceptance_trace.py: where the shipped drafter agreed with the
+drafter's agreement trace (bench/drafter_quality.py trace: where the shipped drafter agreed with the
 target, position by position), so the acceptance by position and its runs are a real drafter's. γ is
 fixed or chosen by the edge's own policy (edge/policy.py) from the replica's measured pass costs.
 Each hybrid token is compared with the reference: verification is exact when none differs. Drafting
@@ -257,7 +257,7 @@ def differing(refs: list[tuple[tuple[int, ...], ...]], results: list[dict]) -> t
 
 
 def load_trace(path: Path = TRACE) -> dict:
-    """A recorded acceptance trace (bench/acceptance_trace.py): its flags joined, and its α by position."""
+    """A recorded acceptance trace (bench/drafter_quality.py trace): its flags joined, and its α by position."""
     trace = json.loads(path.read_text())
     return {"flags": "".join(trace["flags"]), "alpha_by_position": trace["by_gamma"]["8"]["alpha_by_position"],
             "agreement": trace["agreement"], "source": f"{path.name} ({trace['drafter']}, {trace['date']})"}

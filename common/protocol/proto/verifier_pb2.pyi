@@ -152,6 +152,16 @@ class OpenSessionReply(_message.Message):
     features: Features
     def __init__(self, committed_len: _Optional[int] = ..., session_id: _Optional[str] = ..., verify_address: _Optional[str] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
+class OpenSessionProgress(_message.Message):
+    __slots__ = ("cached_tokens", "prompt_tokens", "opened")
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    prompt_tokens: int
+    opened: OpenSessionReply
+    def __init__(self, cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., opened: _Optional[_Union[OpenSessionReply, _Mapping]] = ...) -> None: ...
+
 class DraftPosition(_message.Message):
     __slots__ = ("support_ids", "probs")
     SUPPORT_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class VerifierStub:
                 request_serializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionRequest.SerializeToString,
                 response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionReply.FromString,
                 _registered_method=True)
+        self.OpenSessionStream = channel.unary_stream(
+                '/hybridspec.v1.Verifier/OpenSessionStream',
+                request_serializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionProgress.FromString,
+                _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/hybridspec.v1.Verifier/Verify',
                 request_serializer=hybridspec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
@@ -85,6 +90,17 @@ class VerifierServicer:
     def OpenSession(self, request, context):
         """Starts a generation (or re-opens one after FAILED_PRECONDITION) from its committed tokens. The
         reply carries the server-issued session id that every later call of the generation presents.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSessionStream(self, request, context):
+        """OpenSession that reports its progress while the verifier caches the prompt: a message at least
+        every 2 s (tokens cached so far of the total, also while the open waits behind other work), then a
+        last message carrying the reply. A client that hears nothing for a while can take the verifier as
+        lost instead of waiting for a deadline scaled to the prompt. Errors end the stream with the status
+        OpenSession would have returned. A server without it answers UNIMPLEMENTED: use OpenSession.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +162,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.OpenSession,
                     request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionRequest.FromString,
                     response_serializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionReply.SerializeToString,
+            ),
+            'OpenSessionStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenSessionStream,
+                    request_deserializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionRequest.FromString,
+                    response_serializer=hybridspec_dot_v1_dot_verifier__pb2.OpenSessionProgress.SerializeToString,
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
@@ -227,6 +248,33 @@ class Verifier:
             '/hybridspec.v1.Verifier/OpenSession',
             hybridspec_dot_v1_dot_verifier__pb2.OpenSessionRequest.SerializeToString,
             hybridspec_dot_v1_dot_verifier__pb2.OpenSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSessionStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hybridspec.v1.Verifier/OpenSessionStream',
+            hybridspec_dot_v1_dot_verifier__pb2.OpenSessionRequest.SerializeToString,
+            hybridspec_dot_v1_dot_verifier__pb2.OpenSessionProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,8 @@ ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode
            grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_DETAILS_CHARS = 300  # an error message names the problem in a line, never a traceback
 MAX_LIVE = 12  # live sessions a fuzzer keeps to aim at
-METHODS = ("GetModelInfo", "OpenSession", "Verify", "VerifyStream", "CloseSession", "Generate")
+METHODS = ("GetModelInfo", "OpenSession", "OpenSessionStream", "Verify", "VerifyStream", "CloseSession", "Generate")
+SERVER_STREAMS = ("Generate", "OpenSessionStream")
 
 UINT32 = 2**32 - 1
 # Ids cluster around the vocabulary edge of the tiny (256) and real (49152) targets.
@@ -116,6 +117,7 @@ def calls(live: list[str], sessions: dict[str, list] | None = None) -> st.Search
     return st.one_of(*plausible,
         st.tuples(st.just("GetModelInfo"), st.just(pb.GetModelInfoRequest())),
         st.tuples(st.just("OpenSession"), open_requests(live)),
+        st.tuples(st.just("OpenSessionStream"), open_requests(live)),
         st.tuples(st.just("Verify"), verify_requests(live)),
         st.tuples(st.just("VerifyStream"), st.lists(verify_requests(live), min_size=1, max_size=3)),
         st.tuples(st.just("CloseSession"), st.builds(pb.CloseSessionRequest, session_id=session_ids(live))),
@@ -138,7 +140,7 @@ class Fuzzer:
     def __post_init__(self) -> None:
         self.stub = pb_grpc.VerifierStub(self.channel)
         self._raw = {m: (self.channel.stream_stream if m == "VerifyStream" else
-                         self.channel.unary_stream if m == "Generate" else self.channel.unary_unary)(
+                         self.channel.unary_stream if m in SERVER_STREAMS else self.channel.unary_unary)(
             f"/hybridspec.v1.Verifier/{m}", request_serializer=_as_bytes, response_deserializer=bytes)
             for m in METHODS}
 
@@ -147,7 +149,9 @@ class Fuzzer:
         code, details = grpc.StatusCode.OK, ""
         try:
             reply = self._call(method, message)
-            if method == "OpenSession" and isinstance(reply, pb.OpenSessionReply):
+            if method == "OpenSessionStream" and isinstance(reply, list) and reply and reply[-1].HasField("opened"):
+                reply = reply[-1].opened  # the messages before it are progress reports
+            if method.startswith("OpenSession") and isinstance(reply, pb.OpenSessionReply):
                 self._keep(reply.session_id, reply.committed_len, message.sampling.temperature > 0)
             for answer in (reply if isinstance(reply, list) else [reply]):
                 if isinstance(answer, pb.VerifyReply):
@@ -187,9 +191,9 @@ class Fuzzer:
             return list(call(iter(requests), timeout=timeout))
         if isinstance(message, bytes):
             reply = self._raw[method](message, timeout=timeout)
-            return list(reply) if method == "Generate" else reply
-        if method == "Generate":
-            return list(self.stub.Generate(message, timeout=timeout))
+            return list(reply) if method in SERVER_STREAMS else reply
+        if method in SERVER_STREAMS:
+            return list(getattr(self.stub, method)(message, timeout=timeout))
         return getattr(self.stub, method)(message, timeout=timeout)
 
 
