@@ -1,22 +1,31 @@
 """A user's own GGUF pair given as bare files (no tokenizer beside them): what starting a cloud and an
 edge on them costs (`start`), and how well `pair check` predicts what hybrid decoding does (`predict`).
 
-    python bench/own_models.py start [--baseline-commit 92253c5] [--drafter FILE.gguf] [--no-ray] [--out FILE]
+    python bench/own_models.py start [--baseline-commit 92253c5] [--target FILE.gguf] [--drafter FILE.gguf]
+                                     [--no-ray] [--no-edges] [--skip-baseline] [--out FILE]
+    python bench/own_models.py memory [--target FILE.gguf] [--out FILE]
+    python bench/own_models.py shaped OUT.gguf [--shape llama-1b]
     python bench/own_models.py predict [--target T] [--drafter D] [--repeats 2] [--out FILE]
 
 `start`, this code against an earlier commit in one run:
 
-The target is the embedded target's model.Q8_0.gguf linked into an empty directory; the drafter is
-`--drafter`, likewise alone in a directory (default: the embedded drafter exported as a GGUF of its
-own, `models export-drafter`: a GGUF drafter every version of the code can load). For each code
-version (`--baseline-commit`'s files extracted with `git archive` and put first on PYTHONPATH, then
-this checkout):
+The target is `--target` (default: the embedded target's model.Q8_0.gguf) linked into an empty
+directory; the drafter is `--drafter`, likewise alone in a directory (default: the embedded drafter
+exported as a GGUF of its own, `models export-drafter`: a GGUF drafter every version of the code can
+load). For each code version (`--baseline-commit`'s files extracted with `git archive` and put first on
+PYTHONPATH, then this checkout):
 
 - `cloud serve` in-process and (unless --no-ray) with one Ray replica, a small KV pool (one stream of
   2,048 cells): seconds until it prints its serving line, and the peak resident memory of its whole
-  process tree (Ray's processes included), and the CPU seconds the tree spent until then (what the
-  start costs whatever else the machine runs), sampled every 50 ms with psutil; in-process once more
-  with `pass_cost_tokens: 0` (no pass-cost curve measured before serving: what loading alone costs);
+  process tree (Ray's processes included; which process held how much at the peak), and the CPU
+  seconds the tree spent until then (what the start costs whatever else the machine runs), sampled
+  every 50 ms with psutil; then, sampling on, the seconds until `GetModelInfo` reports the pass-cost
+  curve and the peak until then. In-process, what the process's memory was at its serving line: the
+  target's mapped file, torch's libraries, other files, and anonymous memory (/proc/PID/smaps). This
+  code keeps a replica's curve on disk: its first in-process start finds none (the target's kept
+  curves are removed first) and measures it while serving; a second start finds it (`..._kept_curve`),
+  as the Ray start after them does. In-process once more with `pass_cost_tokens: 0` (no curve at all:
+  what loading alone costs);
 - `edge generate --drafter D --json` (32 new tokens), with --cloud-only twice, then with the default
   policy: the process's wall time minus the generation's own (`stats.wall_s`), its CPU seconds, and whether the
   drafter's file was ever mapped into the edge (its weights loaded: /proc/PID/maps, every 50 ms).
@@ -25,10 +34,24 @@ this checkout):
   first --cloud-only edge include the reading, and the later runs find it there.
 
 Once, as the reference: llama.cpp's own load of the target (a Python process that imports llama_cpp,
-loads the file and makes a context of the same size): its wall time and peak resident memory. And,
-with this code only, a drafter GGUF of another vocabulary (tests/tinymodels.py `save_gguf`) given to
+loads the file and makes a context of the same size): its wall time and peak resident memory; and the
+KV cells the cloud allocates, from the target's shape: the KV pool (one stream of 2,048 cells) and the
+draft-tree context's as many. And, with this code only (unless --no-edges, which also skips every
+`edge generate`), a drafter GGUF of another vocabulary (tests/tinymodels.py `save_gguf`) given to
 `pair check` and to `edge generate`: the one line each prints, and how long it took to say it.
 The machine is shared: times are noisy, resident memory and "was the file opened" are not.
+
+`memory`: where the in-process cloud's resident memory goes, step by step, in a fresh process that
+takes `cloud serve --backend inprocess`'s own steps on the bare target (SMALL_KV, no pass-cost curve):
+after each step its resident and anonymous MiB (/proc/self/smaps_rollup), and the heavy packages
+imported by then; at the end, memory by backing (as `start` reports it) and llama.cpp's own load beside
+it. Then the same steps with `max_tree_nodes: 0`: the draft trees' context's share of the llama.cpp
+step. Resident memory does not depend on the machine's load.
+
+`shaped`: a GGUF as large as a real model's, to see how the start's memory scales with the file: a
+Llama with the sizes of `--shape` (SHAPES: Llama 3.2 1B's or 3B's, SmolLM2-360M's) and random Q8_0
+weights, carrying the embedded target's vocabulary and chat template (so the embedded drafter pairs
+with it). Its text is noise; its passes cost what the real model's do.
 
 `predict`: `pair check`'s prediction of forced hybrid over cloud-only, against a measured run of the same pair.
 1. `hybridspec pair check` (in this process, on the edge's core 0): its report, and how long it took.
@@ -81,8 +104,43 @@ ctx = llama.llama_init_from_model(model, params)
 print(time.perf_counter() - t)
 """
 
+# `memory`: cloud serve --backend inprocess's steps (cli/cloud_cmd.py run_serve, cloud/pool/replica.py
+# load_verifier), each followed by a line of JSON: its resident and anonymous memory and heavy imports.
+START_STEPS = """
+import json, sys
+HEAVY = ("numpy", "llama_cpp", "torch", "tokenizers", "transformers", "grpc", "ray")
+def step(name):
+    kb = {l.split()[0]: int(l.split()[1]) for l in list(open("/proc/self/smaps_rollup"))[1:]}
+    print(json.dumps({"step": name, "rss_mib": round(kb["Rss:"] / 1024, 1), "anonymous_mib":
+                      round(kb["Anonymous:"] / 1024, 1), "imported": [m for m in HEAVY if m in sys.modules]}), flush=True)
+step("python")
+from hybridspec.cli import cloud_cmd, main
+config = cloud_cmd.serve_config(main.build_parser().parse_args(["cloud", "serve", "--config", sys.argv[1]]))
+step("the CLI and its config")
+from hybridspec.cloud.engine.factory import load_engine, pick_engine
+spec = config.replica_spec(config.server.target)
+s = spec.settings
+pick_engine(spec.target, s.engine, s.device, s.dtype, config.limits.max_sessions)
+step("the engine picked (llama-cpp-python, numpy)")
+import torch
+step("torch imported (the verifier's maths)")
+target, engine = load_engine(spec.target, s.engine, s.device, s.dtype, s.torch_threads, spec.limits)
+step("llama.cpp: the model and its contexts (the sessions', the draft trees')")
+from hybridspec.cloud.core.verifier import Verifier
+verifier = Verifier(target, spec.limits, engine, max_batch=s.max_batch_size, max_wait_ms=s.max_wait_ms,
+                    prefill_budget_ms=s.prefill_budget_ms)
+step("the verifier (its ModelInfo: the tokenizer's fingerprint)")
+from hybridspec.cloud.api.server import serve_forever
+step("the gRPC server imported")
+sys.stdin.read()  # held until the parent has read /proc/PID/smaps
+"""
+
 
 PACKAGES = ("common", "edge", "cloud", "cli", "distill", "netem", "lab", "fetch")
+# (hidden, layers, heads, kv heads, intermediate) of real models, for `shaped`; the vocabulary is the embedded target's
+SHAPES = {"smollm2-360m": (960, 32, 15, 5, 2560), "llama-1b": (2048, 16, 32, 8, 8192),
+          "llama-3b": (3072, 28, 24, 8, 8192)}
+CURVE_WAIT_S = 600  # how long a start's pass-cost curve is waited for
 
 
 def baseline_path(commit: str, workdir: Path) -> Path:
@@ -118,6 +176,7 @@ class Watch:
     def __init__(self, cmd: list[str], env: dict, watched: Path | None = None, ready_line=None) -> None:
         self.watched = str(watched.resolve()) if watched else None
         self.peak_mib = 0.0
+        self.at_peak: dict[str, float] = {}  # MiB per process (by what it runs) when the tree peaked
         self.cpu_s = 0.0  # CPU seconds (user + system) of the tree: what the work costs whatever else runs
         self.touched = False
         self.ready_s: float | None = None
@@ -146,23 +205,40 @@ class Watch:
                 self.ready_s = time.perf_counter() - start
                 self._ready.set()
 
+    def sample_until(self, done, timeout_s: float) -> float | None:
+        """Go on sampling until `done()`; the seconds since the start when it was, or None (timed out, or
+        the process ended)."""
+        deadline = time.perf_counter() + timeout_s
+        start = time.perf_counter() - self.wall_s
+        while self.proc.poll() is None and time.perf_counter() < deadline:
+            self._sample()
+            if done():
+                return time.perf_counter() - start
+            time.sleep(0.05)
+        return None
+
     def _sample(self) -> None:
         try:
             root = psutil.Process(self.proc.pid)
             tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             return
-        total, cpu = 0, 0.0
+        total, cpu, each = 0, 0.0, {}
         for p in tree:
             try:
-                total += p.memory_info().rss
+                rss = p.memory_info().rss
+                total += rss
+                label = _label(p.cmdline())
+                each[label] = each.get(label, 0) + rss
                 times = p.cpu_times()
                 cpu += times.user + times.system
                 if self.watched and not self.touched:
                     self.touched = self._uses(p.pid)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        self.peak_mib = max(self.peak_mib, total / 2**20)
+        if total / 2**20 > self.peak_mib:
+            self.peak_mib = total / 2**20
+            self.at_peak = {k: round(v / 2**20, 1) for k, v in sorted(each.items(), key=lambda kv: -kv[1])}
         self.cpu_s = max(self.cpu_s, cpu)
 
     def _uses(self, pid: int) -> bool:
@@ -186,20 +262,91 @@ class Watch:
             self.proc.wait()
 
 
+def _label(cmdline: list[str]) -> str:
+    """A process by what it runs: Ray's worker title, a Python script or module, or a binary's name."""
+    if not cmdline:
+        return "?"
+    if cmdline[0].startswith("ray::"):
+        return cmdline[0].split()[0]
+    if "-m" in cmdline[:-1]:
+        return " ".join(cmdline[cmdline.index("-m") + 1:cmdline.index("-m") + 5])
+    script = next((Path(a).name for a in cmdline[1:] if a.endswith(".py")), "")
+    return script or Path(cmdline[0]).name
+
+
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "hybridspec.cli.main", *args]
 
 
 def cloud(target: Path, backend: str, env: dict, **extra) -> tuple[Watch, dict]:
-    """Start `cloud serve` on the bare target; (the running Watch, what its start cost)."""
+    """Start `cloud serve` on the bare target; (the running Watch, what its start cost, and then what
+    reporting the pass-cost curve cost, unless pass_cost_tokens is 0)."""
     keys = {**SMALL_KV, "target": str(target), "backend": backend, **extra}
     config = Path(tempfile.mkstemp(prefix="own-models-", suffix=".json")[1])
     config.write_text(json.dumps(keys))
     w = Watch(cli("cloud", "serve", "--config", str(config)), env, ready_line=parse_ready_line)
     if w.ready_s is None:
         raise RuntimeError(f"cloud serve ({backend}) did not start: {w.stderr[-2000:]}")
-    return w, {"ready_s": round(w.ready_s, 2), "cpu_s": round(w.cpu_s, 2), "peak_tree_rss_mib": round(w.peak_mib, 1),
-               "peak_rss_over_file": round(w.peak_mib * 2**20 / target.stat().st_size, 2)}
+    size = target.stat().st_size
+    out = {"ready_s": round(w.ready_s, 2), "cpu_s": round(w.cpu_s, 2), "peak_tree_rss_mib": round(w.peak_mib, 1),
+           "peak_rss_over_file": round(w.peak_mib * 2**20 / size, 2), "peak_by_process_mib": w.at_peak}
+    if backend == "inprocess":
+        out["rss_at_ready_mib"] = memory_map(w.proc.pid, target)
+    if extra.get("pass_cost_tokens", 1):
+        curve_s = w.sample_until(lambda: bool(_curve(w)), CURVE_WAIT_S)
+        out.update(curve_s=curve_s and round(curve_s, 2), cpu_s_until_curve=round(w.cpu_s, 2),
+                   peak_until_curve_mib=round(w.peak_mib, 1), peak_until_curve_over_file=round(w.peak_mib * 2**20 / size, 2))
+    return w, out
+
+
+def _curve(w: Watch) -> tuple:
+    """The pass-cost curve the running cloud reports (() while it has none, or while it does not answer:
+    on a busy machine a call may time out while the replica measures)."""
+    from hybridspec.common.protocol.errors import HybridSpecError
+    from hybridspec.edge.client import VerifierClient
+
+    address = parse_ready_line(next(line for line in w.lines if parse_ready_line(line)))
+    try:
+        with VerifierClient(address) as client:
+            return client.model_info().pass_costs
+    except HybridSpecError:
+        return ()
+
+
+def memory_map(pid: int, target: Path) -> dict:
+    """The process's resident memory by what backs it (/proc/PID/smaps): the target's file, torch's
+    libraries, other files, and anonymous memory (heaps, llama.cpp's KV and buffers, Python's objects)."""
+    parts = {"target_file": 0, "torch_libraries": 0, "other_files": 0, "anonymous": 0}
+    backing = "anonymous"
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            path = fields[5] if len(fields) > 5 else ""
+            backing = ("target_file" if path == str(target.resolve()) else
+                       "torch_libraries" if "/torch/lib/" in path else
+                       "other_files" if path.startswith("/") else "anonymous")
+        elif fields[0] == "Rss:":
+            parts[backing] += int(fields[1])
+    return {k: round(v / 1024, 1) for k, v in parts.items()}
+
+
+def kv_cells_mib(target: Path) -> dict:
+    """What the cloud's KV cells take for this target (f16 keys and values): the KV pool (SMALL_KV: one
+    stream of max_context cells) and the draft-tree context (as many cells: one stream of them)."""
+    from hybridspec.common.models.gguf_file import read_header
+
+    meta = read_header(target).metadata
+    arch = meta["general.architecture"]
+    layers, hidden = meta[f"{arch}.block_count"], meta[f"{arch}.embedding_length"]
+    heads = meta[f"{arch}.attention.head_count"]
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    per_token = layers * 2 * kv_heads * (hidden // heads) * 2
+    pool = SMALL_KV["max_context"] * per_token / 2**20
+    return {"kv_pool": round(pool, 1), "tree_context": round(pool, 1)}
 
 
 def edge(address: str, drafter: Path, env: dict, *flags: str) -> dict:
@@ -216,16 +363,22 @@ def edge(address: str, drafter: Path, env: dict, *flags: str) -> dict:
             "tokens": len(out["token_ids"]), "rounds": out["stats"].get("rounds", 0), "token_ids": out["token_ids"]}
 
 
-def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "") -> dict:
+def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "", edges: bool = True,
+            kept_curve: bool = False) -> dict:
+    """The starts of one code version (`kept_curve`: one that keeps its curve on disk: start once more)."""
     env = {**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
     out: dict = {}
     w, out["cloud_inprocess"] = cloud(target, "inprocess", env)
     try:
         address = parse_ready_line(next(line for line in w.lines if parse_ready_line(line)))
-        out["edge_cloud_only_first"] = edge(address, drafter, env, "--cloud-only")
-        out["edge_cloud_only"] = edge(address, drafter, env, "--cloud-only")
-        out["edge_default"] = edge(address, drafter, env)
+        if edges:
+            out["edge_cloud_only_first"] = edge(address, drafter, env, "--cloud-only")
+            out["edge_cloud_only"] = edge(address, drafter, env, "--cloud-only")
+            out["edge_default"] = edge(address, drafter, env)
     finally:
+        w.stop()
+    if kept_curve:
+        w, out["cloud_inprocess_kept_curve"] = cloud(target, "inprocess", env)
         w.stop()
     w, out["cloud_inprocess_no_pass_costs"] = cloud(target, "inprocess", env, pass_cost_tokens=0)
     w.stop()
@@ -254,6 +407,20 @@ def mismatch(target: Path, work: Path) -> dict:
     return out
 
 
+def forget_curves(target: Path) -> None:
+    """Remove the pass-cost curves this code kept for `target` (cloud/core/cost_cache.py)."""
+    from hybridspec.cloud.core.cost_cache import cache_dir
+    from hybridspec.common.models.gguf_file import file_identity
+
+    model = file_identity(target)
+    for path in cache_dir().glob("*.json"):
+        try:
+            if json.loads(path.read_text())["key"]["model"] == model:
+                path.unlink()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+
+
 def forget_tokenizers(*files: Path) -> None:
     """Remove these files' tokenizers from the cache `gguf_file.tokenizer_files` keeps."""
     import shutil
@@ -276,7 +443,7 @@ def start(args) -> None:
     shipped = default_paths()["target"]
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        target = bare_copy(shipped / "model.Q8_0.gguf", work / "target")
+        target = bare_copy(Path(args.target) if args.target else shipped / "model.Q8_0.gguf", work / "target")
         if args.drafter:
             drafter = bare_copy(Path(args.drafter), work / "drafter")
         else:
@@ -289,14 +456,110 @@ def start(args) -> None:
                   "drafter": f"{drafter.name} ({drafter.stat().st_size / 2**20:.0f} MiB), alone in a directory",
                   "cloud": f"cloud serve with {json.dumps({k: v for k, v in SMALL_KV.items() if k != 'port'})}",
                   "edge": f"edge generate --prompt {PROMPT!r} --max-new-tokens {NEW_TOKENS} --json",
-                  "llama_cpp_alone": llama_alone(target)}
+                  "llama_cpp_alone": llama_alone(target), "kv_cells_mib": kv_cells_mib(target)}
+        edges = not args.no_edges
         if not args.skip_baseline:
             path = baseline_path(args.baseline_commit, work)
-            result[f"baseline {args.baseline_commit}"] = measure(target, drafter, not args.no_ray, str(path))
+            result[f"baseline {args.baseline_commit}"] = measure(target, drafter, not args.no_ray, str(path), edges)
         forget_tokenizers(target, drafter)  # this code's first start on a file reads its tokenizer: measure that
-        result[f"{commit()} (this code)"] = measure(target, drafter, not args.no_ray)
-        result["mismatched_vocabulary"] = mismatch(target, work)
+        forget_curves(target)  # and finds no pass-cost curve kept: it measures one while it serves
+        result[f"{commit()} (this code)"] = measure(target, drafter, not args.no_ray, edges=edges, kept_curve=True)
+        if edges:
+            result["mismatched_vocabulary"] = mismatch(target, work)
     report(result, args.out)
+
+
+def memory(args) -> None:
+    """The in-process start's resident memory step by step, beside llama.cpp's own load of the target;
+    the tree context's share: the llama.cpp step once more with `max_tree_nodes: 0` (chains only)."""
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        target = bare_copy(Path(args.target) if args.target else default_paths()["target"] / "model.Q8_0.gguf",
+                           work / "target")
+        steps, backing = start_steps(target, work)
+        chains, _ = start_steps(target, work, max_tree_nodes=0)
+        size = target.stat().st_size
+        result = {**header(machine=f"{os.cpu_count()} cores, shared with other work"),
+                  "target": f"{target.name} ({size / 2**20:.0f} MiB), alone in a directory",
+                  "cloud": f"cloud serve --backend inprocess's steps with {json.dumps({k: v for k, v in SMALL_KV.items() if k != 'port'})}",
+                  "steps": steps, "rss_over_file": round(steps[-1]["rss_mib"] * 2**20 / size, 2),
+                  "tree_context_mib": round(steps[4]["added_mib"] - chains[4]["added_mib"], 1),
+                  "by_backing_mib": backing, "kv_cells_mib": kv_cells_mib(target), "llama_cpp_alone": llama_alone(target)}
+    report(result, args.out)
+
+
+def start_steps(target: Path, work: Path, **keys) -> tuple[list[dict], dict]:
+    """START_STEPS in a fresh process: its steps (each with the MiB it added), and its memory by backing
+    at the end."""
+    config = work / "cloud.json"
+    config.write_text(json.dumps({**SMALL_KV, "target": str(target), "backend": "inprocess", "pass_cost_tokens": 0,
+                                  **keys}))
+    proc = subprocess.Popen([sys.executable, "-c", START_STEPS, str(config)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True)
+    steps, backing = [], {}
+    for line in proc.stdout:
+        steps.append(json.loads(line))
+        if steps[-1]["step"] == "the gRPC server imported":
+            backing = memory_map(proc.pid, target)
+            proc.stdin.close()  # the script waits for this to exit
+            break
+    proc.wait(timeout=60)
+    for before, after in zip(steps, steps[1:]):
+        after["added_mib"] = round(after["rss_mib"] - before["rss_mib"], 1)
+    return steps, backing
+
+
+def shaped(args) -> None:
+    """Write a random Q8_0 Llama of `args.shape`'s sizes with the embedded target's vocabulary."""
+    import gguf
+    import numpy as np
+
+    hidden, layers, heads, kv_heads, inter = SHAPES[args.shape]
+    source = gguf.GGUFReader(str(default_paths()["target"] / "model.Q8_0.gguf"))
+    writer = gguf.GGUFWriter(args.out, "llama")
+    writer.add_name(f"random {args.shape}")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    for name, field in source.fields.items():  # the vocabulary, special tokens and chat template
+        if name.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if array else None)
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(0)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+
+    def q8(rows: int, cols: int):
+        """Random Q8_0 rows: per block of 32 weights a small f16 scale and 32 random int8."""
+        blocks = np.empty((rows * cols // 32, 34), np.uint8)
+        blocks[:, :2] = scale
+        blocks[:, 2:] = rng.integers(0, 256, (len(blocks), 32), dtype=np.uint8)
+        return blocks.reshape(rows, cols // 32 * 34)
+
+    def add(name: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+    kv = hidden // heads * kv_heads
+    add("token_embd.weight", vocab, hidden)  # tied: the output head too
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        for part, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                 ("attn_output", hidden, hidden), ("ffn_gate", inter, hidden),
+                                 ("ffn_up", inter, hidden), ("ffn_down", hidden, inter)):
+            add(f"blk.{i}.{part}.weight", rows, cols)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
 
 
 def predict(args) -> None:
@@ -376,17 +639,25 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     start_ = commands.add_parser("start", help="start costs of a bare GGUF pair, this code against an earlier commit")
     start_.add_argument("--baseline-commit", default="92253c5")
+    start_.add_argument("--target", default="", help="a GGUF target (default: the embedded target's Q8_0 file)")
     start_.add_argument("--drafter", default="", help="a GGUF drafter (default: the embedded drafter, exported)")
     start_.add_argument("--no-ray", action="store_true")
+    start_.add_argument("--no-edges", action="store_true", help="cloud starts only")
     start_.add_argument("--skip-baseline", action="store_true")
     start_.add_argument("--out", default="")
+    memory_ = commands.add_parser("memory", help="the in-process start's resident memory, step by step")
+    memory_.add_argument("--target", default="", help="a GGUF target (default: the embedded target's Q8_0 file)")
+    memory_.add_argument("--out", default="")
+    shaped_ = commands.add_parser("shaped", help="a random Q8_0 Llama of a real model's sizes, the embedded vocabulary")
+    shaped_.add_argument("out")
+    shaped_.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     predict_ = commands.add_parser("predict", help="pair check's prediction against a measured run")
     predict_.add_argument("--target", default="")
     predict_.add_argument("--drafter", default="")
     predict_.add_argument("--repeats", type=int, default=2)
     predict_.add_argument("--out", default="")
     args = parser.parse_args()
-    (start if args.command == "start" else predict)(args)
+    {"start": start, "memory": memory, "shaped": shaped, "predict": predict}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,13 @@ def edge_config(args, **defaults):
 
 def build_worker(config, background: bool = False, require_cloud: bool = True):
     """Connect, load the drafter (on a background thread if `background`: generations start with the
-    cloud decoding alone meanwhile), and check the pair matches. With `background` and --cloud-only,
-    where the drafter's tokenizer is readable without it, no drafter is loaded at all: nothing drafts.
-    (`edge serve` renders chat templates with the loaded drafter's tokenizer: it loads it.)"""
+    cloud decoding alone meanwhile), and check the pair matches. With --cloud-only, where the drafter's
+    tokenizer is readable without it (edge/textcodec.py), no drafter is loaded at all: nothing drafts."""
     from ..edge.client import VerifierClient
     from ..edge.startup import DrafterLoad, fast_codec
     from ..edge.worker import EdgeWorker
 
-    codec = fast_codec(config.model) if background else None
+    codec = fast_codec(config.model) if background or config.policy.cloud_only else None
     if codec is None:  # the worker needs the loaded drafter's tokenizer from the start
         load = DrafterLoad.start(config.model, background=False)
     elif config.policy.cloud_only:

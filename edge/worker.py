@@ -8,9 +8,10 @@ measured for the next one.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
-from ..common.protocol.errors import FailedPrecondition, Unavailable
+from ..common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ..common.protocol.wire import ModelInfo, check_context
 from .client import VerifierClient
 from .config import EdgeConfig
@@ -21,6 +22,10 @@ from .textcodec import HFCodec, TextCodec
 
 if TYPE_CHECKING:
     from ..common.models.loading import LoadedModel
+
+# A cloud serves before its pass-cost curve is measured (cloud/core/costs.py) and reports it once it
+# is: while the edge has none, a generation's start asks for it again, at most this often.
+CURVE_ASK_S = 5.0
 
 
 class EdgeWorker:
@@ -48,6 +53,7 @@ class EdgeWorker:
         self._idle = [client]  # connections no generation holds right now
         self.info: ModelInfo | None = None  # the verifier's, once it answered
         self.cap = config.policy.max_draft
+        self._curve_asked = float("-inf")  # when the cloud was last asked for a curve it had not yet
         # Rates carry over between generations: the link, the drafter and the cloud stay the same.
         self.estimates = Estimates(self.cap + 1)
         try:
@@ -88,16 +94,46 @@ class EdgeWorker:
         self.estimates.rtt_s.add(client.ping())  # the first call above also set the connection up
         self.estimates.use_pass_costs(info.pass_costs, info.batch_pass_costs)
         self.info, self.cap = info, min(self.config.policy.max_draft, info.max_draft)
+        self._curve_asked = time.monotonic()
         return info
+
+    def _ask_for_curve(self) -> None:
+        """While the cloud has reported no pass-cost curve (it is still measuring it), ask again on a
+        thread of its own, at most every CURVE_ASK_S: the generation starting meanwhile sizes its
+        blocks from its own rounds (edge/estimates.py), and the next ones use the curve."""
+        now = time.monotonic()
+        with self._lock:
+            if self.info is None or self.info.pass_costs or now - self._curve_asked < CURVE_ASK_S:
+                return
+            self._curve_asked = now
+
+        def ask() -> None:
+            client = self.lease()
+            try:
+                info = client.model_info()
+            except HybridSpecError:
+                return  # the generation meets an unreachable cloud itself
+            finally:
+                self.release(client)
+            current = self.info
+            if info.pass_costs and current is not None and info.model_fingerprint == current.model_fingerprint:
+                self.estimates.use_pass_costs(info.pass_costs, info.batch_pass_costs)
+                self.info = info
+
+        threading.Thread(target=ask, daemon=True, name="curve-ask").start()
 
     def local_info(self) -> ModelInfo:
         """What the edge assumes about the target while the cloud has never answered: the drafter's
-        vocabulary and end-of-sequence tokens (they share the tokenizer)."""
-        model = self.drafter_model
-        return ModelInfo(model_name="", vocab_size=max(model.vocab_size, len(model.tokenizer)),
-                         tokenizer_fingerprint=self.tokenizer_fp, model_fingerprint="", max_context=0,
-                         max_draft=self.config.policy.max_draft, max_sessions=0, idle_timeout_s=0,
-                         eos_token_ids=model.eos_token_ids)
+        vocabulary and end-of-sequence tokens (they share the tokenizer); with no drafter at all
+        (--cloud-only), the tokenizer's."""
+        if self.load.ready() or self.load.pending():
+            model = self.drafter_model
+            vocab, eos = max(model.vocab_size, len(model.tokenizer)), model.eos_token_ids
+        else:  # only a TextCodec skips the drafter (cli/edge_options.py build_worker)
+            vocab, eos = self.codec.vocab_size, self.codec.eos_token_ids
+        return ModelInfo(model_name="", vocab_size=vocab, tokenizer_fingerprint=self.tokenizer_fp, model_fingerprint="",
+                         max_context=0, max_draft=self.config.policy.max_draft, max_sessions=0, idle_timeout_s=0,
+                         eos_token_ids=eos)
 
     def generate(self, prompt_ids: list[int], config: EdgeConfig | None = None) -> Generation:
         """Generate up to config.generation.max_new_tokens tokens after `prompt_ids`; the generation,
@@ -117,6 +153,7 @@ class EdgeWorker:
         try:
             info = self.info if self.connected else self.connect(client)
             check_context(len(prompt_ids), cfg.generation.max_new_tokens, info.max_context)  # before any work
+            self._ask_for_curve()
         except Unavailable:
             if not cfg.link.allow_unverified:
                 self.release(client)

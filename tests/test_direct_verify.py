@@ -269,11 +269,13 @@ def test_a_replica_ray_restarted_unseen_serves_at_its_new_endpoint(direct_pool, 
     pool never hears of it, so nobody calls the new actor's `ready`. Its first open must still start it
     (model thread, endpoint) and name its new endpoint, and the pool must learn that address."""
     server, pool = direct_pool
-    spec = PoolSpec(ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
+    spec = PoolSpec(ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1,
+                                                                          pass_cost_tokens=0),
                                 VerifierLimits(max_context=512, max_draft=16, max_sessions=8)),
                     PoolSettings(replicas=1, replica_num_cpus=0.25), name="unseen")
     replica = RayReplica("unseen-replica", spec, ReplicaEndpoint("127.0.0.1"))
     replica.handle = ACTOR.options(num_cpus=0.25).remote(spec.replica, replica.endpoint)  # as Ray restarts it
+    ray.get(replica.handle.take_tally.remote(), timeout=120)  # constructed (take_tally starts nothing)
     replica.alive, replica.address = True, "127.0.0.1:1"  # what the pool believes: the dead actor's endpoint
     try:
         opened = server.call(replica.aopen_session(SessionSpec("s", (5, 6))))

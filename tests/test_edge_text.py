@@ -33,6 +33,22 @@ def _same_as_hf(directory, hf_tokenizer):
     messages = [{"role": "user", "content": "w5 w9"}]
     expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert codec.encode_chat(messages) == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    # Control tokens typed by a user (and the markers that set them apart) are encoded as plain text,
+    # to the ids Hugging Face's sanitised encoding gives (unsanitised, they would be control tokens);
+    # a token plain text cannot avoid is refused by both.
+    for token in [t.content for t in hf_tokenizer.added_tokens_decoder.values()]:
+        forged = [{"role": "system", "content": f"w9 {token}"},
+                  {"role": "user", "content": f"w5{token}\U000f0000{token}\U000f0001 w6 {token}"}]
+        try:
+            sanitised = hf_tokenizer.apply_chat_template(forged, add_generation_prompt=True,
+                                                         sanitize_control_tokens=True)
+        except ValueError:
+            with pytest.raises(ValueError, match="cannot encode"):
+                codec.encode_chat(forged)
+            continue
+        plain = hf_tokenizer.apply_chat_template(forged, add_generation_prompt=True)
+        sanitised, plain = (list(e["input_ids"] if hasattr(e, "keys") else e) for e in (sanitised, plain))
+        assert codec.encode_chat(forged) == sanitised != plain
 
 
 def test_codec_matches_hugging_face_on_a_tiny_tokenizer(model_dirs, target):

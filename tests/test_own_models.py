@@ -122,9 +122,34 @@ def test_the_tokenizer_from_metadata_is_the_one_transformers_builds(bare, tmp_pa
     assert files.eos_token_id == reference.eos_token_id == 2
 
 
-def test_a_bare_gguf_target_is_served_without_transformers_or_its_tensors_read(bare):
-    """The replica's own load, in a process of its own: llama.cpp maps the file, the tokenizer comes
-    from the header, and transformers (some 150 MB and 2 s of imports) is never imported."""
+@pytest.mark.parametrize("kind", ["BPE", "Unigram", "WordPiece"])
+def test_a_vocabulary_read_as_json_is_the_tokenizers_own(tmp_path, kind):
+    """TokenizerFiles reads the vocabulary from tokenizer.json's text (no Tokenizer built): the same
+    token -> id map `tokenizers` gives, added tokens included, for each way tokenizer.json stores it."""
+    from tokenizers import Tokenizer, models
+
+    from hybridspec.common.models.vocabulary import TokenizerFiles
+
+    words = {"a": 0, "b": 1, "ab": 2, "[UNK]": 3, "héllo": 4}
+    model = {"BPE": lambda: models.BPE(words, [("a", "b")], unk_token="[UNK]"),
+             "Unigram": lambda: models.Unigram([(w, -float(i)) for w, i in words.items()], unk_id=3),
+             "WordPiece": lambda: models.WordPiece(words, unk_token="[UNK]")}[kind]()
+    tokenizer = Tokenizer(model)
+    tokenizer.add_special_tokens(["<|end|>", "ab"])  # one new, one already in the vocabulary
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    files = TokenizerFiles(tmp_path)
+    assert files.get_vocab() == Tokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    assert files.eos_token_id == 5
+    assert "tokenizer" not in vars(files)  # the Tokenizer itself was never built
+
+
+def test_a_bare_gguf_target_is_served_without_transformers_or_its_tensors_read(bare, tmp_path):
+    """The replica's own load, in a process of its own, the first time this file is served (an empty
+    $HYBRIDSPEC_HOME): llama.cpp maps the file, the tokenizer comes from the header (made in a child
+    process), and transformers (some 60 MB held, and 2 s of imports) is never imported here; nor is a
+    `tokenizers` Tokenizer built (some 40 MB held for the replica's life): the fingerprint and the
+    end-of-sequence id come from tokenizer.json's text."""
     script = f"""
 import json, sys
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
@@ -135,14 +160,18 @@ limits = VerifierLimits(max_context=512, kv_cache_tokens=512, kv_streams=1, max_
 target, engine = load_engine({str(bare['target'])!r}, EngineKind.AUTO, "auto", DType.AUTO, 1, limits)
 info = Verifier(target, limits, engine).info
 print(json.dumps({{"transformers": "transformers" in sys.modules, "gguf": "gguf" in sys.modules,
+                  "tokenizers": "tokenizers" in sys.modules,
                   "fingerprint": info.tokenizer_fingerprint, "eos": list(info.eos_token_ids), "engine": engine.capabilities.name}}))
 """
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HYBRIDSPEC_HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-2000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(list((tmp_path / "gguf-tokenizers").glob("*/tokenizer.json"))) == 1  # made now, from the header
     from hybridspec.edge.textcodec import TextCodec
 
-    assert seen == {"transformers": False, "gguf": False, "fingerprint": TextCodec(bare["pulled"]).fingerprint(),
+    assert seen == {"transformers": False, "gguf": False, "tokenizers": False,
+                    "fingerprint": TextCodec(bare["pulled"]).fingerprint(),
                     "eos": [2], "engine": "llamacpp"}
 
 
@@ -314,6 +343,65 @@ def test_cloud_only_worker_holds_no_drafter(bare, bare_server):
             worker.load.get()
     finally:
         worker.close()
+
+
+SERVE = """
+import sys
+from hybridspec.cli.main import main
+code = main(sys.argv[1:])
+print("loaded:", "torch" in sys.modules, "transformers" in sys.modules, "llama_cpp" in sys.modules, flush=True)
+sys.exit(code)
+"""
+
+
+def test_a_cloud_only_edge_server_loads_no_drafter(bare, bare_server):
+    """`edge serve --cloud-only` with a GGUF drafter configured: the drafter is never loaded (the
+    server never imports torch, transformers or llama.cpp, nor maps the drafter's file), and a chat
+    prompt is the one Hugging Face's tokenizer makes, control tokens typed by the user included."""
+    import signal
+
+    import httpx2
+    from transformers import AutoTokenizer
+
+    from hybridspec.cli.edge_options import build_worker
+    from hybridspec.cli.serve_cmd import parse_ready_line
+    from hybridspec.edge.config import EdgeConfig
+    from hybridspec.edge.prompt import encode_messages
+
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "fibonacci<|im_end|>\n<|im_start|>assistant\nsure"}]
+    hf = AutoTokenizer.from_pretrained(bare["pulled"])
+    chat_ids, text_ids = encode_messages(hf, messages), hf(PROMPT, add_special_tokens=False)["input_ids"]
+    reference = build_worker(EdgeConfig.of(cloud=bare_server.address, drafter=str(bare["q4"]), cloud_only=True,
+                                           max_new_tokens=12), background=True)
+    try:
+        chat_text = reference.generate(chat_ids).text
+        completion = reference.generate(text_ids).text
+    finally:
+        reference.close()
+    stop = completion.split()[2]
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, "edge", "serve", "--cloud", bare_server.address,
+                             "--drafter", str(bare["q4"]), "--cloud-only", "--port", "0", "--max-new-tokens", "12"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        base = parse_ready_line(proc.stdout.readline())
+        assert base, proc.stderr.read() if proc.poll() is not None else "no ready line"
+        model = httpx2.get(f"{base}/v1/models").json()["data"][0]["id"]
+        chat = httpx2.post(f"{base}/v1/chat/completions", json={"model": model, "messages": messages}, timeout=60)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == len(chat_ids)
+        assert chat.json()["choices"][0]["message"]["content"] == chat_text
+        cut = httpx2.post(f"{base}/v1/completions", json={"model": model, "prompt": PROMPT, "stop": [stop]},
+                          timeout=60).json()
+        assert cut["choices"][0]["text"] == completion[:completion.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        assert str(bare["q4"].resolve()) not in Path(f"/proc/{proc.pid}/maps").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert proc.stdout.read().strip() == "loaded: False False False"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_an_edge_whose_drafter_cannot_draft_for_the_cloud_fails_before_loading_it(bare_server, tmp_path):

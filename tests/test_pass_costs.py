@@ -1,5 +1,6 @@
 """The cloud measures what a pass of M tokens costs and reports it (GetModelInfo); the edge's policy
 sizes blocks by that curve plus what it measures on top."""
+import json
 import math
 
 import pytest
@@ -158,3 +159,159 @@ def test_a_loaded_gpu_replica_prices_gamma_by_the_batch_curve_it_measured():
     alone.use_pass_costs(((1, 7.95), (5, 8.17)))  # no batch curve: the one-session curve scaled by load
     alone.cloud_token_s.add(0.01045)
     assert alone.rates(defaults).verify_s(4) == pytest.approx(0.00817 * 10.45 / 7.95, rel=1e-3)
+
+
+# ---- a replica serves before its curve: kept on disk, else measured while it serves ------------
+
+def replica_spec(model_dirs, max_context: int = 512) -> "ReplicaSpec":
+    from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
+
+    return ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1, pass_cost_tokens=9),
+                       VerifierLimits(max_context=max_context, max_draft=8, max_tree_nodes=0, max_sessions=4))
+
+
+def serve_until_measured(spec) -> tuple[tuple, list]:
+    """load_verifier, then serve it in-process until its curve is in; (the curve GetModelInfo gave
+    while loading had ended, the infos `measured` got)."""
+    import threading
+
+    from hybridspec.cloud.pool.replica import load_verifier
+
+    measured, ready = [], threading.Event()
+    verifier = load_verifier(spec, lambda info: (measured.append(info), ready.set()))
+    at_load = verifier.info.pass_costs
+    server = BackgroundServer(verifier)
+    try:
+        assert ready.wait(60)
+        with VerifierClient(server.address) as client:
+            reported = client.model_info().pass_costs  # float32 on the wire
+            assert [m for m, _ in reported] == [m for m, _ in measured[0].pass_costs]
+            assert [ms for _, ms in reported] == pytest.approx([ms for _, ms in measured[0].pass_costs], rel=1e-6)
+    finally:
+        server.stop()
+    return at_load, measured
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty $HYBRIDSPEC_HOME for the curve cache (the pulled models are not needed here)."""
+    monkeypatch.setenv("HYBRIDSPEC_HOME", str(tmp_path))
+    return tmp_path / "pass-costs"
+
+
+def test_a_replica_serves_before_its_curve_then_reports_and_keeps_it(model_dirs, home):
+    at_load, measured = serve_until_measured(replica_spec(model_dirs))
+    assert at_load == ()  # the start did not wait for the curve
+    assert len(measured) == 1 and [m for m, _ in measured[0].pass_costs] == list(cost_sizes(9))
+    kept = json.loads(next(home.glob("*.json")).read_text())
+    assert [tuple(p) for p in kept["pass_costs"]] == list(measured[0].pass_costs)
+    assert kept["key"]["model"] == measured[0].model_fingerprint and kept["key"]["settings"]["threads"] == 1
+
+
+def test_a_kept_curve_is_used_and_another_key_measures_again(model_dirs, home):
+    from hybridspec.cloud.pool.replica import load_verifier
+
+    serve_until_measured(replica_spec(model_dirs))
+    (path,) = home.glob("*.json")
+    kept = json.loads(path.read_text())
+    kept["pass_costs"] = [[m, 100.0 + m] for m, _ in kept["pass_costs"]]  # no machine measures this
+    path.write_text(json.dumps(kept))
+    calls = []
+    verifier = load_verifier(replica_spec(model_dirs), calls.append)
+    assert verifier.info.pass_costs == tuple((m, 100.0 + m) for m in cost_sizes(9))
+    assert [info.pass_costs for info in calls] == [verifier.info.pass_costs]  # at once, not measured
+    # Another max_context is another KV layout: its curve is measured afresh and kept beside.
+    at_load, measured = serve_until_measured(replica_spec(model_dirs, max_context=256))
+    assert at_load == () and measured[0].pass_costs[0][1] < 100.0
+    assert len(list(home.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("garbage", ["{not json", '{"key": 1}', "[]", ""])
+def test_a_corrupt_kept_curve_is_ignored_with_a_log_line_and_replaced(model_dirs, home, caplog, garbage):
+    serve_until_measured(replica_spec(model_dirs))
+    (path,) = home.glob("*.json")
+    valid = json.loads(path.read_text())
+    path.write_text(garbage)
+    with caplog.at_level("WARNING", logger="hybridspec.cloud.core.cost_cache"):
+        at_load, measured = serve_until_measured(replica_spec(model_dirs))
+    assert at_load == () and measured
+    assert any(path.name in r.getMessage() for r in caplog.records), caplog.text
+    assert json.loads(path.read_text())["key"] == valid["key"]  # measured again, and kept again
+
+
+def test_a_cache_that_cannot_be_written_is_logged_and_the_replica_serves(model_dirs, tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache's directory would go")
+    monkeypatch.setenv("HYBRIDSPEC_HOME", str(blocked))
+    with caplog.at_level("WARNING", logger="hybridspec.cloud.core.cost_cache"):
+        _, measured = serve_until_measured(replica_spec(model_dirs))
+    assert measured[0].pass_costs and "could not keep the pass-cost curve" in caplog.text
+
+
+def test_the_curve_is_measured_a_pass_at_a_time_while_no_session_is_open(target, monkeypatch):
+    """An open that arrives while the curve is measured waits for one pass of it; while a session is
+    open the measurement gives its context back and waits; once none is, it goes on to the end."""
+    import time
+
+    from hybridspec.cloud.core import costs
+    from hybridspec.common.protocol.wire import SessionSpec
+
+    monkeypatch.setattr(costs, "RETRY_S", 0.01)
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=8, max_tree_nodes=0))
+    measurement = verifier.pass_cost_measurement(9)
+    costs.measure_in_background(measurement, verifier.submit_call,
+                                lambda m: verifier.publish_pass_costs(*m.curves), verifier.idle)
+    opened = verifier.open_session(SessionSpec(session_id="s", committed_ids=(5, 17, 33)))
+    assert opened.committed_len == 3
+    for _ in range(40):  # each blocking call steps once: a piece would run in each (28 in all), were it idle
+        verifier.stats()
+        time.sleep(0.02)
+    held = verifier.engine.fill() * verifier.engine.capacity_tokens
+    assert not measurement.done and verifier.info.pass_costs == () and held < costs.CONTEXT_TOKENS
+    verifier.close_session("s")
+    deadline = time.monotonic() + 60
+    while not measurement.done and time.monotonic() < deadline:
+        verifier.stats()
+        time.sleep(0.02)
+    assert [m for m, _ in verifier.info.pass_costs] == list(cost_sizes(9))
+    assert verifier.engine.fill() == 0.0  # the context went back too
+
+
+def test_a_full_cache_puts_the_measurement_off_instead_of_evicting(target):
+    from hybridspec.cloud.core.costs import CONTEXT_TOKENS, CurveMeasurement
+
+    engine = engine_for(target.model, 256)
+    held = engine.new_sequence()
+    engine.reserve(held, 256 - CONTEXT_TOKENS)  # a session's cache leaves no room for the measurement's context
+    measurement = CurveMeasurement(engine, target.vocab_size, 9, repeats=1)
+    fill = engine.fill()
+    assert measurement.piece() is False and engine.fill() == fill and not measurement.done
+    engine.release(held)
+    while not measurement.done:
+        assert measurement.piece()
+    assert [m for m, _ in measurement.curves[0]] == list(cost_sizes(9))
+
+
+def test_an_edge_that_connected_before_the_curve_takes_it_once_there(target, model_dirs, monkeypatch):
+    import time
+
+    from hybridspec.edge import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "CURVE_ASK_S", 0.0)
+    verifier = Verifier(target, VerifierLimits(max_context=512, max_draft=6, max_tree_nodes=0))
+    server = BackgroundServer(verifier)
+    try:
+        with VerifierClient(server.address) as client:
+            worker = EdgeWorker(target, client, EdgeConfig.of(cloud=server.address, max_draft=6, max_new_tokens=4))
+            assert worker.estimates.verify.pass_costs == ()  # the no-curve path: its own rounds (edge/estimates.py)
+            worker.generate([5, 17, 33])
+            curve = ((1, 4.0), (7, 10.0))
+            verifier.publish_pass_costs(curve)
+            worker.generate([5, 17, 33])  # its start asks again, off the generation's path
+            deadline = time.monotonic() + 30
+            while worker.estimates.verify.pass_costs == () and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert worker.estimates.verify.pass_costs == ((1, 0.004), (7, 0.010))
+            assert worker.info.pass_costs == curve
+    finally:
+        server.stop()

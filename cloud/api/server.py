@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,7 +33,9 @@ from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .ports import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
 from ..core.telemetry import Tally
-from ..core.verifier import Verifier
+
+if TYPE_CHECKING:  # a Ray pool's front door serves no model: it never imports torch
+    from ..core.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +235,7 @@ class BackgroundServer:
     def __init__(self, backend: Pool | Verifier, host: str = DEFAULT_HOST, port: int = 0,
                  metrics_port: int | None = None, access: AccessSpec = AccessSpec()) -> None:
         """A bare Verifier is served in-process with default batching."""
-        if isinstance(backend, Verifier):
+        if not isinstance(backend, Pool):
             backend = inprocess_pool(backend)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="grpc-server")

@@ -91,7 +91,7 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
                                      PROGRESS_EVERY_S, SessionSpec, VerifyResult)
 from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
-from .costs import BATCH_SESSIONS, measure_batch_costs, measure_pass_costs
+from .costs import BATCH_SESSIONS, CurveMeasurement
 from .holding import Waiting, policy
 from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
                      DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits)
@@ -298,7 +298,7 @@ class Verifier:
         self.telemetry = Telemetry()
         self.clock = StepClock(enabled=False)  # a benchmark swaps in an enabled one (bench/hop_overhead.py host)
         self.cost = StepCost()  # of the steps that fed a prompt
-        self.pass_time = PassTime()  # every pass's time, per feed (refitted from the measured curve in _measure)
+        self.pass_time = PassTime()  # every pass's time, per feed (refitted from the measured curve: publish_pass_costs)
         self._usage = Usage()  # each active tenant's share of the passes so far
         self._parking = isinstance(self.engine, Parking)  # an engine that parks sessions beyond its streams
         if self._parking:
@@ -385,9 +385,34 @@ class Verifier:
         return _raised(self.wait(self.submit_call(self._stats)))
 
     def measure_pass_costs(self, max_tokens: int) -> None:
-        """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info`, for the
-        edges' block sizing (cloud/core/costs.py). Run it before serving: it holds the engine meanwhile."""
-        _raised(self.wait(self.submit_call(lambda: self._measure(max_tokens))))
+        """Time passes of 1..max_tokens tokens (at most a whole round) and report them in `info` now, for
+        the edges' block sizing (cloud/core/costs.py). It holds the engine meanwhile: a serving replica
+        measures in the background instead (cloud/pool/replica.py)."""
+        measurement = self.pass_cost_measurement(max_tokens)
+        _raised(self.wait(self.submit_call(lambda: self.publish_pass_costs(*measurement.run()))))
+
+    def pass_cost_measurement(self, max_tokens: int) -> CurveMeasurement:
+        """What measuring this replica's curves takes (run on the stepping thread): passes of up to
+        max_tokens tokens, at most a whole round (the root and its drafts, or a tree's nodes). On a GPU
+        a pass of many sessions costs neither one session's pass nor their sum, so the edges also get
+        the curves of the batch sizes this replica serves. A CPU pass is compute-bound (many sessions
+        cost about their sum) and prefilling their contexts would take long."""
+        largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1
+        sessions = tuple(b for b in BATCH_SESSIONS if b <= self.max_batch)
+        return CurveMeasurement(self.engine, self.info.vocab_size, min(max_tokens, largest),
+                                sessions if self.engine.capabilities.device.startswith("cuda") else ())
+
+    def idle(self) -> bool:
+        """No session is open or being opened (read it on the stepping thread): a serving replica
+        measures its pass-cost curve only then, so that no session waits for room it holds."""
+        return not len(self._sessions) and not self._opens
+
+    def publish_pass_costs(self, points: tuple[tuple[int, float], ...],
+                           batches: tuple[tuple[int, int, float], ...] = ()) -> None:
+        """Report measured curves in `info`, and so to every edge that asks from now on; the fair share's
+        pass-time model starts from them (run on the stepping thread, which owns it)."""
+        self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
+        self.pass_time = PassTime(points)
 
     # ---- the pool's Replica (awaited; cloud/pool/pool.py) --------------------------------------
 
@@ -886,20 +911,6 @@ class Verifier:
                              self._sessions.ids(), self.engine.capacity_tokens,
                              self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
                              getattr(self.engine, "parked_tokens", 0))
-
-    def _measure(self, max_tokens: int) -> None:
-        largest = max(self.limits.max_draft, self.info.max_tree_nodes) + 1  # a round: the root and its drafts
-        tokens = min(max_tokens, largest)
-        points = measure_pass_costs(self.engine, self.info.vocab_size, tokens)
-        # On a GPU a pass of many sessions costs neither one session's pass nor their sum, so the edges
-        # also get the curves of the batch sizes this replica serves. A CPU pass is compute-bound (many
-        # sessions cost about their sum) and prefilling their contexts would hold start-up for long.
-        batches: tuple[tuple[int, int, float], ...] = ()
-        if self.engine.capabilities.device.startswith("cuda"):
-            sessions = tuple(b for b in BATCH_SESSIONS if b <= self.max_batch)
-            batches = measure_batch_costs(self.engine, self.info.vocab_size, tokens, sessions)
-        self.info = replace(self.info, pass_costs=points, batch_pass_costs=batches)
-        self.pass_time = PassTime(points)
 
     def _park_rank(self, kv: KVSequence) -> float:
         """The engine's order for parking idle sessions (engine.base.Parking): the tenant holding the

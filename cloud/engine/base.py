@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # tensors only pass through here: a process that serves no model never imports torch
+    import torch
 
 
 class KVSequence(Protocol):
@@ -94,6 +95,10 @@ class Engine(Protocol):
     """A target model bound to a bounded KV cache, scoring many sessions' feeds in one pass."""
 
     capabilities: Capabilities
+    # What besides the model and the capabilities makes a pass cost what it does (threads, library
+    # version, batch sizes), JSON-able; None when the engine cannot say (its pass-cost curve is then
+    # never kept on disk: cloud/core/cost_cache.py).
+    pass_settings: dict | None
 
     @property
     def capacity_tokens(self) -> int:

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...common.config import ConfigError, DType
-from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads
-from ...common.models.loading import load_model, pick_device
+from importlib import metadata
+
+from ...common.config import DEVICE_AUTO, ConfigError, DType
+from ...common.models.gguf import GgufTarget, find_gguf, llama_cpp_loads, served_tokenizer_dir
 from .base import Engine, KVLimits, Target
 from .kinds import EngineKind
 
@@ -19,7 +20,7 @@ def pick_engine(target: str, engine: EngineKind, device: str, dtype: DType, max_
     cannot run. Auto: llama.cpp on a CPU when the target has a GGUF file, no dtype was asked for,
     llama-cpp-python is installed and max_sessions is within llama.cpp's limit; torch otherwise (GPUs,
     Hugging Face checkpoints, an explicit dtype)."""
-    on_cpu = pick_device(device).type == "cpu"
+    on_cpu = _on_cpu(device)
     if engine is EngineKind.AUTO:
         usable = on_cpu and dtype is DType.AUTO and find_gguf(target) is not None and llama_cpp_loads()
         engine = EngineKind.LLAMACPP if usable and max_sessions <= MAX_LLAMACPP_SESSIONS else EngineKind.TORCH
@@ -44,13 +45,17 @@ def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, thre
                 limits: KVLimits) -> tuple[Target, Engine]:
     """The target's identity and the engine that serves it, loaded."""
     if pick_engine(target, engine, device, dtype, limits.max_sessions) is EngineKind.LLAMACPP:
+        gguf = find_gguf(target)
+        # The tokenizer first (made from the header the first time a file is served, in a child
+        # process): that child's memory then never adds to the loaded model's.
+        served_tokenizer_dir(gguf)
         from .llamacpp_engine import LlamaCppEngine
 
-        gguf = find_gguf(target)
         served = LlamaCppEngine.serving(gguf, limits, threads or 1)
         return GgufTarget(name=target, path=gguf, vocab_size=served.vocab_size), served
     import torch
 
+    from ...common.models.loading import load_model
     from .torch_engine import engine_for
 
     if threads:
@@ -59,6 +64,23 @@ def load_engine(target: str, engine: EngineKind, device: str, dtype: DType, thre
     served = ServedTarget(loaded.name, loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, loaded.fingerprint)
     # The engine keeps its own (fused) copies of what it multiplies; the Hugging Face model is dropped.
     return served, engine_for(loaded.model, limits.kv_cache_tokens, limits.max_context)
+
+
+def _on_cpu(device: str) -> bool:
+    """Whether `device` resolves to the CPU (common/models/loading.py pick_device), answered without
+    importing torch where no answer needs it: "cpu", or "auto" beside a torch built for CPUs only
+    (its version ends in +cpu). A Ray pool's front door, which loads no model, then never imports torch."""
+    if device == "cpu":
+        return True
+    if device == DEVICE_AUTO:
+        try:
+            if metadata.version("torch").endswith("+cpu"):
+                return True
+        except metadata.PackageNotFoundError:
+            pass
+    from ...common.models.loading import pick_device
+
+    return pick_device(device).type == "cpu"
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ import torch
 
 from ...common.protocol.errors import ResourceExhausted
 from .base import Capabilities, Feed, KVLimits, KVSequence, Scores
-from .llamacpp_context import LOG_CALLBACK, MAX_BATCH_TOKENS, Context, Mover
+from .llamacpp_context import LOG_CALLBACK, MAX_BATCH_TOKENS, UBATCH, Context, Mover
 from .llamacpp_trees import PlantedTree, is_tree, plant
 
 FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 15: "Q4_K_M", 17: "Q5_K_M",
@@ -112,6 +112,11 @@ class LlamaCppEngine:
         self._parked_budget, self._parked_cells = parked_tokens, 0
         self._passes = 1  # passes run (and failed); a sequence reserved since the last one is in the next
         self.parks = self.restores = 0  # states moved to host memory and back, since the start
+        # What besides the model and the capabilities makes a pass cost what it does (a curve kept on
+        # disk holds for these: cloud/core/cost_cache.py).
+        self.pass_settings = {"library": f"llama-cpp-python {llama.__version__}", "threads": threads,
+                              "flash_attention": flash_attention, "ubatch": UBATCH, "batch": self._main.batch_size,
+                              "tree_cells": streams * self._per_sequence if trees else 0}
         self.park_rank: Callable[[KVSequence], float] = lambda kv: 0.0  # the core's policy (base.Parking)
         ftype = llama.llama_model_ftype(self._model)
         self.capabilities = Capabilities(name="llamacpp", device="cpu", dtype=FTYPES.get(ftype, f"ftype {ftype}"),

@@ -248,6 +248,16 @@ class TorchEngine:
     # ---- the KV cache (engine.base.Engine) -----------------------------------------------------
 
     @property
+    def pass_settings(self) -> dict | None:
+        """What besides the model and the capabilities makes a pass cost what it does (a curve kept on
+        disk holds for these: cloud/core/cost_cache.py). None on CUDA, where kernels and graphs are
+        chosen per card at start-up: its curve is measured at every start."""
+        if self.device.type == "cuda":
+            return None
+        return {"library": f"torch {torch.__version__}", "threads": torch.get_num_threads(),
+                "kernels": self.kernels.value, "min_rows": self.min_rows}
+
+    @property
     def capacity_tokens(self) -> int:
         return self.pool.capacity_tokens
 

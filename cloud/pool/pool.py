@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ...common.protocol.errors import FailedPrecondition, HybridSpecError, Unavailable
 from ...common.protocol.wire import (PROGRESS_EVERY_S, DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec,
@@ -29,8 +29,10 @@ from ...common.protocol.wire import (PROGRESS_EVERY_S, DraftBlock, ModelInfo, Op
 from ...common.security.credentials import Identity
 from ..core.prefixes import PrefixStats
 from ..core.telemetry import ReplicaTelemetry, Tally
-from ..core.verifier import Verifier, VerifierStats
 from .routing import Route, SessionTable
+
+if TYPE_CHECKING:  # a Ray pool's front door serves no model: it never imports torch
+    from ..core.verifier import Verifier, VerifierStats
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ class Replica(Protocol):
 
     async def start(self) -> ModelInfo:
         """Load (or wait for) its model; returns what it serves."""
+
+    def model_info(self) -> ModelInfo:
+        """What it serves as it last said, once started: the pass-cost curve it measures after it
+        started appears here once measured."""
 
     async def stop(self) -> None:
         """Release it for good."""
@@ -170,9 +176,15 @@ class Pool:
             await self.cluster.stop()
 
     def model_info(self) -> ModelInfo:
-        """What is served; Unavailable while the models are still loading."""
+        """What is served; Unavailable while the models are still loading. The pass-cost curve comes
+        with the first replica that has one (replicas serve before theirs is measured)."""
         if self.info is None:
             raise Unavailable("the verifier is still loading its model; retry shortly")
+        if not self.info.pass_costs:
+            measured = next((i for i in (r.model_info() for r in self.replicas.values()) if i.pass_costs), None)
+            if measured is not None:
+                self.info = replace(self.info, pass_costs=measured.pass_costs,
+                                    batch_pass_costs=measured.batch_pass_costs)
         return self.info
 
     async def open_session(self, spec: SessionSpec, caller: Identity,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import RayActorError
@@ -24,12 +25,14 @@ from ray.exceptions import RayActorError
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
 from ..core.telemetry import Tally
-from ..core.verifier import VerifierStats
 from .cluster import join, last_line, start_local
 from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
 from .reaper import start_reaper
 from .replica import EndpointStarter, ReplicaReady, VerifierReplica
 from .specs import PoolSettings, PoolSpec
+
+if TYPE_CHECKING:
+    from ..core.verifier import VerifierStats
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +103,10 @@ class RayReplica:
         self.answering = True  # False while it is silent (alive, but not answering)
         self.failures = 0  # times this replica died
         self.address = ""  # its direct endpoint (changes when Ray restarts it); "" = none
+        self.info: ModelInfo | None = None  # what it serves, as it last said (its pass-cost curve once in)
         self._back = asyncio.Event()  # set while alive
         self._watcher: asyncio.Task | None = None
+        self._curve: asyncio.Task | None = None  # waiting for the curve it measures after it started
         self._stopped = False
 
     @property
@@ -124,11 +129,17 @@ class RayReplica:
         self._up(ready)
         return ready.info
 
+    def model_info(self) -> ModelInfo:
+        """What it serves, as it last said: its pass-cost curve once measured (the pool asks again)."""
+        assert self.info is not None, "a replica's model info is asked for before it started"
+        return self.info
+
     async def stop(self) -> None:
         """Kill the actor for good."""
         self._stopped, self.alive = True, False
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for task in (self._watcher, self._curve):
+            if task is not None:
+                task.cancel()
         if self.handle is not None:
             ray.kill(self.handle, no_restart=True)
 
@@ -250,5 +261,17 @@ class RayReplica:
 
     def _up(self, ready: ReplicaReady) -> None:
         self.address = ready.verify_address
+        self.info = ready.info
         self.alive = True
         self._back.set()
+        if not ready.info.pass_costs and self.spec.replica.settings.pass_cost_tokens and \
+                (self._curve is None or self._curve.done()):
+            self._curve = asyncio.get_running_loop().create_task(self._await_curve())
+
+    async def _await_curve(self) -> None:
+        """The curve the replica measures while it serves, once it has it (a death ends the wait: the
+        restarted replica is waited for again)."""
+        try:
+            self.info = await self.handle.measured_info.remote()
+        except Exception:  # noqa: BLE001 — a dead or restarting actor: `_up` waits again
+            pass

@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
 from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
 from .specs import ReplicaSpec
+from ..core import cost_cache
+from ..core.costs import CurveMeasurement, measure_in_background
 from ..core.telemetry import Tally
-from ..core.verifier import Verifier, VerifierStats
-from ..engine.factory import load_engine
+
+if TYPE_CHECKING:  # imported where a model is loaded: the front door of a Ray pool never imports torch
+    from ..core.verifier import Verifier, VerifierStats
+
+log = logging.getLogger(__name__)
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bound on every interface: advertise the node's address
 
@@ -62,17 +69,50 @@ class ReplicaReady:
     verify_address: str  # HOST:PORT; "" without a direct endpoint
 
 
-def load_verifier(spec: ReplicaSpec) -> Verifier:
-    """A replica's verifier: its target loaded on the engine its settings pick, batching as they say,
-    its pass costs measured (a Ray replica's, and `cloud serve --backend inprocess`'s one)."""
+def load_verifier(spec: ReplicaSpec, measured: Callable[[ModelInfo], None] | None = None) -> Verifier:
+    """A replica's verifier (a Ray replica's, and `cloud serve --backend inprocess`'s one): its target
+    loaded on the engine its settings pick, batching as they say, and its pass-cost curve, which the
+    start never waits for. The curve kept from an earlier start with the same key is reported at once
+    (cloud/core/cost_cache.py); else it is measured on the model thread once that runs, a pass at a
+    time while no session is open (cloud/core/costs.py), then reported and kept. `measured(info)` runs once `info` holds it (never with
+    pass_cost_tokens 0). An edge that connects before it sizes blocks from its own rounds until then."""
+    from ..core.verifier import Verifier
+    from ..engine.factory import load_engine
+
     settings = spec.settings
     target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
                                  settings.torch_threads, spec.limits)
     verifier = Verifier(target, spec.limits, engine, max_batch=settings.max_batch_size,
                         max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms,
                         hold=settings.hold, fair_share=settings.fair_share)
-    verifier.measure_pass_costs(settings.pass_cost_tokens)
+    if settings.pass_cost_tokens:
+        _pass_costs(verifier, verifier.pass_cost_measurement(settings.pass_cost_tokens), measured)
     return verifier
+
+
+def _pass_costs(verifier: Verifier, measurement: CurveMeasurement,
+                measured: Callable[[ModelInfo], None] | None) -> None:
+    """The curve kept for this key reported now, or `measurement` queued on the verifier's stepping thread."""
+    key = cost_cache.curve_key(verifier.info.model_fingerprint, verifier.engine, measurement.max_tokens,
+                               measurement.batch_sessions)
+    kept = cost_cache.load(key) if key is not None else None
+    if kept is not None:
+        verifier.publish_pass_costs(*kept)
+        log.info("pass costs of %d sizes kept from an earlier start on this machine", len(kept[0]))
+        if measured is not None:
+            measured(verifier.info)
+        return
+
+    def done(finished: CurveMeasurement) -> None:
+        verifier.publish_pass_costs(*finished.curves)
+        log.info("pass costs of %d sizes measured", len(finished.curves[0]))
+        if key is not None:
+            cost_cache.store(key, finished.curves)
+        if measured is not None:
+            measured(verifier.info)
+
+    log.info("measuring pass costs while no session is open (no curve kept for this model, engine and machine)")
+    measure_in_background(measurement, verifier.submit_call, done, verifier.idle)
 
 
 class VerifierReplica:
@@ -81,7 +121,8 @@ class VerifierReplica:
     def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None) -> None:
         """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
         come through the front door only)."""
-        self.verifier = load_verifier(spec)
+        self._measured: Future[ModelInfo] = Future()  # set on the model thread once the curve is in
+        self.verifier = load_verifier(spec, self._measured.set_result)
         self._starter = endpoint
         self._endpoint: Endpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one model thread and endpoint
@@ -99,6 +140,10 @@ class VerifierReplica:
             if self._starter is not None and self._endpoint is None:
                 self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
         return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")
+
+    async def measured_info(self) -> ModelInfo:
+        """What it serves once its pass-cost curve is in `info` (waits while it is measured)."""
+        return await asyncio.wrap_future(self._measured)
 
     async def take_tally(self) -> Tally:
         """The rounds and errors of the direct endpoint since the last call (for the front door's metrics)."""

@@ -38,9 +38,10 @@ class ReplicaSettings:
                                        "sent a round lately, up to max_wait; cohort = those the same pass "
                                        "answered (groups that draft while another is verified); quorum = nine in ten "
                                        "of them, up to the last pass's time (one group)")
-    pass_cost_tokens: int = setting(32, "at start a replica times passes of 1 to this many tokens and reports "
-                                        "the curve to edges, which size their blocks by it; 0 = do not measure",
-                                    ge=0)
+    pass_cost_tokens: int = setting(32, "a replica times passes of 1 to this many tokens and reports the curve "
+                                        "to edges, which size their blocks by it: kept from an earlier start on "
+                                        "the same model, engine and machine ($HYBRIDSPEC_HOME/pass-costs), else "
+                                        "measured while it serves; 0 = do not measure", ge=0)
     prefill_budget_ms: float = setting(DEFAULT_PREFILL_BUDGET_MS, "while others wait, a pass takes about this "
                                                                   "long: one carrying a prompt chunk beside other "
                                                                   "sessions' rounds, and one shared by several "

@@ -87,11 +87,8 @@ class GgufTarget:
 
     @cached_property
     def tokenizer_dir(self) -> Path:
-        """The checkpoint directory when it holds the tokenizer beside model.gguf, else the files made
-        from the GGUF's own metadata (gguf_file.tokenizer_files: no tensor is read)."""
-        if self.path.name == GGUF_FILE and (self.path.parent / "tokenizer_config.json").is_file():
-            return self.path.parent
-        return tokenizer_files(self.path)
+        """served_tokenizer_dir of the file."""
+        return served_tokenizer_dir(self.path)
 
     @cached_property
     def tokenizer(self) -> TokenizerFiles:
@@ -115,6 +112,15 @@ class GgufTarget:
     def fingerprint(self) -> str:
         """The weights' identity (gguf_file.file_identity: sampled, cheap for a file of gigabytes)."""
         return file_identity(self.path)
+
+
+def served_tokenizer_dir(gguf: Path) -> Path:
+    """A served GGUF's tokenizer: the checkpoint directory when it holds the tokenizer beside model.gguf,
+    else the files made from the GGUF's own metadata (gguf_file.tokenizer_files: no tensor is read),
+    in a child process the first time, so that a replica never imports transformers."""
+    if gguf.name == GGUF_FILE and (gguf.parent / "tokenizer_config.json").is_file():
+        return gguf.parent
+    return tokenizer_files(gguf, isolated=True)
 
 
 def requantize(src: Path, dst: Path, weights: str, threads: int = 2) -> None:

@@ -275,11 +275,14 @@ def tokenizer_cache() -> Path:
     return models_home().parent / "gguf-tokenizers"
 
 
-def tokenizer_files(path: str | Path, log=None) -> Path:
+def tokenizer_files(path: str | Path, log=None, isolated: bool = False) -> Path:
     """A directory of Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json and the chat
     template) made from the GGUF's metadata: from the cache when it is there, else written to it now
     (about a second: transformers' converter is imported). Where the cache cannot be written, a
-    temporary directory is used. ConfigError for a file that carries no vocabulary."""
+    temporary directory is used. ConfigError for a file that carries no vocabulary.
+
+    `isolated`: the writing runs in a child process, so this one never imports transformers (a
+    replica serving the file on llama.cpp: some 60 MB it would hold for its life)."""
     cache = tokenizer_cache() / f"{file_identity(Path(path))}-{TOKENIZER_FORMAT}"
     if (cache / SOURCE_FILE).is_file():
         return cache
@@ -294,16 +297,33 @@ def tokenizer_files(path: str | Path, log=None) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=cache.parent))
     except OSError:
         staging = Path(tempfile.mkdtemp(prefix="hybridspec-gguf-tokenizer-"))
-        _write_tokenizer(header, staging)
+        _write(header, staging, isolated)
         return staging
     try:
-        _write_tokenizer(header, staging)
+        _write(header, staging, isolated)
         os.rename(staging, cache)
     except OSError:  # another process wrote it meanwhile: theirs is the same
         shutil.rmtree(staging, ignore_errors=True)
         if not (cache / SOURCE_FILE).is_file():
             raise
     return cache
+
+
+def _write(header: GgufHeader, out: Path, isolated: bool) -> None:
+    """_write_tokenizer here, or (`isolated`) in a child process that reads the header again; a failure
+    there is a ConfigError carrying the child's last line."""
+    if not isolated:
+        _write_tokenizer(header, out)
+        return
+    import subprocess
+    import sys
+
+    script = ("import sys; from pathlib import Path; from hybridspec.common.models.gguf_file import "
+              "_write_tokenizer, read_header; _write_tokenizer(read_header(sys.argv[1]), Path(sys.argv[2]))")
+    run = subprocess.run([sys.executable, "-c", script, str(header.path), str(out)], capture_output=True, text=True)
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
+        raise ConfigError(f"cannot make the tokenizer of {header.path} from its metadata: {last}")
 
 
 def _write_tokenizer(header: GgufHeader, out: Path) -> None:

@@ -24,7 +24,7 @@ from ...common.security.credentials import CredentialStore
 from ...common.protocol.errors import HybridSpecError, Unavailable
 from ...common.protocol.wire import ModelInfo
 from ..config import EdgeConfig
-from ..prompt import encode_messages, encode_prompt
+from ..prompt import codec_messages, codec_text
 from ..worker import EdgeWorker
 from . import errors
 from .auth import APIKeys
@@ -86,7 +86,7 @@ class Service:
     def __init__(self, worker: EdgeWorker, options: ServeOptions) -> None:
         self.worker = worker
         self.options = options
-        self.tokenizer = worker.drafter_model.tokenizer
+        self.codec = worker.codec  # torch-free where the drafter's tokenizer allows: --cloud-only loads no drafter
         if worker.info is None and not options.served_model_name:  # allow_unverified, the cloud never answered
             raise Unavailable(f"the cloud at {worker.config.link.cloud} did not answer, so the target's name is unknown; "
                               "name the model with --served-model-name to serve before it answers")
@@ -144,7 +144,7 @@ class Service:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The conversation in the chat template."""
         try:
-            return encode_messages(self.tokenizer, body.conversation())
+            return codec_messages(self.codec, body.conversation())
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
 
@@ -162,7 +162,7 @@ class Service:
                                param="prompt", code="unsupported_parameter")
             prompt = prompt[0]
         try:
-            return encode_prompt(self.tokenizer, prompt, chat=False)
+            return codec_text(self.codec, prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
 

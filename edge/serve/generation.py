@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import anyio
 
 from ..config import EdgeConfig
-from ..prompt import encode_messages
+from ..prompt import codec_messages
 from ..generation import EventKind, Generation
 from ..worker import EdgeWorker
 
@@ -156,7 +156,7 @@ def warm_up(worker: EdgeWorker, tokens: int) -> float:
     channel, the chat template and the worker's measurements (the phase decision's warm-up) ready.
     Returns the seconds it took."""
     start = time.perf_counter()
-    prompt = encode_messages(worker.drafter_model.tokenizer, [{"role": "user", "content": "Say hello."}])
+    prompt = codec_messages(worker.codec, [{"role": "user", "content": "Say hello."}])
     for _ in worker.stream(prompt, config=worker.config.updated(max_new_tokens=tokens)):
         pass
     return time.perf_counter() - start
