@@ -1,5 +1,5 @@
 """A user's own GGUF pair given as bare files (no tokenizer beside them): what starting a cloud and an
-edge on them costs (`start`), and how well `pair check` predicts what hybrid decoding does (`predict`).
+edge on them costs, where the cloud's memory goes, and how well `pair check` predicts hybrid decoding.
 
     python bench/own_models.py start [--baseline-commit 92253c5] [--target FILE.gguf] [--drafter FILE.gguf]
                                      [--no-ray] [--no-edges] [--skip-baseline] [--out FILE]
@@ -7,62 +7,27 @@ edge on them costs (`start`), and how well `pair check` predicts what hybrid dec
     python bench/own_models.py shaped OUT.gguf [--shape llama-1b]
     python bench/own_models.py predict [--target T] [--drafter D] [--repeats 2] [--out FILE]
 
-`start`, this code against an earlier commit in one run:
+`start` runs this checkout and `--baseline-commit`'s code (extracted with `git archive`, first on
+PYTHONPATH) in one run, on the target (default: the embedded model.Q8_0.gguf) and a GGUF drafter
+(default: the embedded drafter exported), each alone in a directory. Per code version: `cloud serve`
+in-process (no curve kept: measured while serving; then with it kept; then `pass_cost_tokens: 0`) and
+with one Ray replica, a small KV pool (SMALL_KV): seconds to its serving line and to the pass-cost curve,
+CPU seconds and peak resident memory of the whole process tree (sampled every 50 ms; by process at the
+peak; in-process, by backing at the serving line from /proc/PID/smaps); and `edge generate --json`
+(--cloud-only twice, then the default policy): wall minus the generation's own time, and whether the
+drafter's file was ever mapped. The GGUF tokenizers kept from an earlier use are removed first, so the
+first start and the first edge include reading them. Once: llama.cpp's own load of the target (LLAMA_LOAD),
+the KV cells the cloud allocates, and (unless --no-edges) the one line `pair check` and `edge generate`
+print for a drafter of another vocabulary, with how long each took.
 
-The target is `--target` (default: the embedded target's model.Q8_0.gguf) linked into an empty
-directory; the drafter is `--drafter`, likewise alone in a directory (default: the embedded drafter
-exported as a GGUF of its own, `models export-drafter`: a GGUF drafter every version of the code can
-load). For each code version (`--baseline-commit`'s files extracted with `git archive` and put first on
-PYTHONPATH, then this checkout):
-
-- `cloud serve` in-process and (unless --no-ray) with one Ray replica, a small KV pool (one stream of
-  2,048 cells): seconds until it prints its serving line, and the peak resident memory of its whole
-  process tree (Ray's processes included; which process held how much at the peak), and the CPU
-  seconds the tree spent until then (what the start costs whatever else the machine runs), sampled
-  every 50 ms with psutil; then, sampling on, the seconds until `GetModelInfo` reports the pass-cost
-  curve and the peak until then. In-process, what the process's memory was at its serving line: the
-  target's mapped file, torch's libraries, other files, and anonymous memory (/proc/PID/smaps). This
-  code keeps a replica's curve on disk: its first in-process start finds none (the target's kept
-  curves are removed first) and measures it while serving; a second start finds it (`..._kept_curve`),
-  as the Ray start after them does. In-process once more with `pass_cost_tokens: 0` (no curve at all:
-  what loading alone costs);
-- `edge generate --drafter D --json` (32 new tokens), with --cloud-only twice, then with the default
-  policy: the process's wall time minus the generation's own (`stats.wall_s`), its CPU seconds, and whether the
-  drafter's file was ever mapped into the edge (its weights loaded: /proc/PID/maps, every 50 ms).
-  This code reads a GGUF's tokenizer from its header on a file's first use and keeps it: the
-  tokenizers of both files are removed from that cache first, so the in-process cloud's start and the
-  first --cloud-only edge include the reading, and the later runs find it there.
-
-Once, as the reference: llama.cpp's own load of the target (a Python process that imports llama_cpp,
-loads the file and makes a context of the same size): its wall time and peak resident memory; and the
-KV cells the cloud allocates, from the target's shape: the KV pool (one stream of 2,048 cells) and the
-draft-tree context's as many. And, with this code only (unless --no-edges, which also skips every
-`edge generate`), a drafter GGUF of another vocabulary (tests/tinymodels.py `save_gguf`) given to
-`pair check` and to `edge generate`: the one line each prints, and how long it took to say it.
-The machine is shared: times are noisy, resident memory and "was the file opened" are not.
-
-`memory`: where the in-process cloud's resident memory goes, step by step, in a fresh process that
-takes `cloud serve --backend inprocess`'s own steps on the bare target (SMALL_KV, no pass-cost curve):
-after each step its resident and anonymous MiB (/proc/self/smaps_rollup), and the heavy packages
-imported by then; at the end, memory by backing (as `start` reports it) and llama.cpp's own load beside
-it. Then the same steps with `max_tree_nodes: 0`: the draft trees' context's share of the llama.cpp
-step. Resident memory does not depend on the machine's load.
-
-`shaped`: a GGUF as large as a real model's, to see how the start's memory scales with the file: a
-Llama with the sizes of `--shape` (SHAPES: Llama 3.2 1B's or 3B's, SmolLM2-360M's) and random Q8_0
-weights, carrying the embedded target's vocabulary and chat template (so the embedded drafter pairs
-with it). Its text is noise; its passes cost what the real model's do.
-
-`predict`: `pair check`'s prediction of forced hybrid over cloud-only, against a measured run of the same pair.
-1. `hybridspec pair check` (in this process, on the edge's core 0): its report, and how long it took.
-2. `cloud serve` with its defaults (the Ray pool, direct verify) on core 1; on core 0 two edge workers,
-   one `--cloud-only`, one forced hybrid (`--no-cloud-only-switch`, adaptive γ), both with the drafter
-   on one thread (`--torch-threads 1`, as pair check measures it). Each writes pair check's prompts
-   (`new_tokens` each, chat template), after one generation of warm-up; the two alternate prompt by
-   prompt, `--repeats` times. Tokens/s is the generated tokens over the generation's wall time.
-3. Measured: the ratio of the two modes' tokens/s, summed over all generations, and per prompt
-   (geometric mean); the prediction's error against it. Greedy: both modes write the same tokens,
-   which is checked. The two runs interleave so that a busy moment hits both.
+`memory` takes `cloud serve --backend inprocess`'s own steps (START_STEPS) in a fresh process and reads
+its resident and anonymous memory after each, then again with `max_tree_nodes: 0`. `shaped` writes a
+random Q8_0 Llama of a real model's sizes (SHAPES) carrying the embedded vocabulary and chat template,
+to see how the start's memory scales with the file. `predict` runs `pair check` on core 0, then a cloud
+on core 1 and two edges on core 0 (cloud-only and forced hybrid, the drafter on one thread), alternating
+prompt by prompt `--repeats` times, and compares the measured tokens/s ratio with the prediction
+(greedy: both modes' tokens are checked equal). The machine may be shared: times are noisy, resident
+memory and "was the file opened" are not.
 """
 from __future__ import annotations
 
