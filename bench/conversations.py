@@ -1,31 +1,19 @@
 """Long conversations, as a chat service sees them, through the llama.cpp engine: a long system prompt
-every session starts with, and multi-turn histories of a few thousand tokens (chat(), long_conversation()).
-Three measurements, all greedy:
+every session starts with, and multi-turn histories of a few thousand tokens; all greedy.
 
     python bench/conversations.py long [--lengths 2300 3500] [--new-tokens 48] [--out FILE]
     python bench/conversations.py prefix [--sessions 9] [--new-tokens 16] [--out FILE]
     taskset -c 1 python bench/conversations.py swap [--lengths 200 1000 4090] [--repeats 5] [--out FILE]
 
-long: prompts of about 2,300 and 3,500 tokens through `cloud serve` with its defaults (a Ray pool of one
-replica, llama.cpp, max_context 4,096) on core 1, the edges on core 0. Each length is decoded by
-`--cloud-only` first (it pays the prefill), then by the default edge and by hybrid rounds of γ = 4 never
-switching to cloud-only (both start from the replica's cached prefix); every edge's tokens must equal
-the first's. Before the KV streams were resized every such prompt was refused ("exceeds max_context 1024").
-
-prefix: chat sessions sharing the system prompt (525 shared tokens, a different question: 538-545 tokens
-in all), one at a time as `Generate` calls (cloud-only), against the default `cloud serve` with the
-replica's prefix cache on (the default) and off. Time to first token is from the call to its first
-token; the figure is the first session's over the median of the others (a cold prefill each, without
-reuse: about 1x). The front door's Prometheus counters give the hits and tokens saved, and every
-session's tokens are compared between the two servers (prefix reuse must not change a token).
-
-swap: parking a session in host memory and restoring it: one stream of 4,096 cells (the serving
-default's size) and host memory for one parked session. Per length, a conversation is prefilled and
-decodes 16 tokens (the reference); then, `--repeats` times, a second session takes the stream, which
-parks the first (`llama_state_seq_get_data`), and the first runs again, which parks the second and
-restores it (`set_data`). Park and restore are timed apart (medians), and the restored session decodes
-its 16 tokens again: they must equal the reference, and its first token's logits must be bit for bit
-those before parking.
+docs/engine.md#long-conversations-parking-and-memory has the numbers. long: `cloud serve` with its
+defaults on core 1, the edges on core 0; each length decoded `--cloud-only` first (it pays the
+prefill), then by the default edge and by hybrid rounds of γ = 4 that never switch, whose tokens must
+equal the first's. prefix: sessions sharing the system prompt (525 tokens), one at a time as `Generate`
+calls, prefix cache on and off; the first session's time to first token over the median of the others',
+the front door's prefix-cache counters, and every session's tokens compared between the two servers.
+swap: one stream of 4,096 cells and room for one parked session; a second session takes the stream
+(parking the first) and the first takes it back (restoring it), `--repeats` times per length: park and
+restore times (medians), and the restored session's 16 tokens and first logits against those before.
 """
 from __future__ import annotations
 

@@ -5,21 +5,14 @@ one by one, what a draft tree costs against a chain, and what batching gives man
     taskset -c 1 python bench/engine.py tree [--engine llamacpp|torch] [--context 128] [--repeats 7] [--out FILE]
     taskset -c 1 python bench/engine.py batch [--engine llamacpp|torch] [--sessions 8] [--steps 6] [--out FILE]
 
-The embedded target, one thread, as a replica serves it (`--engine`, `--dtype`: the torch engine's dtype).
-chain: t(M), the median time of one pass scoring M tokens after `--context` cached tokens (the timer a
-replica measures its own curve with), for M = 1 to 32; v = t(5)/t(1) is what a γ = 4 round costs in
-one-token passes (docs/design.md §2). Then exactness: each of `--prompts` chat prompts is decoded by
-the engine alone, one token per pass, and that decoding verified in blocks of γ = 4; a block not
-accepted whole with the reference's next token is a flip (a near-tie the block-shaped pass broke the
-other way), and a prompt's comparison ends at its first.
-tree: for n = 1 to 32 drafted tokens, a pass of the root and either a bushy tree of n nodes (breadth
-first, four children per node) or a chain of n, taking turns; the fastest of `--repeats`; and what
-keeping the tree's first-child path costs. An engine that cannot score trees gets its chains only.
-batch: `--sessions` sessions whose drafts are the engine's own greedy tokens, so every round accepts
-all γ = 4: verified tokens/s with each round in a pass of its own and with all rounds in one step;
-the same sessions decoded cloud-only (one token each per step); and the bare engine decoding them
-one token per pass with no verifier around it (what `llama-batched-bench` measures).
-Each prints its result as JSON and writes it to `--out` with the header (date, commit, cpu, engine).
+The embedded target, one thread, as a replica serves it (--dtype: the torch engine's). chain: t(M) for
+M = 1 to 32 (the timer a replica measures its own curve with) and v = t(5)/t(1); then each prompt's
+own one-token-per-pass decoding verified in blocks of γ = 4: a block not accepted whole with the next
+reference token is a flip, and ends that prompt's comparison. tree: a bushy tree of n nodes (four
+children each, breadth first) against a chain of n, in turns, the fastest of --repeats, and what keeping
+the first-child path costs. batch: sessions drafting the engine's own greedy tokens (every round
+accepts all γ = 4), each round in a pass of its own against all in one step; cloud-only; and the bare
+engine, one token per pass (what `llama-batched-bench` measures). docs/engine.md has the numbers.
 """
 from __future__ import annotations
 

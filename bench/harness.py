@@ -1,17 +1,12 @@
-"""What every benchmark here shares: core pinning, the cloud on its own core, pass timing, medians and
-percentiles, the argument parser, the result file's header and JSON, the tiny target, and plot
-defaults. One implementation of each, so two scripts' numbers are computed the same way; confidence
-intervals are lab/stats.py's (`mean_ci`, `bootstrap_ci`), the ones the experiment reports and the demo
-print.
-
-The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
-they import this module as `from harness import ...`. The tiny random models (tests/tinymodels.py) and
-the fuzz strategies (tests/fuzzing.py) are the tests' fixtures, kept out of the wheel; `tiny_target`
-and `fuzz_suite` are the one way in from here, so no script reaches into tests/ itself.
+"""What the benchmarks share, one copy of each (bench/README.md lists it); confidence intervals are
+lab/stats.py's. The scripts run as `python bench/X.py`, which puts bench/ on the path: `from harness
+import ...`. The tests' fixtures (tests/tinymodels.py, tests/fuzzing.py) stay out of the wheel;
+`tiny_target` and `fuzz_suite` are the one way in, so no script reaches into tests/ itself.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -19,7 +14,6 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -28,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
 
 __all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
-           "free_port", "fuzz_suite", "header", "median", "pass_times", "percentile", "pin", "pin_child", "report", "save_figure",
-           "series", "start_cloud", "stop_cloud", "style", "tiny_target", "two_hosts", "usable_cores", "write_json"]
+           "free_port", "frozen", "fuzz_suite", "header", "median", "pass_times", "percentile", "pin", "pin_child",
+           "process_tree", "replica_processes", "report", "rss_mb", "save_figure", "series", "start_cloud",
+           "stop_cloud", "style", "tiny_target", "two_hosts", "usable_cores", "write_json"]
 
 
 # --- pinning -------------------------------------------------------------------------------------
@@ -82,7 +77,7 @@ def stop_cloud(proc: subprocess.Popen) -> None:
     stop_cloud_process(proc)
 
 
-@contextmanager
+@contextlib.contextmanager
 def cloud(keys: dict | None = None, pin_edge: bool = True) -> Iterator[tuple[subprocess.Popen, str]]:
     """`start_cloud` for a with block: yields (process, HOST:PORT), and leaving stops the server."""
     proc, address = start_cloud(keys, pin_edge)
@@ -90,6 +85,55 @@ def cloud(keys: dict | None = None, pin_edge: bool = True) -> Iterator[tuple[sub
         yield proc, address
     finally:
         stop_cloud(proc)
+
+
+def process_tree(pid: int) -> list:
+    """The psutil processes of `pid` and all its descendants (a cloud: the front door, Ray, the replicas)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def replica_processes(pid: int) -> list:
+    """The replica actors among the descendants of `pid` (Ray names them ray::VerifierReplica)."""
+    import psutil
+
+    found = []
+    for proc in process_tree(pid)[1:]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "VerifierReplica" in " ".join(proc.cmdline()):
+                found.append(proc)
+    return found
+
+
+def rss_mb(procs: Iterable) -> float:
+    """Resident memory of these processes together, in MiB (those gone meanwhile count nothing)."""
+    import psutil
+
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += proc.memory_info().rss
+    return total / 2**20
+
+
+@contextlib.contextmanager
+def frozen(procs: Iterable) -> Iterator[None]:
+    """These processes stopped (SIGSTOP) for the block and continued after it; those gone are skipped."""
+    import psutil
+
+    stopped = []
+    try:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a worker that just ended
+                proc.suspend()
+                stopped.append(proc)
+        yield
+    finally:
+        for proc in reversed(stopped):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
 
 
 def free_port() -> int:

@@ -5,18 +5,12 @@
     python bench/serve_load.py guidellm [--guidellm /tmp/guidellm-venv/bin/guidellm] [--modes hybrid cloud-only]
         [--profiles synchronous concurrent@2 concurrent@4] [--seconds 40] [--rtt-ms 0] [--out docs/serve/guidellm]
 
-openai: per concurrency c, `--repeats` rounds of c simultaneous streamed greedy chat completions through
-the official OpenAI client (a different prompt each): time to first token (request → first content
-chunk) and tokens/s (of the round, and per request). The baseline is what a user without the server
-runs: `edge generate --stream` as a new process per prompt, timed from spawn to its first byte of text
-(start-up included) and to exit. Means with 95 % t intervals go to OUT/results.md and results.json.
-
-guidellm: guidellm (vLLM's OpenAI-compatible load generator, in a venv of its own: docs/serve.md) drives
-`edge serve` per mode — `hybrid` (the default edge), `always-draft` (`--no-cloud-only-switch`) and
-`cloud-only` — with synthetic prompts and its own metrics, one `guidellm run` per profile
-(synchronous, concurrent@N, constant@RATE). With `--rtt-ms` > 0 the edge reaches the cloud through
-`hybridspec netem` and every round crosses the link (direct verify off). guidellm itself is unpinned.
-OUT gets guidellm's reports, results.json, results.md and the servers' logs.
+docs/serve.md has the method and the numbers. openai: rounds of c simultaneous streamed greedy chat
+completions through the OpenAI client (time to first content chunk, tokens/s) against `edge generate
+--stream` as a new process per prompt (start-up included); means with 95 % t intervals. guidellm: one
+`guidellm run` per profile (synchronous, concurrent@N, constant@RATE) per mode (hybrid, always-draft,
+cloud-only); with --rtt-ms > 0 the edge reaches the cloud through `hybridspec netem` (direct verify
+off). Both write OUT/results.md and results.json; guidellm also its reports and the servers' logs.
 """
 from __future__ import annotations
 
