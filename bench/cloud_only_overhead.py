@@ -3,23 +3,17 @@
     python bench/cloud_only_overhead.py [--prompts 4] [--new-tokens 64] [--repeats 2]
         [--layers llamacpp_alone,decode_ray,...] [--out FILE]
 
-Greedy decoding of the embedded target's GGUF, the same chat prompts through each layer in turn (their
-order rotating from prompt to prompt), the cloud side on core 1 and the client on core 0; while a layer
-runs, every process of the clouds it does not talk to is stopped (docs/engine.md has the method and
-the numbers). `--layers` picks some; llamacpp_alone, the base of every ratio, always runs:
+The same chat prompts through each layer in turn; while one runs, the clouds it does not talk to are
+stopped. docs/engine.md has the method and the numbers. `--layers` picks some (llamacpp_alone, the base
+of every ratio, always runs):
 
   llamacpp_alone       llama-cpp-python's own `Llama.generate` (what a CPU user would run instead)
   llamacpp_beside_ray  the same beside the default Ray cloud, awake and idle on its core: the ceiling
-  engine               our LlamaCppEngine, one scored token per pass, argmax in numpy
+  engine               our LlamaCppEngine, one scored token per pass
   grpc_inprocess       `cloud serve --backend inprocess` + VerifierClient.generate
-  decode_ray           `cloud serve`'s Ray pool: a session opened at the front door, `Decode` streamed
-                       from the replica's own endpoint (what the edge does)
+  decode_ray           `cloud serve`'s Ray pool, `Decode` from the replica's own endpoint (as the edge does)
   edge_ray             `edge generate --cloud-only`'s worker over the Ray pool
-  edge_default_ray     the default edge's worker over the Ray pool (as `edge generate` builds it)
-
-Milliseconds per token (prefill included) and tokens/s against llama.cpp alone, of the medians and
-paired (each generation against llama.cpp alone on the same prompt; geometric mean, 95 % bootstrap
-interval). Prints one JSON object.
+  edge_default_ray     the default edge's worker over the Ray pool
 """
 from __future__ import annotations
 

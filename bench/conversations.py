@@ -5,15 +5,10 @@ every session starts with, and multi-turn histories of a few thousand tokens; al
     python bench/conversations.py prefix [--sessions 9] [--new-tokens 16] [--out FILE]
     taskset -c 1 python bench/conversations.py swap [--lengths 200 1000 4090] [--repeats 5] [--out FILE]
 
-docs/engine.md#long-conversations-parking-and-memory has the numbers. long: `cloud serve` with its
-defaults on core 1, the edges on core 0; each length decoded `--cloud-only` first (it pays the
-prefill), then by the default edge and by hybrid rounds of γ = 4 that never switch, whose tokens must
-equal the first's. prefix: sessions sharing the system prompt (525 tokens), one at a time as `Generate`
-calls, prefix cache on and off; the first session's time to first token over the median of the others',
-the front door's prefix-cache counters, and every session's tokens compared between the two servers.
-swap: one stream of 4,096 cells and room for one parked session; a second session takes the stream
-(parking the first) and the first takes it back (restoring it), `--repeats` times per length: park and
-restore times (medians), and the restored session's 16 tokens and first logits against those before.
+long and prefix run `cloud serve`'s defaults on core 1, the edges on core 0; every strategy's tokens
+must equal cloud-only's, and the prefix cache must change no token. swap parks and restores sessions
+on one 4,096-cell stream: the restored session's tokens and first logits must equal those before.
+docs/engine.md#long-conversations-parking-and-memory has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -99,8 +94,6 @@ def long_conversation(tokenizer, tokens: int, question: str) -> list[int]:
         turn += 1
 
 
-# --- long: long conversations through the default pool ---------------------------------------
-
 STRATEGIES = {"cloud-only": {"cloud_only": True}, "default-edge": {},
               "hybrid-g4": {"cloud_only_switch": False, "gamma_policy": "fixed", "max_draft": 4, "tree_nodes": 0}}
 
@@ -119,8 +112,6 @@ def generate(drafter, address: str, prompt: list[int], new_tokens: int, settings
     return {"tokens": gen.token_ids, "ttft_s": round(first or 0.0, 2), "wall_s": round(gen.stats.wall_s, 2),
             "rounds": gen.stats.rounds, "cloud_only_tokens": gen.stats.cloud_only_tokens, "error": gen.error}
 
-
-# --- prefix: a shared system prompt, prefix cache on and off --------------------------------------
 
 def counters(port: int) -> dict[str, float]:
     """The front door's prefix-cache counters."""
@@ -149,8 +140,6 @@ def prefix_run(prompts: list[list[int]], new_tokens: int, scope: str) -> dict:
     return {"prefix_scope": scope, "ttft_s": ttft, "first_s": ttft[0], "median_rest_s": rest,
             "first_over_median_rest": round(ttft[0] / rest, 2), "counters": seen, "tokens": tokens}
 
-
-# --- swap: parking a session in host memory and restoring it --------------------------------------
 
 DECODED = 16
 

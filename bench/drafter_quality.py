@@ -4,15 +4,11 @@
     python bench/drafter_quality.py trace --out docs/engine/acceptance-trace-smollm2.json
     python bench/drafter_quality.py prompts --out docs/drafter/prompt-sets.json
 
-Acceptance is replayed exactly for greedy decoding over the target's own greedy continuation
-(distill/evaluate.py) of held-out prompts (topics never trained on) and of free-form ones (no template's
-shape); c is the drafter's per-token latency over the target's, one torch thread each. An EAGLE head is
-replayed as the edge drafts with it, its features through the int8 and fp16 wire formats, beside the
-plain drafter (--plain). --runs: `hybridspec distill` output folders (their report.json) for the depth
-sweep. trace: the shipped drafter's agreement flags along the target's greedy answers, which the GPU
-suite's capacity part replays. prompts: the shipped drafter on distill's prompts and on `pair check`'s,
-measured distill's way and pair check's (llama.cpp and torch), and the share of the target's tokens its
-head can predict. docs/distill.md and docs/eagle.md have the numbers.
+Acceptance is replayed exactly for greedy decoding over the target's own greedy answers
+(distill/evaluate.py); c is the drafter's per-token latency over the target's, one torch thread each.
+An EAGLE head is replayed as the edge drafts with it (int8 and fp16 features) beside --plain; --runs
+takes `hybridspec distill` output folders for the depth sweep. docs/distill.md and docs/eagle.md have
+the method and the numbers.
 """
 from __future__ import annotations
 
@@ -38,7 +34,8 @@ from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.proposal import DraftSettings, DrafterKind
 from hybridspec.lab import pairs
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
-from harness import REFERENCE, arguments, commit, figure, header, median, report, save_figure, series, write_json
+from harness import (REFERENCE, arguments, commit, figure, header, median, report, save_figure, series, write_json,
+                     write_results)
 
 
 @torch.inference_mode()
@@ -112,10 +109,8 @@ def quality() -> None:
                      "final_agreement": report["final"]["agreement"], "train_s": report["train_s"],
                      "c": decode_latency(shape.eval()) / t_target})
     result["runs"] = runs
-    write_json(out / "results.json", result, indent=2)
-    (out / "results.md").write_text(markdown(result))
+    write_results(out, result, markdown(result), indent=2)
     plot(result, out / "acceptance.png")
-    print(markdown(result))
 
 
 def eagle_main(args, target, drafter, out: Path) -> None:
@@ -142,9 +137,7 @@ def eagle_main(args, target, drafter, out: Path) -> None:
                           for fmt, (h, f) in reps.items()},
               "plain": {"drafter": args.plain, "heldout": asdict(plain_reps[0]), "freeform": asdict(plain_reps[1])},
               "target_ms_per_token": t_target * 1e3, "drafter_ms_per_token": t_head * 1e3, "c": t_head / t_target}
-    write_json(out / "results.json", result, indent=2)
-    (out / "results.md").write_text(eagle_markdown(result))
-    print(eagle_markdown(result))
+    write_results(out, result, eagle_markdown(result), indent=2)
 
 
 @torch.inference_mode()

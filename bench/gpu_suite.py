@@ -35,7 +35,8 @@ from hybridspec.lab.gpu_suite import capacity, exactness, models, passes, report
 from harness import arguments, commit
 
 FULL = dict(edges=[8, 64], new_tokens=128, prompt_len=32, warm_s=3.0, window_s=14.0, rtts=[0.0, 20.0], processes=8,
-            agrees=[0.6, 0.8], trace=True, policy=True, rtt_hybrid=[20.0], shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
+            agrees=[0.6, 0.8], trace=True, policy=True, rtt_hybrid=[20.0],
+            shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
             tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shapes=["smollm2-135m"],
             exact=[(1, 2048), (32, 64)], capacity_shape="llama-3.1-8b", compare_split=True,
             product_shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], product_rows=[1, 5, 64, 320, 512])

@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -18,16 +19,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
-
-__all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
-           "free_port", "frozen", "fuzz_suite", "header", "median", "pass_times", "percentile", "pin", "pin_child",
-           "process_tree", "replica_processes", "report", "rss_mb", "save_figure", "series", "start_cloud",
-           "stop_cloud", "style", "tiny_target", "two_hosts", "usable_cores", "write_json"]
-
-
-# --- pinning -------------------------------------------------------------------------------------
 
 def usable_cores() -> list[int]:
     """The cores this process may run on, in order."""
@@ -48,18 +43,14 @@ def pin_child(to: Iterable[int] | None) -> Callable[[], None] | None:
 
 
 def two_hosts() -> tuple[set[int] | None, set[int] | None]:
-    """(edge cores, cloud cores) of the two emulated hosts: EDGE_CORE and CLOUD_CORE where this process
-    may use both, else (None, None): one core cannot be split, and nothing is pinned."""
+    """(edge cores, cloud cores): EDGE_CORE and CLOUD_CORE where this process may use both, else (None, None)."""
     cores = usable_cores()
     return ({EDGE_CORE}, {CLOUD_CORE}) if EDGE_CORE in cores and CLOUD_CORE in cores else (None, None)
 
 
-# --- the cloud -----------------------------------------------------------------------------------
-
 def start_cloud(keys: dict | None = None, pin_edge: bool = True) -> tuple[subprocess.Popen, str]:
-    """Start `cloud serve` with these ServeConfig keys on the cloud core (everything it spawns, Ray
-    included, inherits it) and, unless `pin_edge` is false, pin this process (the edges) to the edge
-    core. Returns (process, HOST:PORT) once it is serving; `stop_cloud` ends it."""
+    """`cloud serve` with these ServeConfig keys on the cloud core (Ray and all it spawns inherit it) and,
+    unless `pin_edge` is false, this process (the edges) on the edge core: (process, HOST:PORT) once serving."""
     from hybridspec.cloud.process import start_cloud_process
 
     edge_cores, cloud_cores = two_hosts()
@@ -87,18 +78,14 @@ def cloud(keys: dict | None = None, pin_edge: bool = True) -> Iterator[tuple[sub
         stop_cloud(proc)
 
 
-def process_tree(pid: int) -> list:
+def process_tree(pid: int) -> list[psutil.Process]:
     """The psutil processes of `pid` and all its descendants (a cloud: the front door, Ray, the replicas)."""
-    import psutil
-
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
 
 
-def replica_processes(pid: int) -> list:
+def replica_processes(pid: int) -> list[psutil.Process]:
     """The replica actors among the descendants of `pid` (Ray names them ray::VerifierReplica)."""
-    import psutil
-
     found = []
     for proc in process_tree(pid)[1:]:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -107,10 +94,8 @@ def replica_processes(pid: int) -> list:
     return found
 
 
-def rss_mb(procs: Iterable) -> float:
+def rss_mb(procs: Iterable[psutil.Process]) -> float:
     """Resident memory of these processes together, in MiB (those gone meanwhile count nothing)."""
-    import psutil
-
     total = 0
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -119,10 +104,8 @@ def rss_mb(procs: Iterable) -> float:
 
 
 @contextlib.contextmanager
-def frozen(procs: Iterable) -> Iterator[None]:
+def frozen(procs: Iterable[psutil.Process]) -> Iterator[None]:
     """These processes stopped (SIGSTOP) for the block and continued after it; those gone are skipped."""
-    import psutil
-
     stopped = []
     try:
         for proc in procs:
@@ -138,14 +121,10 @@ def frozen(procs: Iterable) -> Iterator[None]:
 
 def free_port() -> int:
     """A TCP port free on this host now (for a server's metrics endpoint)."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-
-# --- medians and percentiles ---------------------------------------------------------------------
 
 def median(xs: Iterable[float]) -> float:
     """The median."""
@@ -153,8 +132,7 @@ def median(xs: Iterable[float]) -> float:
 
 
 def percentile(xs: Sequence[float], p: int) -> float:
-    """The p-th percentile (1 <= p <= 99; statistics' exclusive method: p90 is quantiles(n=10)[-1]);
-    one value is its own every percentile."""
+    """The p-th percentile, 1 <= p <= 99 (statistics' exclusive method); one value is its own every percentile."""
     if not 1 <= p <= 99:
         raise ValueError(f"percentile {p} is outside 1..99")
     if len(xs) == 1:
@@ -162,11 +140,9 @@ def percentile(xs: Sequence[float], p: int) -> float:
     return statistics.quantiles(xs, n=100)[p - 1]
 
 
-# --- pass timing ---------------------------------------------------------------------------------
-
 def pass_times(engine, context: Sequence[int], tokens: Sequence[int], repeats: int) -> list[float]:
     """Milliseconds of `repeats` scored passes of `tokens` after `context` cached tokens, each cut back
-    afterwards (cloud/core/costs.py's `time_pass`, what a replica measures its own curve with)."""
+    (cloud/core/costs.py's `time_pass`, as a replica measures its own curve)."""
     from hybridspec.cloud.core.costs import time_pass
     from hybridspec.cloud.engine.base import Feed
 
@@ -179,8 +155,6 @@ def pass_times(engine, context: Sequence[int], tokens: Sequence[int], repeats: i
         engine.release(kv)
 
 
-# --- the result file -----------------------------------------------------------------------------
-
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("unknown" where it has none)."""
     try:
@@ -191,8 +165,7 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit, with "+dirty" when tracked files differ from it (HYBRIDSPEC_COMMIT
-    where set, for copies without .git), or "unknown"."""
+    """The checkout's short commit, "+dirty" when tracked files differ (HYBRIDSPEC_COMMIT where set), or "unknown"."""
     if os.environ.get("HYBRIDSPEC_COMMIT"):
         return os.environ["HYBRIDSPEC_COMMIT"]
     run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -222,13 +195,17 @@ def report(result: Any, out: str | Path | None = None, indent: int = 1) -> None:
         write_json(out, result, indent)
 
 
+def write_results(out: Path, result: Any, markdown: str, indent: int = 1) -> None:
+    """`out`/results.json and `out`/results.md (the tables, also printed): a report of several tables."""
+    write_json(out / "results.json", result, indent)
+    (out / "results.md").write_text(markdown)
+    print(markdown)
+
+
 def arguments(doc: str | None) -> argparse.ArgumentParser:
-    """The script's argument parser, described by its docstring's first paragraph (--help shows the rest
-    of the docstring's command line too)."""
+    """The script's argument parser, described by its docstring's first paragraph."""
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
 
-
-# --- the tests' fixtures: the tiny target, the fuzz strategies ------------------------------------
 
 def tests_module(name: str):
     """A module of tests/ (run from a checkout: the wheel does not ship the tests' fixtures)."""
@@ -238,8 +215,8 @@ def tests_module(name: str):
 
 
 def tiny_target(out: Path, seed: int = 0, name: str = "target") -> str:
-    """A random 2-layer Llama with a real tokenizer (tests/tinymodels.py), saved as the model directory
-    `out/name`: seed 0 is the tests' target, another seed a model that rarely agrees with it."""
+    """A random 2-layer Llama with a real tokenizer (tests/tinymodels.py) saved in `out/name`: seed 0 is the
+    tests' target, another seed a model that rarely agrees with it."""
     tiny = tests_module("tinymodels")
     return str(tiny.save_model(tiny.make_model(seed=seed), out / name))
 
@@ -249,8 +226,6 @@ def fuzz_suite():
     fuzzing = tests_module("fuzzing")
     return fuzzing.Fuzzer, fuzzing.calls
 
-
-# --- plots ---------------------------------------------------------------------------------------
 
 # Okabe–Ito colours with a marker and a line style each: series stay apart in grey print too.
 STYLES = ({"color": "#0072B2", "marker": "o", "linestyle": "-"},

@@ -7,16 +7,11 @@ setup, in a replica's host time under many edges, and per batching policy.
     python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--pass-ms 0]
                                         [--repeats 3] [--out FILE]
 
-The method and the numbers: docs/measurements.md (the paths, --host, --meet), docs/security.md
-(--security). Lanes are real gRPC clients (edge/client.py) sending a round of γ = 4 drafts at a time and
-taking turns round by round, so other load hits them alike; --target tiny (the default) is a random
-2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths: front-door (a 1-replica Ray pool,
-direct_verify off), direct (the replica's own endpoint), in-process (no Ray: the floor); overhead = the
-round trip − the replica's step (verify_ms − queue_ms); --pin puts Ray's processes on the second core.
---host and --meet: a fresh in-process front door per run on the cloud core, its steps stamped part by
-part (cloud/core/telemetry.py `StepClock`), against closed-loop asyncio edges in one spawned process on
-the edge core; "grpc" is the process's CPU outside the model thread; --pass-ms makes every pass last at
-least that long, as on a GPU.
+Real gRPC clients take turns round by round, so other load hits every path or setup alike; --target
+tiny (the default) is a random 2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths:
+front-door (a 1-replica Ray pool), direct (the replica's own endpoint), in-process (the floor); overhead
+= the round trip − (verify_ms − queue_ms). docs/measurements.md (the paths, --host, --meet) and
+docs/security.md (--security) have the method and the numbers.
 """
 from __future__ import annotations
 
@@ -118,11 +113,10 @@ class Setup(Lane):
     def one_connect(self) -> None:
         """A new channel, its handshake and one OpenSession, timed; then closed."""
         start = time.perf_counter()
-        client = VerifierClient(self.address, 30, self.access)
-        opened = client.open_session(SessionSpec("", PROMPT))
-        self.connect_ms.append((time.perf_counter() - start) * 1e3)
-        client.close_session(opened.session_id)
-        client.close()
+        with VerifierClient(self.address, 30, self.access) as client:
+            opened = client.open_session(SessionSpec("", PROMPT))
+            self.connect_ms.append((time.perf_counter() - start) * 1e3)
+            client.close_session(opened.session_id)
 
 
 def make_setups(root: Path) -> list[Setup]:
@@ -247,8 +241,6 @@ def security(args) -> dict:
             "edge_core": EDGE_CORE, "cloud_core": CLOUD_CORE, "rows": rows}
 
 
-# ---- --host: many closed-loop edges on one replica, where its host time goes ------------------------
-
 MANY = VerifierLimits(max_context=512, max_draft=32, max_sessions=64)
 WARM_S = 2.0  # closed-loop rounds before each window, untimed
 
@@ -263,9 +255,8 @@ def edge_process(conn) -> None:
 
 
 async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
-    """`edges` edges, each on its own channel and VerifyStream, round after round, drafting `draft_ms`
-    before each and opening a fresh session when the context fills: WARM_S untimed, then up to the
-    deadline the parent sends. The window's rounds, their tokens and latencies, and its re-opens."""
+    """`edges` edges on a channel and VerifyStream each, drafting `draft_ms` before each round, a fresh session
+    when the context fills: WARM_S untimed, then the window up to the deadline the parent sends."""
     window = [float("inf"), float("inf")]  # [start, deadline]
     latencies, seen = [], {"tokens": 0, "opens": 0}
 
@@ -303,9 +294,8 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
 
 
 def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
-    """A fresh replica (in-process front door, its model thread on this core) under `edges` closed-loop
-    edges for one window: its steps' time part by part (thread CPU and wall, from StepClock), the
-    process's CPU outside the model thread (gRPC, the event loop, the hop), and what the edges saw."""
+    """A fresh in-process replica under `edges` closed-loop edges for one window: its steps' CPU and wall time
+    part by part (StepClock), the process's CPU outside the model thread, and what the edges saw."""
     replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
     if args.pass_ms:
         at_least(replica.engine, args.pass_ms / 1e3)
@@ -334,8 +324,7 @@ def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
 
 
 def at_least(engine, seconds: float) -> None:
-    """Make every pass of `engine` last at least `seconds` (a sleep after it, the interpreter free
-    meanwhile): a device whose pass time hardly grows with its rows, as a GPU's up to its batch size."""
+    """Every pass of `engine` lasts at least `seconds` (a sleep after it): a flat-cost device, as a GPU is."""
     forward = engine.forward
 
     def flat(feeds):
@@ -348,8 +337,8 @@ def at_least(engine, seconds: float) -> None:
 
 
 def windows(args, runs: list[tuple[str, int, dict]]) -> tuple[dict[str, list[dict]], dict]:
-    """Every (label, edges, verifier settings) run once per repeat, in turns, on the cloud core; the
-    edges in one spawned process on the edge core. Returns the runs by label, and the setting."""
+    """Every (label, edges, verifier settings) once per repeat, in turns, on the cloud core, the edges in a
+    spawned process on the edge core: the runs by label, and the setting."""
     setting = {"target": args.target, "gamma": GAMMA, "seconds": args.seconds, "repeats": args.repeats,
                "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": len(usable_cores())}
     load_before = os.getloadavg()
@@ -399,9 +388,7 @@ def host(args) -> dict:
 
 
 def meet(args) -> dict:
-    """Each --hold policy at each --edges count, in turns, the edges drafting --draft-ms before each round:
-    passes per round of every edge, rounds per pass, tokens/s (also over the first policy's in the same
-    repeat) and the edges' p95 round time."""
+    """Each --holds policy at each --edges count, in turns; tokens/s also over the first policy's in the same repeat."""
     runs = [(f"{hold}, B={n}", n, {"hold": Hold(hold)}) for n in args.edges for hold in args.holds]
     out, setting = windows(args, runs)
     keys = ("passes_per_round", "rounds_per_step", "hold_ms", "tokens_per_s", "p95_round_ms")

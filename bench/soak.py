@@ -5,15 +5,8 @@ decoding (`--cloud-only`, taken before the attack), and the cloud's memory must 
     python bench/soak.py fuzz [--messages 10000] [--cloud HOST:PORT] [--out docs/integrity]
     python bench/soak.py tenants [--busy 17] [--think-s 2] [--out docs/integrity]
 
-Each starts `cloud serve` (a local Ray pool, the embedded target) on one core and runs the edges (the
-embedded drafter) on the other; docs/integrity.md#measured describes each run. chaos: half the edges
-adaptive, half fixed blocks of 4, through the link emulator (5 ms each way, a 2 s stall every 45 s);
-replicas SIGKILLed and the link cut for 1-4 s at random; memory sampled every 5 s (soak.csv, soak.json,
-soak.png). fuzz: tests/fuzzing.py's hostile messages beside one honest edge; with --cloud, against that
-running server (fuzz.json: every status's count, the replies that broke a rule, the server's memory).
-tenants: two identities on one replica, fair share on and, in a second server, off; on the first also
-an idle conversation kept, the full replica's refusal, `edge generate`'s progress lines on a cold
-prompt and its time to an error with the replica SIGSTOPped (tenants.json).
+`cloud serve` (a local Ray pool, the embedded target) on one core, the edges on the other; fuzz with
+--cloud sends to that running server instead. docs/integrity.md#measured has the method and the numbers.
 Exit status 1 if a generation differed from the cloud-only one or failed (or a fuzzed reply broke a rule).
 """
 from __future__ import annotations
