@@ -1,4 +1,4 @@
-"""bench/round_path.py counts the files and frames on a steady-state verify round's path: it must find
+"""scripts/round_path.py counts the files and frames on a steady-state verify round's path: it must find
 both sides of the round and leave out what happens once per generation, on the tiny torch target
 through the front door and on the embedded target on llama.cpp with direct verify."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_counter_finds_edge_and_cloud_and_counts_only_steady_rounds(tmp_path):
     out = tmp_path / "path.json"
-    run = subprocess.run([sys.executable, "bench/round_path.py", "--tokens", "26", "--gamma", "4", "--out", str(out)],
+    run = subprocess.run([sys.executable, "scripts/round_path.py", "--tokens", "26", "--gamma", "4", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -73,7 +73,7 @@ def test_on_the_default_deployment_the_servicer_hands_the_round_straight_to_the_
     cloud's spine is the servicer, the verifier's step and the engine, with no pool in between."""
     require_embedded()
     out = tmp_path / "path.json"
-    run = subprocess.run([sys.executable, "bench/round_path.py", "--engine", "llamacpp", "--tokens", "26", "--out",
+    run = subprocess.run([sys.executable, "scripts/round_path.py", "--engine", "llamacpp", "--tokens", "26", "--out",
                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     cloud = json.loads(out.read_text())["path_by_side"]["cloud"]

@@ -26,7 +26,7 @@ Not every one of those files is read to follow the round: the path (`reading_pat
 code hands the round on to another of the package's files; the rest are only looked up (a wire
 dataclass, a maths rule, a metric, a layer of the model).
 
-    python bench/round_path.py [--engine torch|llamacpp] [--tokens 101] [--gamma 4] [--drafter-seed 0] [--out FILE]
+    python scripts/round_path.py [--engine torch|llamacpp] [--tokens 101] [--gamma 4] [--drafter-seed 0] [--out FILE]
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from harness import arguments, header, median, report, tiny_target
+# The benchmarks' harness: one result header and one tiny target for the repository's scripts too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from harness import arguments, header, median, report, tiny_target  # noqa: E402
 
 PACKAGES = ("edge", "cloud", "common")  # the folders a round crosses; anything else counts as "other"
 # The threads of the edge's process: the generation's own and its stream's reply reader
