@@ -3,43 +3,27 @@
     python bench/cloud_only_overhead.py [--prompts 4] [--new-tokens 64] [--repeats 2]
         [--layers llamacpp_alone,decode_ray,...] [--out FILE]
 
-Greedy decoding of the embedded target's GGUF on core 1 (one thread), the client on core 0, the same
-chat prompts through each layer in turn, repeated and interleaved so that drift hits every layer; the
-order of the layers rotates from one prompt to the next. The two clouds (`cloud serve` in-process and
-with its Ray pool) live on core 1 throughout, so while a layer runs, every process of each cloud it
-does not talk to is stopped (SIGSTOP, then SIGCONT; outside the timed part): each layer has the core
-as a host of its own would give it. Idle, Ray's processes take about 4 % of that core
-(docs/engine.md), which llama.cpp on its own host never pays. `--layers` picks some (llamacpp_alone,
-the base of every ratio, always runs):
+The same chat prompts through each layer in turn; while one runs, the clouds it does not talk to are
+stopped. docs/engine.md has the method and the numbers. `--layers` picks some (llamacpp_alone, the base
+of every ratio, always runs):
 
-  llamacpp_alone   llama-cpp-python's own `Llama.generate` (the peer a CPU user would run instead)
-  llamacpp_beside_ray  the same, with the default Ray cloud awake and idle on its core: the ceiling of
-                   any serving code that shares one core with a local Ray cluster
-  engine           our LlamaCppEngine, one scored token per pass, argmax in numpy
-  grpc_inprocess   `cloud serve --backend inprocess` + VerifierClient.generate (scheduler thread,
-                   event loop, a gRPC message per token)
-  decode_ray       `cloud serve` with its default Ray pool: a session opened at the front door, its
-                   tokens streamed by `Decode` from the replica's own endpoint (what the edge does)
-  edge_ray         `edge generate --cloud-only`'s worker over the Ray pool (text handling, stops)
-  edge_default_ray the default edge's worker over the Ray pool (it decides; on this CPU: cloud-only,
-                   shadow drafting on the edge's core with the llama.cpp drafter `edge generate` loads)
-
-Milliseconds per token (prompt prefill included, as a user waits for it) and tokens/s relative to
-llama.cpp alone: of the medians, and paired (each generation against llama.cpp alone on the same prompt
-moments before or after; geometric mean, with its 95 % bootstrap interval). Prints one JSON object.
+  llamacpp_alone       llama-cpp-python's own `Llama.generate` (what a CPU user would run instead)
+  llamacpp_beside_ray  the same beside the default Ray cloud, awake and idle on its core: the ceiling
+  engine               our LlamaCppEngine, one scored token per pass
+  grpc_inprocess       `cloud serve --backend inprocess` + VerifierClient.generate
+  decode_ray           `cloud serve`'s Ray pool, `Decode` from the replica's own endpoint (as the edge does)
+  edge_ray             `edge generate --cloud-only`'s worker over the Ray pool
+  edge_default_ray     the default edge's worker over the Ray pool
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
-import psutil
 
 from hybridspec.cloud.engine.base import Feed
 from hybridspec.cloud.engine.llamacpp_engine import LlamaCppEngine
@@ -53,8 +37,8 @@ from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.prompt import encode_prompt
 from hybridspec.common.models.loading import load_model
 from hybridspec.lab.stats import bootstrap_ci
-from harness import CLOUD_CORE, EDGE_CORE, arguments, header, median, pin, report, start_cloud, stop_cloud
-
+from harness import (CLOUD_CORE, EDGE_CORE, arguments, frozen, header, median, pin, process_tree, report, start_cloud,
+                     stop_cloud)
 
 
 def llamacpp_alone(llm, prompt: list[int], n: int) -> list[int]:
@@ -84,37 +68,6 @@ def engine_alone(engine: LlamaCppEngine, prompt: list[int], n: int, eos: set[int
         return out
     finally:
         engine.release(kv)
-
-
-@contextmanager
-def frozen(clouds) -> Iterator[None]:
-    """Every process of the clouds (the servers and all they spawned, Ray's included) stopped for the block."""
-    members = []
-    for proc in clouds:
-        parent = psutil.Process(proc.pid)
-        members += [parent, *parent.children(recursive=True)]
-    stopped = []
-    try:
-        for member in members:
-            try:
-                member.suspend()
-                stopped.append(member)
-            except psutil.NoSuchProcess:  # a worker that just ended
-                pass
-        yield
-    finally:
-        for member in reversed(stopped):
-            try:
-                member.resume()
-            except psutil.NoSuchProcess:
-                pass
-
-
-def paired_interval(base: list[float], layer: list[float]) -> list[float]:
-    """The 95 % bootstrap interval of the geometric mean of base / layer over the generations' pairs."""
-    ratios = [a / b for a, b in zip(base, layer)]
-    estimate = bootstrap_ci(ratios, statistics.geometric_mean)
-    return [round(estimate.lo, 3), round(estimate.hi, 3)]
 
 
 def main() -> None:
@@ -147,9 +100,9 @@ def main() -> None:
     workers = {"edge_ray": build_worker(EdgeConfig.of(cloud=ray_address, max_new_tokens=n, cloud_only=True)),
                "edge_default_ray": build_worker(EdgeConfig.of(cloud=ray_address, max_new_tokens=n))}
 
-    def grpc(name: str, prompt: list[int]) -> list[int]:
+    def grpc(prompt: list[int]) -> list[int]:
         pin(EDGE_CORE)
-        return list(clients[name].generate(GenerateSpec(prompt_ids=tuple(prompt), max_new_tokens=n)))
+        return list(clients["grpc_inprocess"].generate(GenerateSpec(prompt_ids=tuple(prompt), max_new_tokens=n)))
 
     def decode(prompt: list[int]) -> list[int]:
         pin(EDGE_CORE)
@@ -174,14 +127,13 @@ def main() -> None:
         "llamacpp_alone": local(lambda p: llamacpp_alone(llm, p, n)),
         "llamacpp_beside_ray": local(lambda p: llamacpp_alone(llm, p, n)),
         "engine": local(lambda p: engine_alone(engine, p, n, eos)),
-        "grpc_inprocess": lambda p: grpc("grpc_inprocess", p),
+        "grpc_inprocess": grpc,
         "decode_ray": decode,
         "edge_ray": lambda p: edge("edge_ray", p),
         "edge_default_ray": lambda p: edge("edge_default_ray", p),
     }
     chosen = [name for name in args.layers.split(",") if name]
-    unknown = sorted(set(chosen) - set(layers))
-    if unknown:
+    if unknown := sorted(set(chosen) - set(layers)):
         raise SystemExit(f"unknown layers {', '.join(unknown)}; the layers are {', '.join(layers)}")
     if chosen:
         layers = {name: fn for name, fn in layers.items() if name in chosen or name == "llamacpp_alone"}
@@ -198,7 +150,7 @@ def main() -> None:
             for i, prompt in enumerate(prompts):
                 turn = (r * len(prompts) + i) % len(names)
                 for name in names[turn:] + names[:turn]:
-                    with frozen([c for c in (inproc, ray) if c is not serving.get(name)]):
+                    with frozen([p for c in (inproc, ray) if c is not serving.get(name) for p in process_tree(c.pid)]):
                         t0 = time.perf_counter()
                         out = layers[name](prompt)
                         ms[name].append((time.perf_counter() - t0) * 1e3 / len(out))
@@ -212,16 +164,17 @@ def main() -> None:
         stop_cloud(inproc)
         stop_cloud(ray)
     base = median(ms["llamacpp_alone"])
+    # Each generation against llama.cpp alone on the same prompt, moments before or after: the geometric
+    # mean of the ratios, with its 95 % percentile-bootstrap interval over the generations.
+    paired = {name: bootstrap_ci([a / b for a, b in zip(ms["llamacpp_alone"], v)], statistics.geometric_mean)
+              for name, v in ms.items()}
     result = {**header(weights=served_weights(paths["target"])),
               "prompts": len(prompts), "new_tokens": n, "repeats": args.repeats,
               "other_clouds_stopped": True, "layers": {
         name: {"ms_per_token": round(median(v), 3), "ms_per_token_all": [round(x, 3) for x in v],
                "vs_llamacpp_alone": round(base / median(v), 3),
-               # each generation against llama.cpp alone on the same prompt, moments before or after
-               "vs_llamacpp_alone_paired": round(statistics.geometric_mean(
-                   [a / b for a, b in zip(ms["llamacpp_alone"], v)]), 3),
-               # its 95 % percentile-bootstrap interval over the generations
-               "vs_llamacpp_alone_paired_ci": paired_interval(ms["llamacpp_alone"], v),
+               "vs_llamacpp_alone_paired": round(paired[name].value, 3),
+               "vs_llamacpp_alone_paired_ci": [round(paired[name].lo, 3), round(paired[name].hi, 3)],
                "same_text_as_llamacpp_alone": sum(a == b for a, b in zip(texts[name], texts["llamacpp_alone"]))}
         for name, v in ms.items()}}
     report(result, args.out)

@@ -1,31 +1,14 @@
 """Long conversations, as a chat service sees them, through the llama.cpp engine: a long system prompt
-every session starts with, and multi-turn histories of a few thousand tokens (chat(), long_conversation()).
-Three measurements, all greedy:
+every session starts with, and multi-turn histories of a few thousand tokens; all greedy.
 
     python bench/conversations.py long [--lengths 2300 3500] [--new-tokens 48] [--out FILE]
     python bench/conversations.py prefix [--sessions 9] [--new-tokens 16] [--out FILE]
     taskset -c 1 python bench/conversations.py swap [--lengths 200 1000 4090] [--repeats 5] [--out FILE]
 
-long: prompts of about 2,300 and 3,500 tokens through `cloud serve` with its defaults (a Ray pool of one
-replica, llama.cpp, max_context 4,096) on core 1, the edges on core 0. Each length is decoded by
-`--cloud-only` first (it pays the prefill), then by the default edge and by hybrid rounds of γ = 4 never
-switching to cloud-only (both start from the replica's cached prefix); every edge's tokens must equal
-the first's. Before the KV streams were resized every such prompt was refused ("exceeds max_context 1024").
-
-prefix: chat sessions sharing the system prompt (525 shared tokens, a different question: 538-545 tokens
-in all), one at a time as `Generate` calls (cloud-only), against the default `cloud serve` with the
-replica's prefix cache on (the default) and off. Time to first token is from the call to its first
-token; the figure is the first session's over the median of the others (a cold prefill each, without
-reuse: about 1x). The front door's Prometheus counters give the hits and tokens saved, and every
-session's tokens are compared between the two servers (prefix reuse must not change a token).
-
-swap: parking a session in host memory and restoring it: one stream of 4,096 cells (the serving
-default's size) and host memory for one parked session. Per length, a conversation is prefilled and
-decodes 16 tokens (the reference); then, `--repeats` times, a second session takes the stream, which
-parks the first (`llama_state_seq_get_data`), and the first runs again, which parks the second and
-restores it (`set_data`). Park and restore are timed apart (medians), and the restored session decodes
-its 16 tokens again: they must equal the reference, and its first token's logits must be bit for bit
-those before parking.
+long and prefix run `cloud serve`'s defaults on core 1, the edges on core 0; every strategy's tokens
+must equal cloud-only's, and the prefix cache must change no token. swap parks and restores sessions
+on one 4,096-cell stream: the restored session's tokens and first logits must equal those before.
+docs/engine.md#long-conversations-parking-and-memory has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -57,34 +40,29 @@ from harness import arguments, cloud, free_port, header, median, report
 # An operator's system prompt of the usual kind: with the chat template's header, the prompts of
 # chat() share their first 525 tokens, what every session of a chat service starts with.
 SYSTEM_PROMPT = " ".join([
-    "You are Atlas, the assistant of a public library's help desk. You answer questions from members of",
-    "the public, most of them adults, some of them students working on school assignments.",
-    "Follow these rules in every answer.",
-    "1. Be accurate. If you are not sure of a fact, say so plainly instead of guessing, and suggest where",
-    "the reader could check it: an encyclopedia, the library catalogue, or a librarian at the desk.",
-    "2. Be brief. Most questions deserve a short paragraph; a list is fine when the reader asked for steps",
-    "or for several items. Never pad an answer with repetitions of the question.",
-    "3. Be kind and neutral. Do not take sides on political or religious questions; describe the main",
-    "views fairly when a reader asks about them, and point to balanced sources.",
-    "4. Protect privacy. Never ask for or repeat a reader's address, phone number, library card number or",
-    "any other personal detail. If a reader shares one, do not store or repeat it.",
-    "5. Help with learning, not cheating. For homework, explain the idea and show a worked example of a",
-    "similar problem rather than writing the assignment for the student.",
-    "6. Library services: members may borrow up to twenty items at a time for three weeks, renew twice",
-    "unless someone else has reserved the item, and return items at any branch. Late returns cost nothing",
-    "for children's books and a small daily fee for other items, capped at the item's price. Study rooms",
-    "can be booked a week ahead for up to two hours a day. Printing costs ten cents a page in black and",
-    "white and fifty cents in colour. The makerspace needs a short safety course before first use.",
-    "7. Opening hours: the central branch opens at nine in the morning and closes at eight in the evening",
-    "on weekdays, and opens from ten to five on Saturdays; it is closed on Sundays and public holidays.",
-    "Neighbourhood branches keep shorter hours, listed on the library's website.",
-    "8. Accessibility: every branch has step-free access, large-print books and audio books; screen",
-    "readers are installed on the public computers of the central branch, and staff can help members",
-    "who need assistance with the catalogue.",
-    "9. When a question is outside what a library help desk can answer, such as medical, legal or",
-    "financial advice for a reader's own situation, give general information only and recommend asking",
-    "a qualified professional.",
-    "10. Never invent catalogue entries, opening hours, fees or events that are not listed above: say so.",
+    "You are Atlas, the assistant of a public library's help desk. You answer questions from members of the public,",
+    "most of them adults, some of them students working on school assignments. Follow these rules in every answer.",
+    "1. Be accurate. If you are not sure of a fact, say so plainly instead of guessing, and suggest where the reader",
+    "could check it: an encyclopedia, the library catalogue, or a librarian at the desk. 2. Be brief. Most questions",
+    "deserve a short paragraph; a list is fine when the reader asked for steps or for several items. Never pad an",
+    "answer with repetitions of the question. 3. Be kind and neutral. Do not take sides on political or religious",
+    "questions; describe the main views fairly when a reader asks about them, and point to balanced sources. 4.",
+    "Protect privacy. Never ask for or repeat a reader's address, phone number, library card number or any other",
+    "personal detail. If a reader shares one, do not store or repeat it. 5. Help with learning, not cheating. For",
+    "homework, explain the idea and show a worked example of a similar problem rather than writing the assignment",
+    "for the student. 6. Library services: members may borrow up to twenty items at a time for three weeks, renew",
+    "twice unless someone else has reserved the item, and return items at any branch. Late returns cost nothing for",
+    "children's books and a small daily fee for other items, capped at the item's price. Study rooms can be booked a",
+    "week ahead for up to two hours a day. Printing costs ten cents a page in black and white and fifty cents in",
+    "colour. The makerspace needs a short safety course before first use. 7. Opening hours: the central branch opens",
+    "at nine in the morning and closes at eight in the evening on weekdays, and opens from ten to five on Saturdays;",
+    "it is closed on Sundays and public holidays. Neighbourhood branches keep shorter hours, listed on the library's",
+    "website. 8. Accessibility: every branch has step-free access, large-print books and audio books; screen readers",
+    "are installed on the public computers of the central branch, and staff can help members who need assistance",
+    "with the catalogue. 9. When a question is outside what a library help desk can answer, such as medical, legal",
+    "or financial advice for a reader's own situation, give general information only and recommend asking a",
+    "qualified professional. 10. Never invent catalogue entries, opening hours, fees or events that are not listed",
+    "above: say so.",
 ])
 
 
@@ -111,8 +89,6 @@ def long_conversation(tokenizer, tokens: int, question: str) -> list[int]:
         turn += 1
 
 
-# --- long: long conversations through the default pool ---------------------------------------
-
 STRATEGIES = {"cloud-only": {"cloud_only": True}, "default-edge": {},
               "hybrid-g4": {"cloud_only_switch": False, "gamma_policy": "fixed", "max_draft": 4, "tree_nodes": 0}}
 
@@ -131,8 +107,6 @@ def generate(drafter, address: str, prompt: list[int], new_tokens: int, settings
     return {"tokens": gen.token_ids, "ttft_s": round(first or 0.0, 2), "wall_s": round(gen.stats.wall_s, 2),
             "rounds": gen.stats.rounds, "cloud_only_tokens": gen.stats.cloud_only_tokens, "error": gen.error}
 
-
-# --- prefix: a shared system prompt, prefix cache on and off --------------------------------------
 
 def counters(port: int) -> dict[str, float]:
     """The front door's prefix-cache counters."""
@@ -161,8 +135,6 @@ def prefix_run(prompts: list[list[int]], new_tokens: int, scope: str) -> dict:
     return {"prefix_scope": scope, "ttft_s": ttft, "first_s": ttft[0], "median_rest_s": rest,
             "first_over_median_rest": round(ttft[0] / rest, 2), "counters": seen, "tokens": tokens}
 
-
-# --- swap: parking a session in host memory and restoring it --------------------------------------
 
 DECODED = 16
 

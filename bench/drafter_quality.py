@@ -1,31 +1,14 @@
-"""How good is a distilled drafter for its target? Held-out acceptance, tokens per round, cost c.
+"""How good is a drafter for its target? Held-out acceptance, tokens per round, cost c.
 
     python bench/drafter_quality.py --drafter DIR [--runs RUN_DIR ...] [--out docs/drafter]
-
-Held-out prompts use topics that never appear in training (distill/prompts.py); a second set of
-free-form prompts, in no training template's shape, measures how far the drafter generalises. Acceptance is
-measured exactly for greedy decoding by replaying speculative rounds over the target's own greedy
-continuation (distill/evaluate.py). c is the drafter's per-token decode latency over the target's,
-both with one torch thread on this CPU (the way edge and cloud each get one core in the demo).
-An EAGLE head (docs/eagle.md) is replayed exactly as the edge drafts with it, with the features
-passed through the int8 and the fp16 wire format, next to the plain drafter on the same references:
-    python bench/drafter_quality.py --drafter ~/.cache/hybridspec/models/smollm2-135m-instruct-eagle --out docs/eagle
---runs takes `hybridspec distill` output directories (only their report.json is read: the training
-curves as the distill run measured them, and the shape, which is timed here) for the depth sweep.
-Two more views of a drafter's acceptance (the shipped pair's):
     python bench/drafter_quality.py trace --out docs/engine/acceptance-trace-smollm2.json
     python bench/drafter_quality.py prompts --out docs/drafter/prompt-sets.json
-`trace`: for the shipped pair, whether the drafter's greedy choice equals the target's token at every
-position of the target's own greedy answers to held-out prompts: the agreement flags the GPU suite's
-capacity part (lab/gpu_suite/capacity.py) replays instead of a constant α. In greedy decoding a drafted
-token is accepted iff it is the target's argmax, and while every draft so far was accepted the
-drafter's context is the target's, so the flags replay speculative rounds exactly (distill/evaluate.py).
-`prompts`: the shipped drafter's acceptance on the prompts distill reports and on those `pair check`
-uses, measured both ways on the same text: distill's teacher-forced agreement, and pair check's rounds
-through the edge's own drafter (llama.cpp, and torch, whose rounds must be the replay exactly); and the
-share of the target's tokens the drafter's head can predict at all. The sets: held-out task templates
-with unseen topics (at 48 and 128 new tokens), the free-form requests, pair check's built-in prompts
-(chat and code), together and each half alone.
+
+Acceptance is replayed exactly for greedy decoding over the target's own greedy answers
+(distill/evaluate.py); c is the drafter's per-token latency over the target's, one torch thread each.
+An EAGLE head is replayed as the edge drafts with it (int8 and fp16 features) beside --plain; --runs
+takes `hybridspec distill` output folders for the depth sweep. docs/distill.md and docs/eagle.md have
+the method and the numbers.
 """
 from __future__ import annotations
 
@@ -51,7 +34,8 @@ from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.proposal import DraftSettings, DrafterKind
 from hybridspec.lab import pairs
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
-from harness import REFERENCE, arguments, commit, figure, header, median, report, save_figure, series, write_json
+from harness import (REFERENCE, arguments, commit, figure, header, median, report, save_figure, series, write_json,
+                     write_results)
 
 
 @torch.inference_mode()
@@ -125,10 +109,8 @@ def quality() -> None:
                      "final_agreement": report["final"]["agreement"], "train_s": report["train_s"],
                      "c": decode_latency(shape.eval()) / t_target})
     result["runs"] = runs
-    write_json(out / "results.json", result, indent=2)
-    (out / "results.md").write_text(markdown(result))
+    write_results(out, result, markdown(result), indent=2)
     plot(result, out / "acceptance.png")
-    print(markdown(result))
 
 
 def eagle_main(args, target, drafter, out: Path) -> None:
@@ -155,9 +137,7 @@ def eagle_main(args, target, drafter, out: Path) -> None:
                           for fmt, (h, f) in reps.items()},
               "plain": {"drafter": args.plain, "heldout": asdict(plain_reps[0]), "freeform": asdict(plain_reps[1])},
               "target_ms_per_token": t_target * 1e3, "drafter_ms_per_token": t_head * 1e3, "c": t_head / t_target}
-    write_json(out / "results.json", result, indent=2)
-    (out / "results.md").write_text(eagle_markdown(result))
-    print(eagle_markdown(result))
+    write_results(out, result, eagle_markdown(result), indent=2)
 
 
 @torch.inference_mode()

@@ -1,25 +1,14 @@
 """The verifier's engine on this machine: what a pass costs, whether a block scores exactly as its tokens
 one by one, what a draft tree costs against a chain, and what batching gives many sessions.
 
-    taskset -c 1 python bench/engine.py chain [--engine llamacpp|torch] [--dtype float32] [--repeats 5] [--prompts 8] [--out FILE]
+    taskset -c 1 python bench/engine.py chain [--engine llamacpp|torch] [--dtype float32] [--repeats 5] [--prompts 8]
+        [--out FILE]
     taskset -c 1 python bench/engine.py tree [--engine llamacpp|torch] [--context 128] [--repeats 7] [--out FILE]
     taskset -c 1 python bench/engine.py batch [--engine llamacpp|torch] [--sessions 8] [--steps 6] [--out FILE]
 
-The embedded target, one thread, as a replica serves it (`--engine`, `--dtype`: the torch engine's dtype).
-chain: t(M), the median time of one pass scoring M tokens after `--context` cached tokens (the timer a
-replica measures its own curve with), for M = 1 to 32; v = t(5)/t(1) is what a γ = 4 round costs in
-one-token passes (docs/design.md §2). Then exactness: each of `--prompts` chat prompts is decoded by
-the engine alone, one token per pass, and that decoding verified in blocks of γ = 4; a block not
-accepted whole with the reference's next token is a flip (a near-tie the block-shaped pass broke the
-other way), and a prompt's comparison ends at its first.
-tree: for n = 1 to 32 drafted tokens, a pass of the root and either a bushy tree of n nodes (breadth
-first, four children per node) or a chain of n, taking turns; the fastest of `--repeats`; and what
-keeping the tree's first-child path costs. An engine that cannot score trees gets its chains only.
-batch: `--sessions` sessions whose drafts are the engine's own greedy tokens, so every round accepts
-all γ = 4: verified tokens/s with each round in a pass of its own and with all rounds in one step;
-the same sessions decoded cloud-only (one token each per step); and the bare engine decoding them
-one token per pass with no verifier around it (what `llama-batched-bench` measures).
-Each prints its result as JSON and writes it to `--out` with the header (date, commit, cpu, engine).
+The embedded target, one thread, as a replica serves it (--dtype: the torch engine's). A flip is a block
+of γ = 4 from the engine's own one-token-per-pass decoding not accepted whole with the next token; the
+first ends a prompt's comparison. docs/engine.md has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -37,7 +26,7 @@ from hybridspec.cloud.engine.factory import load_engine
 from hybridspec.cloud.engine.kinds import EngineKind
 from hybridspec.common.config import DType
 from hybridspec.common.models.embedded import default_paths
-from hybridspec.common.protocol.tree import chain_parents, feed_parents
+from hybridspec.common.protocol.tree import chain_parents, children, feed_parents
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.edge.prompt import encode_prompt
@@ -97,24 +86,14 @@ def chain(verifier: Verifier, args) -> dict:
 
 def bushy_tree(n: int) -> list[int]:
     """Parents (common/protocol/tree.py) of n nodes added breadth first, BRANCHING children per node."""
-    parents: list[int] = []
-    frontier = [-1]
-    while len(parents) < n:
-        below = []
-        for parent in frontier:
-            for _ in range(min(BRANCHING, n - len(parents))):
-                parents.append(parent)
-                below.append(len(parents) - 1)
-        frontier = below
-    return parents
+    return [i // BRANCHING - 1 for i in range(n)]
 
 
 def first_child_rows(parents: list[int]) -> list[int]:
     """Fed rows of the path that always takes the first child, from the root (row 0)."""
-    rows, node = [0], -1
-    while children := [i for i, p in enumerate(parents) if p == node]:
-        node = children[0]
-        rows.append(node + 1)
+    kids, rows = children(parents), [0]  # kids[row]: the children of the node fed at that row
+    while kids[rows[-1]]:
+        rows.append(kids[rows[-1]][0] + 1)
     return rows
 
 

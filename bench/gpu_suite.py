@@ -5,24 +5,17 @@
     python bench/gpu_suite.py --out DIR --device cpu --quick  # the same code on a CPU, tiny shapes (CI runs it)
     taskset -c 1 python bench/gpu_suite.py --out DIR --device cpu --parts a   # pass times on one CPU core, fp32
 
-Parts (lab/gpu_suite/): (k), on CUDA, each weight's product in the first Triton kernels (split), the
-current ones (fused) and cuBLAS: time, and whether a row keeps its bits at every row count; (a) pass
-time t(B sessions × M tokens) for model shapes with random weights (135M, 1B, 8B), with the current
-kernels and, on CUDA, the first ones beside them; (c) exactness: hybrid chains and trees against
-cloud-only token ids; (d) capacity through real gRPC in steady state: N closed-loop edges cloud-only
-against hybrid with an oracle drafter (α fixed, or a real drafter's recorded acceptance trace), γ
-fixed or the edge policy's, at RTT 0 and 20 ms. Each engine's start-up (product choices, graphs
-captured, their time and memory) and its pass costs at B = 1, 8, 64 are recorded. Writes
-DIR/results.json (every number, with date, commit, device, versions), results.md (headline figures
-against their goals, and tables) and results.png, after every part, so a run cut short keeps what it
-measured. A part that fails is recorded in `errors` and the rest go on.
+Parts (lab/gpu_suite/; docs/gpu.md): (k) each weight's product, first kernels, current ones and cuBLAS
+(CUDA); (a) pass times t(B × M) of random-weight shapes; (c) hybrid chains and trees against cloud-only
+token ids; (d) capacity of N closed-loop gRPC edges, cloud-only against hybrid. DIR/results.json,
+results.md and results.png are written after every part; a part that fails goes to `errors`.
 """
 from __future__ import annotations
 
 import datetime
 import gc
 import os
-import subprocess
+import platform
 import sys
 import time
 import traceback
@@ -41,9 +34,9 @@ from hybridspec.cloud.engine.torch_engine import EngineOptions
 from hybridspec.lab.gpu_suite import capacity, exactness, models, passes, report
 from harness import arguments, commit
 
-CAPACITY = dict(edges=[8, 64], new_tokens=128, prompt_len=32, warm_s=3.0, window_s=14.0, rtts=[0.0, 20.0],
-                processes=8, agrees=[0.6, 0.8], trace=True, policy=True, rtt_hybrid=[20.0])
-FULL = dict(CAPACITY, shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
+FULL = dict(edges=[8, 64], new_tokens=128, prompt_len=32, warm_s=3.0, window_s=14.0, rtts=[0.0, 20.0], processes=8,
+            agrees=[0.6, 0.8], trace=True, policy=True, rtt_hybrid=[20.0],
+            shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], batches=[1, 8, 32, 64],
             tokens=[1, 2, 4, 5, 8, 16], context=512, repeats=20, exact_shapes=["smollm2-135m"],
             exact=[(1, 2048), (32, 64)], capacity_shape="llama-3.1-8b", compare_split=True,
             product_shapes=["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"], product_rows=[1, 5, 64, 320, 512])
@@ -102,20 +95,18 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a plot is never worth losing the numbers
             results["errors"].append(f"plot: {exc}")
 
-    def step(name: str, fn) -> object:
+    def step(name: str, fn) -> None:
+        """A part: its time recorded, a failure in `errors`, what it left freed and the results saved."""
         print(f"[{time.perf_counter() - began:6.1f} s] {name}", flush=True)
         start = time.perf_counter()
         try:
-            return fn()
+            fn()
         except Exception as exc:
             results["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
-            return None
         finally:
             results["seconds"][name] = round(time.perf_counter() - start, 1)
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            free_memory(cuda)
             save()
 
     limits = VerifierLimits(max_context=4096, max_draft=16, max_sessions=64, kv_cache_tokens=65536)
@@ -144,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if results["errors"] else 0
 
 
+def free_memory(cuda: bool) -> None:
+    """What a part or an engine left behind, collected (and on CUDA the cached blocks given back)."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 class _Suite:
     """The parts' work. Each shape's engine with the current kernels is built once and serves every part
     (start-up, tuning and graph capture are paid once per shape); the first kernels' engine shares its
@@ -153,7 +151,6 @@ class _Suite:
         self.results, self.plan, self.args, self.dtype, self.limits = results, plan, args, dtype, limits
         self.cuda = args.device.startswith("cuda")
         self._benches: dict[str, models.Bench] = {}  # per shape, the current kernels' verifier and engine
-        self.key = ""  # the last engine's entry in results["engines"]
 
     def bench(self, shape: str, products: Products = Products.FUSED) -> models.Bench:
         """A verifier over an engine of `shape` with these products; its start-up recorded."""
@@ -166,31 +163,30 @@ class _Suite:
         if products is Products.FUSED:
             self._benches[shape] = bench
         engine = bench.engine
-        self.key = key = f"{shape} ({products.value})" if self.cuda else shape
-        described = (engine.products or "first kernels (split)") if self.cuda else "torch"
-        self.results["engines"][key] = {"products": described,
-                                        "wide tiles (split)": engine.wide_tiles,
-                                        "graphs": engine.graph_report.describe() if self.cuda else "none (CPU)",
-                                        "graph report": asdict(engine.graph_report)}
+        self.results["engines"][self.key(shape, products)] = {
+            "products": (engine.products or "first kernels (split)") if self.cuda else "torch",
+            "wide tiles (split)": engine.wide_tiles,
+            "graphs": engine.graph_report.describe() if self.cuda else "none (CPU)",
+            "graph report": asdict(engine.graph_report)}
         return bench
+
+    def key(self, shape: str, products: Products) -> str:
+        """The engine's entry in results["engines"]."""
+        return f"{shape} ({products.value})" if self.cuda else shape
 
     def passes(self, shape: str) -> None:
         plan, vocab = self.plan, models.SHAPES[shape]["vocab_size"]
         kinds = [Products.FUSED, Products.SPLIT] if self.cuda and plan["compare_split"] else [Products.FUSED]
         for products in kinds:
             engine = self.bench(shape, products).engine
-            self.key = f"{shape} ({products.value})" if self.cuda else shape
-            name = products.value if self.cuda else "torch"
             rows = passes.time_passes(engine, vocab, plan["batches"], plan["tokens"], plan["context"], plan["repeats"])
-            self.results["passes"].setdefault(shape, {})[name] = rows
+            self.results["passes"].setdefault(shape, {})[products.value if self.cuda else "torch"] = rows
             if products is Products.FUSED:
                 sessions = tuple(b for b in plan["batches"] if b > 1)
-                self.results["engines"][self.key]["batch pass costs (B, M, ms)"] = \
+                self.results["engines"][self.key(shape, products)]["batch pass costs (B, M, ms)"] = \
                     measure_batch_costs(engine, vocab, self.args.gamma + 1, sessions)
             del engine
-            gc.collect()
-            if self.cuda:
-                torch.cuda.empty_cache()
+            free_memory(self.cuda)
 
     def exactness(self, shape: str) -> None:
         bench = self.bench(shape)
@@ -221,41 +217,29 @@ class _Suite:
         server = BackgroundServer(verifier)
         fleet = capacity.EdgeFleet(plan["processes"])
         self.results["capacity"] = {"shape": shape, "hold": args.hold.value, "draft_ms_per_token": args.draft_ms,
-                                    "new_tokens": plan["new_tokens"],
-                                    "warm_s": plan["warm_s"], "window_s": plan["window_s"],
+                                    "new_tokens": plan["new_tokens"], "warm_s": plan["warm_s"],
+                                    "window_s": plan["window_s"],
                                     "trace": trace and {k: v for k, v in trace.items() if k != "flags"},
                                     "pass_costs": costs[0], "batch_pass_costs": costs[1], "rows": []}
-
-        def histogram():
-            return verifier.telemetry.iteration_tokens.snapshot()
-
         try:
             self.results["capacity"]["rows"] = capacity.capacity(
                 server.address, fleet, vocab, plan["edges"], modes, args.draft_ms, plan["new_tokens"],
-                plan["prompt_len"], plan["warm_s"], plan["window_s"], histogram, costs, trace,
-                steps=capacity.StepTimes(verifier))
+                plan["prompt_len"], plan["warm_s"], plan["window_s"], verifier.telemetry.iteration_tokens.snapshot,
+                costs, trace, steps=capacity.StepTimes(verifier))
         finally:
             fleet.close()
             server.stop()
 
 
 def _meta(args, dtype) -> dict:
-    def run(*cmd: str) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-
     cuda = args.device.startswith("cuda") and torch.cuda.is_available()
     try:
         import triton
-        triton_version = triton.__version__
     except ImportError:
-        triton_version = None
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": commit(),
-            "device": args.device, "device_name": torch.cuda.get_device_name() if cuda else run("uname", "-m") + " CPU",
-            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+        triton = None
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit(), "device": args.device,
+            "device_name": torch.cuda.get_device_name() if cuda else platform.machine() + " CPU",
+            "torch": torch.__version__, "triton": triton and triton.__version__, "cuda": torch.version.cuda,
             "dtype": str(dtype).removeprefix("torch."), "python": sys.version.split()[0],
             "cublas_env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")},
             "command": " ".join(["python", "bench/gpu_suite.py", *sys.argv[1:]])}

@@ -1,38 +1,28 @@
-"""What every benchmark here shares: core pinning, the cloud on its own core, pass timing, medians and
-percentiles, the argument parser, the result file's header and JSON, the tiny target, and plot
-defaults. One implementation of each, so two scripts' numbers are computed the same way; confidence
-intervals are lab/stats.py's (`mean_ci`, `bootstrap_ci`), the ones the experiment reports and the demo
-print.
-
-The scripts run as `python bench/X.py` (the commands the docs quote), which puts bench/ on the path:
-they import this module as `from harness import ...`. The tiny random models (tests/tinymodels.py) and
-the fuzz strategies (tests/fuzzing.py) are the tests' fixtures, kept out of the wheel; `tiny_target`
-and `fuzz_suite` are the one way in from here, so no script reaches into tests/ itself.
+"""What the benchmarks share, one copy of each (bench/README.md lists it); confidence intervals are
+lab/stats.py's. The scripts run as `python bench/X.py`, which puts bench/ on the path: `from harness
+import ...`. The tests' fixtures (tests/tinymodels.py, tests/fuzzing.py) stay out of the wheel;
+`tiny_target` and `fuzz_suite` are the one way in, so no script reaches into tests/ itself.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 EDGE_CORE, CLOUD_CORE = 0, 1  # two emulated hosts on a two-core machine (the brief's timing rule)
-
-__all__ = ["CLOUD_CORE", "EDGE_CORE", "REFERENCE", "ROOT", "arguments", "cloud", "commit", "cpu_model", "figure",
-           "free_port", "fuzz_suite", "header", "median", "pass_times", "percentile", "pin", "pin_child", "report", "save_figure",
-           "series", "start_cloud", "stop_cloud", "style", "tiny_target", "two_hosts", "usable_cores", "write_json"]
-
-
-# --- pinning -------------------------------------------------------------------------------------
 
 def usable_cores() -> list[int]:
     """The cores this process may run on, in order."""
@@ -53,18 +43,14 @@ def pin_child(to: Iterable[int] | None) -> Callable[[], None] | None:
 
 
 def two_hosts() -> tuple[set[int] | None, set[int] | None]:
-    """(edge cores, cloud cores) of the two emulated hosts: EDGE_CORE and CLOUD_CORE where this process
-    may use both, else (None, None): one core cannot be split, and nothing is pinned."""
+    """(edge cores, cloud cores): EDGE_CORE and CLOUD_CORE where this process may use both, else (None, None)."""
     cores = usable_cores()
     return ({EDGE_CORE}, {CLOUD_CORE}) if EDGE_CORE in cores and CLOUD_CORE in cores else (None, None)
 
 
-# --- the cloud -----------------------------------------------------------------------------------
-
 def start_cloud(keys: dict | None = None, pin_edge: bool = True) -> tuple[subprocess.Popen, str]:
-    """Start `cloud serve` with these ServeConfig keys on the cloud core (everything it spawns, Ray
-    included, inherits it) and, unless `pin_edge` is false, pin this process (the edges) to the edge
-    core. Returns (process, HOST:PORT) once it is serving; `stop_cloud` ends it."""
+    """`cloud serve` with these ServeConfig keys on the cloud core (Ray and all it spawns inherit it) and,
+    unless `pin_edge` is false, this process (the edges) on the edge core: (process, HOST:PORT) once serving."""
     from hybridspec.cloud.process import start_cloud_process
 
     edge_cores, cloud_cores = two_hosts()
@@ -82,7 +68,7 @@ def stop_cloud(proc: subprocess.Popen) -> None:
     stop_cloud_process(proc)
 
 
-@contextmanager
+@contextlib.contextmanager
 def cloud(keys: dict | None = None, pin_edge: bool = True) -> Iterator[tuple[subprocess.Popen, str]]:
     """`start_cloud` for a with block: yields (process, HOST:PORT), and leaving stops the server."""
     proc, address = start_cloud(keys, pin_edge)
@@ -92,16 +78,53 @@ def cloud(keys: dict | None = None, pin_edge: bool = True) -> Iterator[tuple[sub
         stop_cloud(proc)
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The psutil processes of `pid` and all its descendants (a cloud: the front door, Ray, the replicas)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def replica_processes(pid: int) -> list[psutil.Process]:
+    """The replica actors among the descendants of `pid` (Ray names them ray::VerifierReplica)."""
+    found = []
+    for proc in process_tree(pid)[1:]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "VerifierReplica" in " ".join(proc.cmdline()):
+                found.append(proc)
+    return found
+
+
+def rss_mb(procs: Iterable[psutil.Process]) -> float:
+    """Resident memory of these processes together, in MiB (those gone meanwhile count nothing)."""
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += proc.memory_info().rss
+    return total / 2**20
+
+
+@contextlib.contextmanager
+def frozen(procs: Iterable[psutil.Process]) -> Iterator[None]:
+    """These processes stopped (SIGSTOP) for the block and continued after it; those gone are skipped."""
+    stopped = []
+    try:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a worker that just ended
+                proc.suspend()
+                stopped.append(proc)
+        yield
+    finally:
+        for proc in reversed(stopped):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
+
+
 def free_port() -> int:
     """A TCP port free on this host now (for a server's metrics endpoint)."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
-
-# --- medians and percentiles ---------------------------------------------------------------------
 
 def median(xs: Iterable[float]) -> float:
     """The median."""
@@ -109,8 +132,7 @@ def median(xs: Iterable[float]) -> float:
 
 
 def percentile(xs: Sequence[float], p: int) -> float:
-    """The p-th percentile (1 <= p <= 99; statistics' exclusive method: p90 is quantiles(n=10)[-1]);
-    one value is its own every percentile."""
+    """The p-th percentile, 1 <= p <= 99 (statistics' exclusive method); one value is its own every percentile."""
     if not 1 <= p <= 99:
         raise ValueError(f"percentile {p} is outside 1..99")
     if len(xs) == 1:
@@ -118,11 +140,9 @@ def percentile(xs: Sequence[float], p: int) -> float:
     return statistics.quantiles(xs, n=100)[p - 1]
 
 
-# --- pass timing ---------------------------------------------------------------------------------
-
 def pass_times(engine, context: Sequence[int], tokens: Sequence[int], repeats: int) -> list[float]:
     """Milliseconds of `repeats` scored passes of `tokens` after `context` cached tokens, each cut back
-    afterwards (cloud/core/costs.py's `time_pass`, what a replica measures its own curve with)."""
+    (cloud/core/costs.py's `time_pass`, as a replica measures its own curve)."""
     from hybridspec.cloud.core.costs import time_pass
     from hybridspec.cloud.engine.base import Feed
 
@@ -135,8 +155,6 @@ def pass_times(engine, context: Sequence[int], tokens: Sequence[int], repeats: i
         engine.release(kv)
 
 
-# --- the result file -----------------------------------------------------------------------------
-
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo ("unknown" where it has none)."""
     try:
@@ -147,8 +165,7 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit, with "+dirty" when tracked files differ from it (HYBRIDSPEC_COMMIT
-    where set, for copies without .git), or "unknown"."""
+    """The checkout's short commit, "+dirty" when tracked files differ (HYBRIDSPEC_COMMIT where set), or "unknown"."""
     if os.environ.get("HYBRIDSPEC_COMMIT"):
         return os.environ["HYBRIDSPEC_COMMIT"]
     run = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -178,13 +195,17 @@ def report(result: Any, out: str | Path | None = None, indent: int = 1) -> None:
         write_json(out, result, indent)
 
 
+def write_results(out: Path, result: Any, markdown: str, indent: int = 1) -> None:
+    """`out`/results.json and `out`/results.md (the tables, also printed): a report of several tables."""
+    write_json(out / "results.json", result, indent)
+    (out / "results.md").write_text(markdown)
+    print(markdown)
+
+
 def arguments(doc: str | None) -> argparse.ArgumentParser:
-    """The script's argument parser, described by its docstring's first paragraph (--help shows the rest
-    of the docstring's command line too)."""
+    """The script's argument parser, described by its docstring's first paragraph."""
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
 
-
-# --- the tests' fixtures: the tiny target, the fuzz strategies ------------------------------------
 
 def tests_module(name: str):
     """A module of tests/ (run from a checkout: the wheel does not ship the tests' fixtures)."""
@@ -194,8 +215,8 @@ def tests_module(name: str):
 
 
 def tiny_target(out: Path, seed: int = 0, name: str = "target") -> str:
-    """A random 2-layer Llama with a real tokenizer (tests/tinymodels.py), saved as the model directory
-    `out/name`: seed 0 is the tests' target, another seed a model that rarely agrees with it."""
+    """A random 2-layer Llama with a real tokenizer (tests/tinymodels.py) saved in `out/name`: seed 0 is the
+    tests' target, another seed a model that rarely agrees with it."""
     tiny = tests_module("tinymodels")
     return str(tiny.save_model(tiny.make_model(seed=seed), out / name))
 
@@ -205,8 +226,6 @@ def fuzz_suite():
     fuzzing = tests_module("fuzzing")
     return fuzzing.Fuzzer, fuzzing.calls
 
-
-# --- plots ---------------------------------------------------------------------------------------
 
 # Okabe–Ito colours with a marker and a line style each: series stay apart in grey print too.
 STYLES = ({"color": "#0072B2", "marker": "o", "linestyle": "-"},

@@ -1,49 +1,17 @@
-"""What the hop edge → verifier → edge costs a round beyond the forward pass: per path (front door, a
-replica's own endpoint, in-process), and per security setup (plaintext, TLS, tokens, mutual TLS).
+"""What the hop edge → verifier → edge costs a round beyond the forward pass: per path, per security
+setup, in a replica's host time under many edges, and per batching policy.
 
-    python bench/hop_overhead.py [--rounds 300] [--gamma 4] [--target tiny|PATH] [--pin] [--out FILE]
-    python bench/hop_overhead.py --security [--rounds 400] [--connects 40] [--gamma 4] [--target tiny|PATH] [--out FILE]
+    python bench/hop_overhead.py [--rounds 300] [--target tiny|PATH] [--pin] [--out FILE]
+    python bench/hop_overhead.py --security [--rounds 400] [--connects 40] [--target tiny|PATH] [--out FILE]
     python bench/hop_overhead.py --host [--edges 1,8,64] [--seconds 5] [--repeats 3] [--draft-ms 0] [--out FILE]
     python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--pass-ms 0]
                                         [--repeats 3] [--out FILE]
 
-Every lane is a real gRPC client (edge/client.py) on localhost sending one round of γ draft tokens at a
-time; the lanes take turns round by round, so load from other work on the machine hits all of them
-alike. --target tiny (default) is a random 2-layer Llama built from a config (tests/tinymodels.py), so the
-forward pass is short and the hop dominates.
-
-Paths (the default), three in one run:
-    front-door  the front door routes each round to a 1-replica Ray pool (direct_verify off)
-    direct      the edge streams to the replica's own endpoint, named in OpenSessionReply (direct_verify on)
-    in-process  the front door runs the verifier itself (inprocess_pool, no Ray): the floor
-overhead = client round trip (submit → reply) − the replica's step (VerifyResult.verify_ms − queue_ms,
-both set by cloud/core/verifier.py's step: the forward pass with its round's admission and rule), with the
-configured batching wait (a lone session's round never waits for company): what is left is gRPC, the
-front door, Ray and the event-loop and thread hand-offs. --pin puts Ray's processes (the replicas) on
-the second core and the front doors and edges on the first.
-
---security: four `hybridspec cloud serve --backend inprocess` processes on the cloud core differ only in
-security: plaintext; TLS; TLS + a bearer token (credentials file, rate limit on); mutual TLS + token.
-This process is the edge host on the other core, one torch thread. Each round's time is the client's
-submit → reply. Connect: a fresh channel (TCP + TLS handshake) and one OpenSession, `--connects` times
-per setup, also in turns. Differences are paired (round r of a setup against round r of plaintext):
-mean and 95 % t interval, and the medians. Certificates are throw-away ones from trustme.
-
---host: where a replica's host time goes under B concurrent edges (each --edges count in turn,
---repeats times): a fresh in-process front door (as the GPU suite's capacity runs it) on the cloud core,
-one torch thread, its model thread's steps stamped part by part (cloud/core/telemetry.py `StepClock`:
-thread CPU and wall per part); B closed-loop edges (asyncio gRPC, a channel and VerifyStream each, γ
-drafts per round after --draft-ms of drafting, a fresh session when the context fills) in one spawned
-process on the edge core. Over a window of --seconds after 2 s of warm-up: per step, the CPU of each
-part of the step, the forward pass apart, and "grpc": the process's CPU outside the model thread (the
-servicer's decoding and encoding, the event loop, gRPC's threads, the hand-offs to and from the model
-thread); means over the repeats with 95 % t intervals.
-
---meet: the same edges, drafting --draft-ms (8) before each round, against replicas holding rounds for
-company by each of --holds (cloud/core/holding.py), each policy and edge count in turn: passes per round
-of every edge, rounds per pass, the time a pass was held for company, tokens/s (and its ratio to the
-first policy's in the same repeat) and the edges' p95 round time. --pass-ms makes every pass last at
-least that long, as on a GPU, where a pass costs about the same for few rounds as for many.
+Real gRPC clients take turns round by round, so other load hits every path or setup alike; --target
+tiny (the default) is a random 2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths:
+front-door (a 1-replica Ray pool), direct (the replica's own endpoint), in-process (the floor); overhead
+= the round trip − (verify_ms − queue_ms). docs/measurements.md (the paths, --host, --meet) and
+docs/security.md (--security) have the method and the numbers.
 """
 from __future__ import annotations
 
@@ -86,6 +54,8 @@ from harness import (CLOUD_CORE, EDGE_CORE, arguments, header, median, percentil
                      tiny_target, usable_cores)
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
+GAMMA = 4
+DRAFT = tuple(range(10, 10 + GAMMA))  # every round's block
 LIMITS = VerifierLimits(max_context=512, max_draft=32, max_sessions=8)
 WARMUP_ROUNDS = 20
 SECURITY_WARMUP_ROUNDS = 30
@@ -108,7 +78,7 @@ class Lane:
     queue_ms: list[float] = field(default_factory=list)
 
     def open(self) -> None:
-        """A fresh session (untimed): rounds of a fixed block grow the context until it must be renewed."""
+        """A fresh session (untimed): a fixed block's rounds grow the context until it must be renewed."""
         if self.session_id:
             self.client.close_session(self.session_id)
         opened = self.client.open_session(SessionSpec("", PROMPT))
@@ -125,12 +95,10 @@ class Lane:
         result = self.client.wait(pending)
         self.length, self.round = result.committed_len, self.round + 1
         if keep:
-            rtt = (pending.arrived - pending.sent) * 1e3
-            forward = result.verify_ms - result.queue_ms
-            self.rtt_ms.append(rtt)
-            self.forward_ms.append(forward)
-            self.queue_ms.append(result.queue_ms)
-            self.overhead_ms.append(rtt - forward)
+            rtt, forward = (pending.arrived - pending.sent) * 1e3, result.verify_ms - result.queue_ms
+            for samples, value in ((self.rtt_ms, rtt), (self.forward_ms, forward), (self.queue_ms, result.queue_ms),
+                                   (self.overhead_ms, rtt - forward)):
+                samples.append(value)
 
 
 @dataclass
@@ -145,11 +113,10 @@ class Setup(Lane):
     def one_connect(self) -> None:
         """A new channel, its handshake and one OpenSession, timed; then closed."""
         start = time.perf_counter()
-        client = VerifierClient(self.address, 30, self.access)
-        opened = client.open_session(SessionSpec("", PROMPT))
-        self.connect_ms.append((time.perf_counter() - start) * 1e3)
-        client.close_session(opened.session_id)
-        client.close()
+        with VerifierClient(self.address, 30, self.access) as client:
+            opened = client.open_session(SessionSpec("", PROMPT))
+            self.connect_ms.append((time.perf_counter() - start) * 1e3)
+            client.close_session(opened.session_id)
 
 
 def make_setups(root: Path) -> list[Setup]:
@@ -159,10 +126,9 @@ def make_setups(root: Path) -> list[Setup]:
     edge = client_ca.issue_cert("edge-1")
     files = {"ca": ca.cert_pem, "client_ca": client_ca.cert_pem, "cert": server.cert_chain_pems[0],
              "key": server.private_key_pem, "edge_cert": edge.cert_chain_pems[0], "edge_key": edge.private_key_pem}
-    paths = {}
+    paths = {name: str(root / f"{name}.pem") for name in files}
     for name, blob in files.items():
-        blob.write_to_path(str(root / f"{name}.pem"))
-        paths[name] = str(root / f"{name}.pem")
+        blob.write_to_path(paths[name])
     credentials = root / "credentials.yaml"
     token = add_identity(credentials, "bench-edge", max_sessions=64, tokens_per_s=1e9)  # the rate check runs, never binds
     tls = {"tls_cert": paths["cert"], "tls_key": paths["key"]}
@@ -178,6 +144,11 @@ def make_setups(root: Path) -> list[Setup]:
     ]
 
 
+def target_of(args, folder: Path) -> str:
+    """The model directory --target names: a tiny random target built into `folder` for "tiny"."""
+    return tiny_target(folder) if args.target == "tiny" else args.target
+
+
 def paired(setup: list[float], base: list[float]) -> dict:
     """Mean and 95 % t interval of the paired differences setup − base (ms)."""
     estimate = mean_ci([a - b for a, b in zip(setup, base)])
@@ -189,30 +160,29 @@ def paths(args) -> dict:
     cores = usable_cores()
     pinned = args.pin and len(cores) >= 2
     tmp = tempfile.TemporaryDirectory()
-    target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
+    target = target_of(args, Path(tmp.name))
     if pinned:
         pin(cores[1])  # Ray's processes, replicas included, inherit this core
     start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
                 logging_level="ERROR")
     servers = {}
     for name, endpoint in (("front-door", None), ("direct", ReplicaEndpoint("127.0.0.1"))):
-        settings = ReplicaSettings(device="cpu", torch_threads=1, max_wait_ms=args.max_wait_ms)
+        settings = ReplicaSettings(device="cpu", torch_threads=1)
         pool = RayPool(PoolSpec(ReplicaSpec(target, settings, LIMITS), PoolSettings(replicas=1), name=f"hop-{name}"),
                        endpoint)
         servers[name] = BackgroundServer(pool)
     if pinned:
         pin(cores[0])  # the front doors' loops, the in-process verifier and the edges
-    verifier = Verifier(load_model(target, device="cpu"), LIMITS, max_wait_ms=args.max_wait_ms)
+    verifier = Verifier(load_model(target, device="cpu"), LIMITS)
     servers["in-process"] = BackgroundServer(inprocess_pool(verifier))
     lanes = [Lane(name, VerifierClient(server.address)) for name, server in servers.items()]
-    draft = tuple(range(10, 10 + args.gamma))
     try:
         for lane in lanes:
             lane.open()
         assert [p.direct for p in lanes] == [False, True, False], "only the direct path should name an endpoint"
         for r in range(WARMUP_ROUNDS + args.rounds):
             for lane in lanes:  # round-robin: background load hits every path alike
-                lane.one_round(draft, keep=r >= WARMUP_ROUNDS)
+                lane.one_round(DRAFT, keep=r >= WARMUP_ROUNDS)
     finally:
         for lane in lanes:
             lane.client.close()
@@ -223,19 +193,18 @@ def paths(args) -> dict:
         ray.shutdown()
         tmp.cleanup()
 
-    rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms), "overhead_p90_ms": percentile(p.overhead_ms, 90),
+    rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms),
+             "overhead_p90_ms": percentile(p.overhead_ms, 90),
              "rtt_median_ms": median(p.rtt_ms), "forward_median_ms": median(p.forward_ms),
              "queue_median_ms": median(p.queue_ms)} for p in lanes]
-    return {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "max_wait_ms": args.max_wait_ms,
+    return {"target": args.target, "gamma": GAMMA, "rounds": args.rounds, "max_wait_ms": DEFAULT_MAX_WAIT_MS,
             "pinned": pinned, "cores": len(cores), "rows": rows}
 
 
 def security(args) -> dict:
     """The four security setups' round and connection times, paired against plaintext."""
     tmp = tempfile.TemporaryDirectory()
-    root = Path(tmp.name)
-    target = tiny_target(root) if args.target == "tiny" else args.target
-    setups = make_setups(root)
+    target, setups = target_of(args, Path(tmp.name)), make_setups(Path(tmp.name))
     processes = []
     try:
         for setup in setups:
@@ -245,10 +214,9 @@ def security(args) -> dict:
             processes.append(proc)
             setup.client = VerifierClient(setup.address, 30, setup.access)
             setup.open()
-        draft = tuple(range(10, 10 + args.gamma))
         for r in range(SECURITY_WARMUP_ROUNDS + args.rounds):
             for setup in setups:  # in turns: background load hits every setup alike
-                setup.one_round(draft, keep=r >= SECURITY_WARMUP_ROUNDS)
+                setup.one_round(DRAFT, keep=r >= SECURITY_WARMUP_ROUNDS)
             if r % 100 == 0:
                 print(f"round {r}/{SECURITY_WARMUP_ROUNDS + args.rounds}", file=sys.stderr, flush=True)
         for setup in setups:
@@ -269,11 +237,9 @@ def security(args) -> dict:
     rows = [{"setup": setup.name, "round_median_ms": median(setup.rtt_ms), "round_p90_ms": percentile(setup.rtt_ms, 90),
              "round_added": paired(setup.rtt_ms, base.rtt_ms), "connect_median_ms": median(setup.connect_ms),
              "connect_added": paired(setup.connect_ms, base.connect_ms)} for setup in setups]
-    return {"target": args.target, "gamma": args.gamma, "rounds": args.rounds, "connects": args.connects,
+    return {"target": args.target, "gamma": GAMMA, "rounds": args.rounds, "connects": args.connects,
             "edge_core": EDGE_CORE, "cloud_core": CLOUD_CORE, "rows": rows}
 
-
-# ---- --host: many closed-loop edges on one replica, where its host time goes ------------------------
 
 MANY = VerifierLimits(max_context=512, max_draft=32, max_sessions=64)
 WARM_S = 2.0  # closed-loop rounds before each window, untimed
@@ -288,17 +254,16 @@ def edge_process(conn) -> None:
         conn.send(asyncio.run(closed_loop(conn, **job)))
 
 
-async def closed_loop(conn, address: str, edges: int, gamma: int, draft_ms: float) -> dict:
-    """`edges` edges, each on its own channel and VerifyStream, round after round, drafting `draft_ms`
-    before each and opening a fresh session when the context fills: WARM_S untimed, then up to the
-    deadline the parent sends. The window's rounds, their tokens and latencies, and its re-opens."""
-    draft, window = tuple(range(10, 10 + gamma)), [float("inf"), float("inf")]  # [start, deadline]
+async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
+    """`edges` edges on a channel and VerifyStream each, drafting `draft_ms` before each round, a fresh session
+    when the context fills: WARM_S untimed, then the window up to the deadline the parent sends."""
+    window = [float("inf"), float("inf")]  # [start, deadline]
     latencies, seen = [], {"tokens": 0, "opens": 0}
 
     async def edge(stub) -> None:
         sid, length, r, call = "", 0, 0, None
         while time.perf_counter() < window[1]:
-            if call is None or length + gamma + 1 >= MANY.max_context:
+            if call is None or length + GAMMA + 1 >= MANY.max_context:
                 if call is not None:
                     call.cancel()
                     await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
@@ -308,7 +273,7 @@ async def closed_loop(conn, address: str, edges: int, gamma: int, draft_ms: floa
             if draft_ms:
                 await asyncio.sleep(draft_ms / 1e3)
             sent = time.perf_counter()
-            await call.write(codec.block_to_pb(DraftBlock(sid, r, length, draft)))
+            await call.write(codec.block_to_pb(DraftBlock(sid, r, length, DRAFT)))
             result = codec.result_from_pb(await call.read())
             length, r, done = result.committed_len, r + 1, time.perf_counter()
             if window[0] <= sent and done <= window[1]:
@@ -329,16 +294,15 @@ async def closed_loop(conn, address: str, edges: int, gamma: int, draft_ms: floa
 
 
 def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
-    """A fresh replica (in-process front door, its model thread on this core) under `edges` closed-loop
-    edges for one window: its steps' time part by part (thread CPU and wall, from StepClock), the
-    process's CPU outside the model thread (gRPC, the event loop, the hop), and what the edges saw."""
+    """A fresh in-process replica under `edges` closed-loop edges for one window: its steps' CPU and wall time
+    part by part (StepClock), the process's CPU outside the model thread, and what the edges saw."""
     replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
     if args.pass_ms:
         at_least(replica.engine, args.pass_ms / 1e3)
     server = BackgroundServer(replica)
     gc.freeze()  # as a serving process does once started (cloud/api/server.py serve_forever)
     try:
-        conn.send({"address": server.address, "edges": edges, "gamma": args.gamma, "draft_ms": args.draft_ms})
+        conn.send({"address": server.address, "edges": edges, "draft_ms": args.draft_ms})
         assert conn.recv() == "warm"
         clock = replica.clock = StepClock()
         cpu, deadline = time.process_time(), time.perf_counter() + args.seconds
@@ -360,8 +324,7 @@ def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
 
 
 def at_least(engine, seconds: float) -> None:
-    """Make every pass of `engine` last at least `seconds` (a sleep after it, the interpreter free
-    meanwhile): a device whose pass time hardly grows with its rows, as a GPU's up to its batch size."""
+    """Every pass of `engine` lasts at least `seconds` (a sleep after it): a flat-cost device, as a GPU is."""
     forward = engine.forward
 
     def flat(feeds):
@@ -373,12 +336,14 @@ def at_least(engine, seconds: float) -> None:
     engine.forward = flat
 
 
-def windows(args, runs: list[tuple[str, int, dict]]) -> dict[str, list[dict]]:
-    """Every (label, edges, verifier settings) run once per repeat, in turns, on the cloud core; the
-    edges in one spawned process on the edge core."""
-    args.cores, args.load_before = len(usable_cores()), os.getloadavg()
+def windows(args, runs: list[tuple[str, int, dict]]) -> tuple[dict[str, list[dict]], dict]:
+    """Every (label, edges, verifier settings) once per repeat, in turns, on the cloud core, the edges in a
+    spawned process on the edge core: the runs by label, and the setting."""
+    setting = {"target": args.target, "gamma": GAMMA, "seconds": args.seconds, "repeats": args.repeats,
+               "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": len(usable_cores())}
+    load_before = os.getloadavg()
     tmp = tempfile.TemporaryDirectory()
-    target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
+    target = target_of(args, Path(tmp.name))
     conn, child = multiprocessing.get_context("spawn").Pipe()
     edges = multiprocessing.get_context("spawn").Process(target=edge_process, args=(child,), daemon=True)
     edges.start()
@@ -395,7 +360,7 @@ def windows(args, runs: list[tuple[str, int, dict]]) -> dict[str, list[dict]]:
         conn.send(None)
         edges.join(timeout=30)
         tmp.cleanup()
-    return out
+    return out, {**setting, "load_average": [load_before, os.getloadavg()]}
 
 
 def interval(values: list[float]) -> list[float]:
@@ -406,7 +371,7 @@ def interval(values: list[float]) -> list[float]:
 
 def host(args) -> dict:
     """Host time per step and per round at each --edges count, the forward pass excluded, part by part."""
-    out = windows(args, [(f"B={n}", n, {}) for n in args.edges])
+    out, setting = windows(args, [(f"B={n}", n, {}) for n in args.edges])
     rows = []
     for n, runs in zip(args.edges, out.values()):
         host_parts = [p for p in [*(part.value for part in Part), "grpc"] if p != Part.FORWARD.value]
@@ -419,19 +384,13 @@ def host(args) -> dict:
                      "cpu_ms_per_step": {p: interval([r["cpu_ms"][p] for r in runs]) for p in runs[0]["cpu_ms"]},
                      "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
                      "reopens": [r["opens"] for r in runs]})
-    return {"target": args.target, "gamma": args.gamma, "seconds": args.seconds, "repeats": args.repeats,
-            "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": args.cores,
-            "load_average": [args.load_before, os.getloadavg()],
-            "rows": rows}
+    return {**setting, "rows": rows}
 
 
 def meet(args) -> dict:
-    """Each --hold policy at each --edges count, in turns, the edges drafting --draft-ms before each round:
-    passes per round of every edge, rounds per pass, tokens/s (also over the first policy's in the same
-    repeat) and the edges' p95 round time."""
-    runs = [(f"{hold}, B={n}", n, {"hold": Hold(hold), "max_wait_ms": args.max_wait_ms})
-            for n in args.edges for hold in args.holds]
-    out = windows(args, runs)
+    """Each --holds policy at each --edges count, in turns; tokens/s also over the first policy's in the same repeat."""
+    runs = [(f"{hold}, B={n}", n, {"hold": Hold(hold)}) for n in args.edges for hold in args.holds]
+    out, setting = windows(args, runs)
     keys = ("passes_per_round", "rounds_per_step", "hold_ms", "tokens_per_s", "p95_round_ms")
     rows = []
     for label, n, settings in runs:
@@ -440,10 +399,7 @@ def meet(args) -> dict:
                      **{key: interval([r[key] for r in out[label]]) for key in keys},
                      "tokens_per_s_over_first": interval([r["tokens_per_s"] / f["tokens_per_s"]
                                                           for r, f in zip(out[label], first)])})
-    return {"target": args.target, "gamma": args.gamma, "draft_ms": args.draft_ms, "pass_ms": args.pass_ms,
-            "max_wait_ms": args.max_wait_ms,
-            "seconds": args.seconds, "repeats": args.repeats, "cores": args.cores,
-            "load_average": [args.load_before, os.getloadavg()], "rows": rows}
+    return {**setting, "max_wait_ms": DEFAULT_MAX_WAIT_MS, "rows": rows}
 
 
 def main() -> None:
@@ -453,9 +409,6 @@ def main() -> None:
     parser.add_argument("--meet", action="store_true", help="the batching policies (--holds) under many edges")
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
     parser.add_argument("--rounds", type=int, help="timed rounds per lane (default: 300 per path, 400 per setup)")
-    parser.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--max-wait-ms", type=float, default=DEFAULT_MAX_WAIT_MS,
-                        help="paths, --meet: the replica's wait for other sessions' rounds (max_wait_ms)")
     parser.add_argument("--pin", action="store_true", help="paths: replicas on the second core, the rest on the first")
     parser.add_argument("--connects", type=int, default=40, help="--security: timed fresh connections per setup")
     parser.add_argument("--edges", type=lambda s: [int(n) for n in s.split(",")],

@@ -5,18 +5,9 @@
     python bench/serve_load.py guidellm [--guidellm /tmp/guidellm-venv/bin/guidellm] [--modes hybrid cloud-only]
         [--profiles synchronous concurrent@2 concurrent@4] [--seconds 40] [--rtt-ms 0] [--out docs/serve/guidellm]
 
-openai: per concurrency c, `--repeats` rounds of c simultaneous streamed greedy chat completions through
-the official OpenAI client (a different prompt each): time to first token (request → first content
-chunk) and tokens/s (of the round, and per request). The baseline is what a user without the server
-runs: `edge generate --stream` as a new process per prompt, timed from spawn to its first byte of text
-(start-up included) and to exit. Means with 95 % t intervals go to OUT/results.md and results.json.
-
-guidellm: guidellm (vLLM's OpenAI-compatible load generator, in a venv of its own: docs/serve.md) drives
-`edge serve` per mode — `hybrid` (the default edge), `always-draft` (`--no-cloud-only-switch`) and
-`cloud-only` — with synthetic prompts and its own metrics, one `guidellm run` per profile
-(synchronous, concurrent@N, constant@RATE). With `--rtt-ms` > 0 the edge reaches the cloud through
-`hybridspec netem` and every round crosses the link (direct verify off). guidellm itself is unpinned.
-OUT gets guidellm's reports, results.json, results.md and the servers' logs.
+openai compares the OpenAI client at each concurrency with `edge generate --stream` as a process per
+prompt; guidellm runs one `guidellm run` per profile per mode, through `hybridspec netem` with --rtt-ms.
+docs/serve.md has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -30,9 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,7 +33,7 @@ from hybridspec.cloud.process import stop_cloud_process
 from hybridspec.common.models.embedded import resolve
 from hybridspec.distill.prompts import FREEFORM_PROMPTS
 from hybridspec.lab.stats import mean_ci
-from harness import arguments, cpu_model, pin_child, start_cloud, stop_cloud, two_hosts, write_json
+from harness import arguments, cpu_model, pin_child, start_cloud, stop_cloud, two_hosts, write_results
 
 HYBRIDSPEC = [sys.executable, "-m", "hybridspec.cli.main"]
 SUMMARY = re.compile(r"^\[?(\d+) tokens.*?([\d.]+) tokens/s", re.MULTILINE)
@@ -50,12 +41,9 @@ MODES = {"hybrid": [], "always-draft": ["--no-cloud-only-switch"], "cloud-only":
 NETEM_READY = "hybridspec netem relaying "
 # guidellm 0.8's report keys: (metric, the requests it is summarised over, the statistic).
 METRICS = {"req_s": ("requests_per_second", "total", "mean"), "out_tok_s": ("output_tokens_per_second", "total", "mean"),
-           "ttft_p50_ms": ("time_to_first_token_ms", "successful", "median"),
-           "ttft_p95_ms": ("time_to_first_token_ms", "successful", "p95"),
-           "itl_p50_ms": ("inter_token_latency_ms", "successful", "median"),
-           "itl_p95_ms": ("inter_token_latency_ms", "successful", "p95"),
-           "latency_p50_s": ("request_latency", "successful", "median"),
-           "latency_p95_s": ("request_latency", "successful", "p95")}
+           **{f"{short}_{p}_{unit}": (name, "successful", "median" if p == "p50" else p) for p in ("p50", "p95")
+              for short, name, unit in (("ttft", "time_to_first_token_ms", "ms"), ("itl", "inter_token_latency_ms", "ms"),
+                                        ("latency", "request_latency", "s"))}}
 # What the edge did with the tokens, from its own /metrics (docs/serve.md), summed over label sets.
 EDGE_COUNTERS = {"completion": "hybridspec_edge_completion_tokens_total",
                  "drafted": "hybridspec_edge_spec_decode_num_draft_tokens_total",
@@ -91,12 +79,10 @@ def stop(proc: subprocess.Popen | None) -> None:
         stop_cloud_process(proc, 60)
 
 
-# --- openai: the OpenAI client against edge serve, and the CLI ----------------------------------------
-
 def ci95(xs: list[float]) -> dict:
     """Mean, its 95 % t interval half-width, and n."""
-    estimate = mean_ci(xs)
-    return {"mean": estimate.value, "ci95": estimate.half_width, "n": estimate.n}
+    e = mean_ci(xs)
+    return {"mean": e.value, "ci95": e.half_width, "n": e.n}
 
 
 def one_request(client, model: str, prompt: str, tokens: int) -> dict:
@@ -116,17 +102,9 @@ def one_request(client, model: str, prompt: str, tokens: int) -> dict:
 
 def serve_round(client, model: str, prompts: list[str], tokens: int) -> dict:
     """len(prompts) requests at once; the round's aggregate tokens/s and each request's numbers."""
-    results: list[dict] = [{}] * len(prompts)
-
-    def run(i: int) -> None:
-        results[i] = one_request(client, model, prompts[i], tokens)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda prompt: one_request(client, model, prompt, tokens), prompts))
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens_per_s": sum(r["tokens"] for r in results) / wall, "requests": results}
 
@@ -191,9 +169,7 @@ def openai_load(args) -> None:
                        for k in ("ttft_s", "wall_s", "tokens_per_s", "generation_tokens_per_s")},
                "cli_aborted_exits": sum(run["returncode"] != 0 for run in rows["cli"]),
                "tokens": args.tokens, "repeats": args.repeats}
-    write_json(args.out / "results.json", {"summary": summary, "raw": rows})
-    (args.out / "results.md").write_text(openai_markdown(summary, args))
-    print(openai_markdown(summary, args))
+    write_results(args.out, {"summary": summary, "raw": rows}, openai_markdown(summary, args))
 
 
 def openai_markdown(s: dict, args) -> str:
@@ -221,8 +197,6 @@ def openai_markdown(s: dict, args) -> str:
               ""]
     return "\n".join(lines)
 
-
-# --- guidellm ----------------------------------------------------------------------------------------
 
 def guidellm_profile(text: str) -> str:
     """A profile name checked: synchronous, concurrent@N or constant@RATE."""
@@ -358,9 +332,7 @@ def guidellm_load(args) -> None:
         if cloud is not None:
             stop_cloud(cloud)
     meta["loadavg"].append(os.getloadavg()[0])
-    write_json(args.out / "results.json", {"meta": meta, "rows": rows})
-    (args.out / "results.md").write_text(guidellm_markdown(meta, rows))
-    print(guidellm_markdown(meta, rows))
+    write_results(args.out, {"meta": meta, "rows": rows}, guidellm_markdown(meta, rows))
 
 
 def main() -> None:

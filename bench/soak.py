@@ -5,32 +5,9 @@ decoding (`--cloud-only`, taken before the attack), and the cloud's memory must 
     python bench/soak.py fuzz [--messages 10000] [--cloud HOST:PORT] [--out docs/integrity]
     python bench/soak.py tenants [--busy 17] [--think-s 2] [--out docs/integrity]
 
-Both start `hybridspec cloud serve` (local Ray pool, embedded target) on one core and run the edges
-(embedded drafter) on the other.
-
-chaos: `--edges` concurrent edges for `--minutes` (`allow_unverified`; half the default adaptive edge,
-half fixed blocks of 4) through the user-space link emulator (5 ms each way, a 2 s stall every 45 s). At
-random moments it SIGKILLs a replica actor process (Ray restarts it) and cuts the link for 1-4 s. Every
-5 s it samples the resident memory of the front door and of the replica. Writes soak.csv (samples),
-soak.json (summary) and soak.png (memory over time, with the chaos events marked).
-
-fuzz: `--messages` hostile messages (the suite of tests/fuzzing.py that tests/test_fuzz.py runs too: every RPC; random, plausible and
-undecodable bodies; fresh randomness) while one honest edge generates beside them; with --cloud, against
-that running server instead. Writes fuzz.json: the count of every status, any reply that broke the rules
-(UNKNOWN, INTERNAL, a long or traceback-bearing message), whether every honest generation equalled the
-cloud-only one, and the server's resident memory before and after.
-
-tenants: two identities on one replica (`cloud serve` defaults, a credentials file). An honest one's
-24-token generation (the default edge, 5 after a warm-up, `--think-s` apart as a person's requests
-are) alone, then beside `--busy` cloud-only streams of another identity on 3,000-token sessions, with
-fair share on and, in a second server, off; the busy identity's tokens/s over those five requests and
-their pauses, and during the requests alone. On the first server also: whether the honest
-identity's idle 600-token conversation survives the busy one filling the cache, the refusal the busy one
-gets when nothing of its own is idle, the interval of `edge generate`'s progress lines during a cold
-2,700-token prefill, and the time `edge generate` takes to a clear error with the replica SIGSTOPped.
-Writes tenants.json.
-
-Exit status 1 if any generation differed from the cloud-only one or failed (or, fuzzing, a reply broke a rule).
+`cloud serve` (a local Ray pool, the embedded target) on one core, the edges on the other; fuzz with
+--cloud sends to that running server instead. docs/integrity.md#measured has the method and the numbers.
+Exit status 1 if a generation differed from the cloud-only one or failed (or a fuzzed reply broke a rule).
 """
 from __future__ import annotations
 
@@ -63,7 +40,8 @@ from hybridspec.edge.prompt import encode_prompt
 from hybridspec.edge.worker import EdgeWorker
 from hybridspec.netem.relay import BackgroundLink
 from hybridspec.netem.shaping import LinkSpec
-from harness import arguments, cloud, figure, fuzz_suite, header, median, report, save_figure, series, write_json
+from harness import (arguments, cloud, figure, frozen, fuzz_suite, header, median, process_tree, replica_processes,
+                     report, rss_mb, save_figure, series, write_json)
 
 CHAOS_TOKENS, FUZZ_TOKENS = 48, 32
 FUZZ_PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.", "Give three tips for sleeping well."]
@@ -73,40 +51,9 @@ CUT_EVERY_S = (30.0, 90.0)
 CUT_FOR_S = (1.0, 4.0)
 
 
-def replica_processes(front_door: psutil.Process) -> list[psutil.Process]:
-    """The replica actors among the front door's descendants (Ray names them ray::VerifierReplica)."""
-    found = []
-    for proc in front_door.children(recursive=True):
-        try:
-            if "VerifierReplica" in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def rss_mb(procs: list[psutil.Process]) -> float:
-    """Resident memory of these processes together (those gone meanwhile count nothing)."""
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and all its descendants (the front door, Ray and the replica)."""
-    root = psutil.Process(pid)
-    return rss_mb([root, *root.children(recursive=True)])
-
-
 def models(questions: list[str], new_tokens: int, address: str):
-    """(drafter, encoded prompts, the cloud's own answers): each prompt decoded `--cloud-only`, one token
-    per pass on whatever engine and weights the cloud serves, before any attack starts. Hybrid rounds
-    must reproduce exactly that (the target's Hugging Face decoding is another model once the cloud
-    serves a re-quantised GGUF, as the CPU default does)."""
+    """(drafter, encoded prompts, the cloud's own answers): each prompt decoded `--cloud-only` on whatever
+    engine and weights the cloud serves, before any attack starts; hybrid rounds must reproduce exactly that."""
     drafter = load_model(default_paths()["drafter"], device="cpu")
     prompts = [encode_prompt(drafter.tokenizer, q, chat=True) for q in questions]
     with VerifierClient(address, timeout_s=120) as client:
@@ -169,7 +116,7 @@ def chaos(args) -> int:
         try:
             while (now := time.monotonic()) < deadline:
                 if now >= next_kill:
-                    if victims := replica_processes(front_door):
+                    if victims := replica_processes(proc.pid):
                         rng.choice(victims).send_signal(signal.SIGKILL)
                         events.append((now - start, "replica killed"))
                     next_kill = now + rng.uniform(*KILL_EVERY_S)
@@ -181,7 +128,7 @@ def chaos(args) -> int:
                     next_cut = now + cut + rng.uniform(*CUT_EVERY_S)
                 if now >= next_sample:
                     samples.append({"t_s": round(now - start, 1), "front_door_mb": round(rss_mb([front_door]), 1),
-                                    "replica_mb": round(rss_mb(replica_processes(front_door)), 1), **results})
+                                    "replica_mb": round(rss_mb(replica_processes(proc.pid)), 1), **results})
                     next_sample += SAMPLE_S
                     bar.update(int(now - start) - bar.n)
                     bar.set_postfix(equal=results["equal"], bad=results["different"] + results["failed"])
@@ -234,7 +181,7 @@ def fuzz(args) -> int:
     """`args.messages` hostile messages beside one honest edge; 0 when nothing broke a rule."""
     served = contextlib.nullcontext((None, args.cloud)) if args.cloud else cloud({"torch_threads": 1})
     with served as (proc, address):
-        rss_before = tree_rss_mb(proc.pid) if proc else None
+        rss_before = rss_mb(process_tree(proc.pid)) if proc else None
         drafter, prompts, expected = models(FUZZ_PROMPTS, FUZZ_TOKENS, address)
         stop, honest, errors = threading.Event(), [], []
 
@@ -274,15 +221,13 @@ def fuzz(args) -> int:
             bar.close()
             channel.close()
             elapsed = time.perf_counter() - start
-            rss_after = tree_rss_mb(proc.pid) if proc else None
-    result = {
-        "messages": sum(fuzzer.counts.values()), "seconds": round(elapsed, 1), "status_counts": dict(fuzzer.counts),
-        "violations": len(fuzzer.violations), "violation_examples": fuzzer.violations[:10],
-        "honest_generations": len(honest), "honest_equal_to_target": sum(honest), "honest_errors": errors,
-        "server_rss_mb_before": rss_before and round(rss_before), "server_rss_mb_after": rss_after and round(rss_after),
-    }
-    print(json.dumps(result, indent=2))
-    write_json(args.out / "fuzz.json", result, indent=2)
+            rss_after = rss_mb(process_tree(proc.pid)) if proc else None
+    result = {"messages": sum(fuzzer.counts.values()), "seconds": round(elapsed, 1), "status_counts": dict(fuzzer.counts),
+              "violations": len(fuzzer.violations), "violation_examples": fuzzer.violations[:10],
+              "honest_generations": len(honest), "honest_equal_to_target": sum(honest), "honest_errors": errors,
+              "server_rss_mb_before": rss_before and round(rss_before),
+              "server_rss_mb_after": rss_after and round(rss_after)}
+    report(result, args.out / "fuzz.json", indent=2)
     return 0 if not fuzzer.violations and not errors and honest and all(honest) else 1
 
 
@@ -354,7 +299,7 @@ def tenants(args) -> int:
             sessions = [busy_session(client) for client in busy[:args.busy]]
             out["busy_opened_s"] = round(time.monotonic() - started, 1)
             time.sleep(30)  # every stream under way, streams rotating
-            replica = replica_processes(psutil.Process(proc.pid))
+            replica = replica_processes(proc.pid)
             spans, window, cpu = [], time.monotonic(), cpu_s(replica)
             out["honest_beside_s"] = honest_times(spans)
             took, cpu = time.monotonic() - window, cpu_s(replica) - cpu
@@ -386,14 +331,8 @@ def tenants(args) -> int:
                 client.close_session(sid)
             if fair:  # 4. `edge generate` on a cold 2,700-token prompt: its progress lines; then a stopped replica.
                 out["progress"] = edge_generate(address, tokens["honest"], long_text(tok, 2700, 11))
-                victims = replica_processes(psutil.Process(proc.pid))
-                for victim in victims:
-                    victim.send_signal(signal.SIGSTOP)
-                try:
+                with frozen(replica_processes(proc.pid)):
                     out["stopped_replica"] = edge_generate(address, tokens["honest"], long_text(tok, 2731, 13))
-                finally:
-                    for victim in victims:
-                        victim.send_signal(signal.SIGCONT)
             for client in busy + [honest]:
                 client.close()
             return out
