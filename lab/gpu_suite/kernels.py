@@ -11,26 +11,11 @@ import torch
 from . import models
 
 
-def _time_ms(fn, repeats: int = 50) -> float:
-    """Median of `repeats` timed calls (CUDA events), after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def products(shape: str, rows: list[int], device: str = "cuda", max_rows: int = 512) -> dict:
     """Per matrix of `shape` (q|k|v, o, gate|up, down, output head) and per M in `rows`; and the choice
     tune_product makes for each ({"rows": [...], "choices": {matrix: description}})."""
-    from ...cloud.engine.triton_ops import (NARROW, SMALL_ROWS, WIDE, check_tiles, fused_product, split_product,
-                                            tune_product)
+    from ...cloud.engine.triton_ops import (NARROW, SMALL_ROWS, WIDE, check_tiles, cuda_ms, fused_product,
+                                            split_product, tune_product)
 
     s = models.SHAPES[shape]
     hidden, inter = s["hidden_size"], s["intermediate_size"]
@@ -58,7 +43,7 @@ def products(shape: str, rows: list[int], device: str = "cuda", max_rows: int = 
             xm = x[:m].contiguous()
             row = {"matrix": name, "n": n, "k": k, "rows": m}
             for kind, fn in kernels.items():
-                row[f"{kind}_ms"] = _time_ms(lambda: fn(xm))
+                row[f"{kind}_ms"] = cuda_ms(lambda: fn(xm), repeats=50)
                 row[f"{kind}_rows_invariant"] = bool(torch.equal(fn(xm), full[kind][:m]))
             row["fused_weight_gb_per_s"] = round(n * k * 2 / row["fused_ms"] / 1e6, 1)
             out.append(row)
