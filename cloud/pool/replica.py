@@ -153,21 +153,18 @@ class VerifierReplica:
                                                                                | HybridSpecError]:
         """Open or re-open a session, streamed (the pool calls it with num_returns="streaming"): how far
         it has got every second, then its answer, which names this replica's endpoint (a restart moves
-        it); a domain error is the last item. Its prompt is charged to the caller's rate first.
-
-        Ray restarts a dead actor without anyone calling `ready` unless the pool saw it die, so every
-        call starts what `ready` starts first."""
-        ready = await self.ready()
+        it); a domain error is the last item. Its prompt is charged to the caller's rate first."""
+        address = await self._serving()
         try:
             await self._pace(spec.owner, len(spec.committed_ids))
             async for item in self.verifier.aopen_progress(spec):
-                yield replace(item, verify_address=ready.verify_address) if isinstance(item, SessionOpened) else item
+                yield replace(item, verify_address=address) if isinstance(item, SessionOpened) else item
         except HybridSpecError as exc:
             yield exc
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch (charged to its sender's rate first)."""
-        await self.ready()
+        await self._serving()
         try:
             await self._pace(block.owner, len(block.draft_ids) + 1)
         except HybridSpecError as exc:
@@ -177,7 +174,7 @@ class VerifierReplica:
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
         """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"), each token
         charged to the caller's rate; a domain error is the last item."""
-        await self.ready()
+        await self._serving()
         try:
             async for token in self.verifier.adecode(block, max_tokens, eos):
                 await self._pace(block.owner, 1)
@@ -187,13 +184,21 @@ class VerifierReplica:
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
-        await self.ready()
+        await self._serving()
         return await _as_value(self.verifier.aclose_session(session_id))
 
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
-        await self.ready()
+        await self._serving()
         return await _as_value(self.verifier.astats())
+
+    async def _serving(self) -> str:
+        """Its endpoint's address ("" without one), after starting what `ready` starts if nobody has:
+        Ray restarts a dead actor without anyone calling `ready` unless the pool saw it die, so every
+        call comes through here. Once started, no lock is taken."""
+        if not self._started or (self._starter is not None and self._endpoint is None):
+            await self.ready()
+        return self._endpoint.address if self._endpoint else ""
 
     async def _pace(self, owner: str, tokens: int) -> None:
         """Wait as the caller's rate says (its endpoint's bucket; nothing without an endpoint: then the
