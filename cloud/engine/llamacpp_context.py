@@ -30,6 +30,8 @@ STATE_HEADER = struct.Struct("<IiI")  # a sequence state's magic, sequence id an
 # of 4 KiB pages faults them in one by one, which took 97 ms of the 88 MB state of a 4,024-token
 # session (about 20 ms in huge pages). Smaller ones would waste up to 2 MiB each.
 HUGE_STATE_BYTES = 16 << 20
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _quiet(level: int, text: bytes, data: ctypes.c_void_p) -> None:
@@ -55,6 +57,7 @@ class Context:
         self.ctx = llama.llama_init_from_model(model, params)
         if not self.ctx:
             raise ValueError(f"llama.cpp cannot make a context of {cells} tokens for {source}")
+        _release_output_rows(model, self.ctx, sequences)
         self.memory = llama.llama_get_memory(self.ctx)
         self.streams, self.batch_size, self.embeddings = 1 if unified else sequences, params.n_batch, False
         self.batch = llama.llama_batch_init(self.batch_size, 0, sequences if unified else 1)
@@ -135,6 +138,24 @@ class Mover:
         total = end + tail - before
         if not llama.llama_state_seq_set_data(dst.ctx, _view(state, before, total), total, dst_seq):
             raise RuntimeError("llama.cpp could not restore a sequence state")
+
+
+def _release_output_rows(model, ctx, sequences: int) -> None:
+    """Give the kernel back the pages of the output rows llama.cpp reserved and zeroed at construction.
+
+    A context reserves a logits row of the whole vocabulary per sequence it may hold, and touches them:
+    the tree context's 256 sequences made that 48 MiB of resident memory at start for a 49,152-token
+    vocabulary (148 MiB for a 151,936-token one), rows only a pass with as many outputs writes. llama.cpp
+    reads no row a decode has not written, so the pages can go: they read as zeros again, as they were,
+    and come back one by one as passes write them (docs/models.md, where the cloud's memory goes)."""
+    vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
+    base = ctypes.cast(llama.llama_get_logits(ctx), ctypes.c_void_p).value
+    if not base:
+        return
+    page = mmap.PAGESIZE
+    start, end = -(-base // page) * page, (base + vocab * sequences * 4) // page * page
+    if end > start:
+        _LIBC.madvise(start, end - start, mmap.MADV_DONTNEED)  # mmap.madvise takes only its own maps
 
 
 def _host_memory(size: int) -> bytearray | mmap.mmap:
