@@ -1,33 +1,16 @@
 """A user's own GGUF pair given as bare files (no tokenizer beside them): what starting a cloud and an
 edge on them costs, where the cloud's memory goes, and how well `pair check` predicts hybrid decoding.
-
-    python bench/own_models.py start [--baseline-commit 92253c5] [--target FILE.gguf] [--drafter FILE.gguf]
-                                     [--no-ray] [--no-edges] [--skip-baseline] [--out FILE]
-    python bench/own_models.py memory [--target FILE.gguf] [--out FILE]
-    python bench/own_models.py shaped OUT.gguf [--shape llama-1b]
-    python bench/own_models.py predict [--target T] [--drafter D] [--repeats 2] [--out FILE]
+bench/README.md says what each command measures; what it does not say:
 
 `start` runs this checkout and `--baseline-commit`'s code (extracted with `git archive`, first on
-PYTHONPATH) in one run, on the target (default: the embedded model.Q8_0.gguf) and a GGUF drafter
-(default: the embedded drafter exported), each alone in a directory. Per code version: `cloud serve`
-in-process (no curve kept: measured while serving; then with it kept; then `pass_cost_tokens: 0`) and
-with one Ray replica, a small KV pool (SMALL_KV): seconds to its serving line and to the pass-cost curve,
-CPU seconds and peak resident memory of the whole process tree (sampled every 50 ms; by process at the
-peak; in-process, by backing at the serving line from /proc/PID/smaps); and `edge generate --json`
-(--cloud-only twice, then the default policy): wall minus the generation's own time, and whether the
-drafter's file was ever mapped. The GGUF tokenizers kept from an earlier use are removed first, so the
-first start and the first edge include reading them. Once: llama.cpp's own load of the target (LLAMA_LOAD),
-the KV cells the cloud allocates, and (unless --no-edges) the one line `pair check` and `edge generate`
-print for a drafter of another vocabulary, with how long each took.
-
-`memory` takes `cloud serve --backend inprocess`'s own steps (START_STEPS) in a fresh process and reads
-its resident and anonymous memory after each, then again with `max_tree_nodes: 0`. `shaped` writes a
-random Q8_0 Llama of a real model's sizes (SHAPES) carrying the embedded vocabulary and chat template,
-to see how the start's memory scales with the file. `predict` runs `pair check` on core 0, then a cloud
-on core 1 and two edges on core 0 (cloud-only and forced hybrid, the drafter on one thread), alternating
-prompt by prompt `--repeats` times, and compares the measured tokens/s ratio with the prediction
-(greedy: both modes' tokens are checked equal). The machine may be shared: times are noisy, resident
-memory and "was the file opened" are not.
+PYTHONPATH) on the same files. A process tree is sampled every 50 ms (peak resident memory, by process
+at the peak; CPU seconds; whether a process mapped the drafter's file); in-process, /proc/PID/smaps
+gives the memory by backing at the serving line. The GGUF tokenizers and pass-cost curves kept from an
+earlier use are removed first, so the first start and the first edge include reading them. `memory`
+runs `cloud serve --backend inprocess`'s own steps (START_STEPS) in a fresh process, once more with
+`max_tree_nodes: 0`. `predict` alternates cloud-only and forced-hybrid edges prompt by prompt (greedy:
+their tokens are checked equal). Times are noisy on a shared machine; memory and "was the file
+opened" are not. A larger target of a real model's sizes: scripts/shaped_gguf.py.
 """
 from __future__ import annotations
 
@@ -102,9 +85,6 @@ sys.stdin.read()  # held until the parent has read /proc/PID/smaps
 
 
 PACKAGES = ("common", "edge", "cloud", "cli", "distill", "netem", "lab", "fetch")
-# (hidden, layers, heads, kv heads, intermediate) of real models, for `shaped`; the vocabulary is the embedded target's
-SHAPES = {"smollm2-360m": (960, 32, 15, 5, 2560), "llama-1b": (2048, 16, 32, 8, 8192),
-          "llama-3b": (3072, 28, 24, 8, 8192)}
 CURVE_WAIT_S = 600  # how long a start's pass-cost curve is waited for
 
 
@@ -474,59 +454,6 @@ def start_steps(target: Path, work: Path, **keys) -> tuple[list[dict], dict]:
     return steps, backing
 
 
-def shaped(args) -> None:
-    """Write a random Q8_0 Llama of `args.shape`'s sizes with the embedded target's vocabulary."""
-    import gguf
-    import numpy as np
-
-    hidden, layers, heads, kv_heads, inter = SHAPES[args.shape]
-    source = gguf.GGUFReader(str(default_paths()["target"] / "model.Q8_0.gguf"))
-    writer = gguf.GGUFWriter(args.out, "llama")
-    writer.add_name(f"random {args.shape}")
-    writer.add_context_length(8192)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    for name, field in source.fields.items():  # the vocabulary, special tokens and chat template
-        if name.startswith("tokenizer."):
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(name, field.contents(), field.types[0], field.types[-1] if array else None)
-    vocab = len(source.fields["tokenizer.ggml.tokens"].data)
-    rng = np.random.default_rng(0)
-    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-
-    def q8(rows: int, cols: int):
-        """Random Q8_0 rows: per block of 32 weights a small f16 scale and 32 random int8."""
-        blocks = np.empty((rows * cols // 32, 34), np.uint8)
-        blocks[:, :2] = scale
-        blocks[:, 2:] = rng.integers(0, 256, (len(blocks), 32), dtype=np.uint8)
-        return blocks.reshape(rows, cols // 32 * 34)
-
-    def add(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, q8(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-
-    kv = hidden // heads * kv_heads
-    add("token_embd.weight", vocab, hidden)  # tied: the output head too
-    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
-    for i in range(layers):
-        for part, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
-                                 ("attn_output", hidden, hidden), ("ffn_gate", inter, hidden),
-                                 ("ffn_up", inter, hidden), ("ffn_down", hidden, inter)):
-            add(f"blk.{i}.{part}.weight", rows, cols)
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
-
-
 def predict(args) -> None:
     """pair check's prediction against a measured run of the same pair."""
     if EDGE_CORE in usable_cores():
@@ -613,16 +540,13 @@ def main() -> None:
     memory_ = commands.add_parser("memory", help="the in-process start's resident memory, step by step")
     memory_.add_argument("--target", default="", help="a GGUF target (default: the embedded target's Q8_0 file)")
     memory_.add_argument("--out", default="")
-    shaped_ = commands.add_parser("shaped", help="a random Q8_0 Llama of a real model's sizes, the embedded vocabulary")
-    shaped_.add_argument("out")
-    shaped_.add_argument("--shape", choices=list(SHAPES), default="llama-1b")
     predict_ = commands.add_parser("predict", help="pair check's prediction against a measured run")
     predict_.add_argument("--target", default="")
     predict_.add_argument("--drafter", default="")
     predict_.add_argument("--repeats", type=int, default=2)
     predict_.add_argument("--out", default="")
     args = parser.parse_args()
-    {"start": start, "memory": memory, "shaped": shaped, "predict": predict}[args.command](args)
+    {"start": start, "memory": memory, "predict": predict}[args.command](args)
 
 
 if __name__ == "__main__":
