@@ -1,8 +1,5 @@
 """Where the time of one cloud-only token goes, layer by layer, against llama.cpp alone, in one run.
 
-    python bench/cloud_only_overhead.py [--prompts 4] [--new-tokens 64] [--repeats 2]
-        [--layers llamacpp_alone,decode_ray,...] [--out FILE]
-
 The same chat prompts through each layer in turn; while one runs, the clouds it does not talk to are
 stopped. docs/engine.md has the method and the numbers. `--layers` picks some (llamacpp_alone, the base
 of every ratio, always runs):

@@ -1,10 +1,6 @@
 """Long conversations, as a chat service sees them, through the llama.cpp engine: a long system prompt
 every session starts with, and multi-turn histories of a few thousand tokens; all greedy.
 
-    python bench/conversations.py long [--lengths 2300 3500] [--new-tokens 48] [--out FILE]
-    python bench/conversations.py prefix [--sessions 9] [--new-tokens 16] [--out FILE]
-    taskset -c 1 python bench/conversations.py swap [--lengths 200 1000 4090] [--repeats 5] [--out FILE]
-
 long and prefix run `cloud serve`'s defaults on core 1, the edges on core 0; every strategy's tokens
 must equal cloud-only's, and the prefix cache must change no token. swap parks and restores sessions
 on one 4,096-cell stream: the restored session's tokens and first logits must equal those before.

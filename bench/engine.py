@@ -1,11 +1,6 @@
 """The verifier's engine on this machine: what a pass costs, whether a block scores exactly as its tokens
 one by one, what a draft tree costs against a chain, and what batching gives many sessions.
 
-    taskset -c 1 python bench/engine.py chain [--engine llamacpp|torch] [--dtype float32] [--repeats 5] [--prompts 8]
-        [--out FILE]
-    taskset -c 1 python bench/engine.py tree [--engine llamacpp|torch] [--context 128] [--repeats 7] [--out FILE]
-    taskset -c 1 python bench/engine.py batch [--engine llamacpp|torch] [--sessions 8] [--steps 6] [--out FILE]
-
 The embedded target, one thread, as a replica serves it (--dtype: the torch engine's). A flip is a block
 of γ = 4 from the engine's own one-token-per-pass decoding not accepted whole with the next token; the
 first ends a prompt's comparison. docs/engine.md has the method and the numbers.

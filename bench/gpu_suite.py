@@ -1,10 +1,5 @@
 """The GPU suite: one command that measures the torch engine where the product can win.
 
-    python bench/gpu_suite.py --preset issue53 --out DIR   # a GPU machine: every goal row of issue 53, ≤ 6 minutes
-    python bench/gpu_suite.py --out DIR                    # a GPU machine: the wider sweep
-    python bench/gpu_suite.py --out DIR --device cpu --quick  # the same code on a CPU, tiny shapes (CI runs it)
-    taskset -c 1 python bench/gpu_suite.py --out DIR --device cpu --parts a   # pass times on one CPU core, fp32
-
 Parts (lab/gpu_suite/; docs/gpu.md): (k) each weight's product, first kernels, current ones and cuBLAS
 (CUDA); (a) pass times t(B × M) of random-weight shapes; (c) hybrid chains and trees against cloud-only
 token ids; (d) capacity of N closed-loop gRPC edges, cloud-only against hybrid. DIR/results.json,

@@ -1,10 +1,6 @@
 """`edge serve` under load on the embedded pair, the cloud (a 1-replica Ray pool) on the second core and
 `edge serve` on the first, one thread each, as if on two hosts.
 
-    python bench/serve_load.py openai [--concurrency 1 4 8] [--repeats 4] [--tokens 64] [--out docs/serve]
-    python bench/serve_load.py guidellm [--guidellm /tmp/guidellm-venv/bin/guidellm] [--modes hybrid cloud-only]
-        [--profiles synchronous concurrent@2 concurrent@4] [--seconds 40] [--rtt-ms 0] [--out docs/serve/guidellm]
-
 openai compares the OpenAI client at each concurrency with `edge generate --stream` as a process per
 prompt; guidellm runs one `guidellm run` per profile per mode, through `hybridspec netem` with --rtt-ms.
 docs/serve.md has the method and the numbers.

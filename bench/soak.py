@@ -1,10 +1,6 @@
 """Honest edges against a cloud under attack: every generation must equal the cloud's own greedy
 decoding (`--cloud-only`, taken before the attack), and the cloud's memory must stay bounded.
 
-    python bench/soak.py chaos [--edges 32] [--minutes 10] [--replicas 1] [--out docs/integrity]
-    python bench/soak.py fuzz [--messages 10000] [--cloud HOST:PORT] [--out docs/integrity]
-    python bench/soak.py tenants [--busy 17] [--think-s 2] [--out docs/integrity]
-
 `cloud serve` (a local Ray pool, the embedded target) on one core, the edges on the other; fuzz with
 --cloud sends to that running server instead. docs/integrity.md#measured has the method and the numbers.
 Exit status 1 if a generation differed from the cloud-only one or failed (or a fuzzed reply broke a rule).
