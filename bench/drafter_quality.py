@@ -1,18 +1,11 @@
 """How good is a drafter for its target? Held-out acceptance, tokens per round, cost c.
 
-    python bench/drafter_quality.py --drafter DIR [--runs RUN_DIR ...] [--out docs/drafter]
-    python bench/drafter_quality.py trace --out docs/engine/acceptance-trace-smollm2.json
-    python bench/drafter_quality.py prompts --out docs/drafter/prompt-sets.json
-
 Acceptance is replayed exactly for greedy decoding over the target's own greedy answers
-(distill/evaluate.py); c is the drafter's per-token latency over the target's, one torch thread each.
-An EAGLE head is replayed as the edge drafts with it (int8 and fp16 features) beside --plain; --runs
-takes `hybridspec distill` output folders for the depth sweep. docs/distill.md and docs/eagle.md have
-the method and the numbers.
+(distill/evaluate.py); c is the drafter's per-token latency over the target's, one torch thread each. An
+EAGLE head is replayed as the edge drafts with it (int8 and fp16 features), beside --plain.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,18 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from transformers import DynamicCache
 
-from hybridspec.distill.student import build_student
 from hybridspec.common.models.embedded import default_paths
 from hybridspec.common.models.loading import load_model
-from hybridspec.common.protocol.wire import FeatureFormat, SamplingParams
-from hybridspec.distill.data import Sample, generate_samples, generate_with_features
+from hybridspec.common.protocol.wire import FeatureFormat
+from hybridspec.distill.data import generate_samples, generate_with_features
 from hybridspec.distill.evaluate import agreement_flags, eagle_report, evaluate, replay
-from hybridspec.edge.drafters import make_drafter
-from hybridspec.edge.proposal import DraftSettings, DrafterKind
-from hybridspec.lab import pairs
 from hybridspec.distill.prompts import FREEFORM_PROMPTS, heldout_prompts
-from harness import (REFERENCE, arguments, commit, figure, header, median, report, save_figure, series, write_json,
-                     write_results)
+from harness import arguments, commit, median, write_json, write_results
 
 
 @torch.inference_mode()
@@ -59,10 +47,6 @@ def main() -> None:
         parser.add_argument("--new-tokens", type=int, default=128)
         parser.add_argument("--threads", type=int, default=1)
         return trace(parser.parse_args(sys.argv[2:]))
-    if sys.argv[1:2] == ["prompts"]:
-        parser = arguments(__doc__)
-        parser.add_argument("--out", type=Path)
-        return prompts(parser.parse_args(sys.argv[2:]))
     quality()
 
 
@@ -72,7 +56,6 @@ def quality() -> None:
     parser.add_argument("--drafter", default=str(default_paths()["drafter"]))
     parser.add_argument("--target", default=str(default_paths()["target"]))
     parser.add_argument("--plain", default=str(default_paths()["plain"]), help="plain drafter an eagle head is compared with")
-    parser.add_argument("--runs", nargs="*", default=[], help="distill output directories for the curves")
     parser.add_argument("--heldout", type=int, default=64)
     parser.add_argument("--out", default="docs/drafter")
     args = parser.parse_args()
@@ -99,18 +82,7 @@ def quality() -> None:
               "tokens_per_round": rep.tokens_per_round, "per_position": rep.per_position,
               "target_ms_per_token": t_target * 1e3, "drafter_ms_per_token": t_drafter * 1e3,
               "c": t_drafter / t_target}
-    runs = []
-    for run in map(Path, args.runs):
-        report = json.loads((run / "report.json").read_text())
-        cfg = report["config"]
-        # Cost depends on the shape only, so a run is timed without its weights.
-        shape = build_student(target.model, cfg["layers"], torch.arange(cfg["head_size"]) if cfg["head_size"] else None)
-        runs.append({"dir": str(run), "layers": cfg["layers"], "curve": report["curve"],
-                     "final_agreement": report["final"]["agreement"], "train_s": report["train_s"],
-                     "c": decode_latency(shape.eval()) / t_target})
-    result["runs"] = runs
     write_results(out, result, markdown(result), indent=2)
-    plot(result, out / "acceptance.png")
 
 
 def eagle_main(args, target, drafter, out: Path) -> None:
@@ -189,32 +161,7 @@ def markdown(r: dict) -> str:
               f"{r['drafter_ms_per_token']:.1f} ms |", f"| c = drafter / target | {r['c']:.3f} |"]
     pos = ", ".join(f"{p:.2f}" for p in r["per_position"][8])
     lines.append(f"| γ = 8: P(position j accepted \\| reached), j = 1..8 | {pos} |")
-    if r["runs"]:
-        lines += ["", "| drafter layers | held-out α | c | training steps | training s |", "|---|---|---|---|---|"]
-        for run in sorted(r["runs"], key=lambda x: x["layers"]):
-            lines.append(f"| {run['layers']} | {run['final_agreement']:.3f} | {run['c']:.3f} | "
-                         f"{run['curve'][-1]['step']} | {run['train_s']:.0f} |")
     return "\n".join(lines) + "\n"
-
-
-def plot(r: dict, path: Path) -> None:
-    """Acceptance vs training steps per drafter depth, and acceptance/cost vs depth."""
-    fig, (left, right) = figure(2, figsize=(11, 4))
-    for i, run in enumerate(sorted(r["runs"], key=lambda x: x["layers"])):
-        series(left, i, [p["step"] for p in run["curve"]], [p["agreement"] for p in run["curve"]],
-               label=f"{run['layers']} layers")
-    left.axhline(0.6, ls="--", label="goal α = 0.60", **REFERENCE)
-    left.set(xlabel="training step", ylabel="held-out greedy acceptance α", title="acceptance vs training")
-    left.legend()
-    if r["runs"]:
-        runs = sorted(r["runs"], key=lambda x: x["layers"])
-        layers = [x["layers"] for x in runs]
-        series(right, 0, layers, [x["final_agreement"] for x in runs], label="held-out α")
-        series(right, 1, layers, [x["c"] for x in runs], label="cost c (drafter/target time)")
-        right.axhline(1 / 6, ls=":", label="c goal 1/6", **REFERENCE)
-        right.set(xlabel="drafter decoder layers", xticks=layers, title="acceptance and cost vs depth")
-        right.legend()
-    save_figure(fig, path)
 
 
 def trace(args) -> None:
@@ -244,74 +191,6 @@ def trace(args) -> None:
         "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": "this repository's CPU machine, "
         f"{args.threads} torch thread(s)", "seconds": round(time.perf_counter() - began, 1),
         "command": f"python bench/drafter_quality.py trace --out {args.out}"})
-
-
-MAX_DRAFT = 8  # pair check's default block
-
-
-def prompt_sets() -> list[tuple[str, list[str], int]]:
-    """(name, prompts, new tokens) of every set measured."""
-    heldout = heldout_prompts(24, seed=7)  # `trace`'s (and the quality report's first 24)
-    return [("held-out templates", heldout, 48), ("held-out templates at 128 tokens", heldout, 128),
-            ("free-form chat", list(FREEFORM_PROMPTS), 48),
-            ("pair check's built-in prompts", [*pairs.CHAT_PROMPTS, *pairs.CODE_PROMPTS], 48),
-            ("pair check's chat prompts", list(pairs.CHAT_PROMPTS), 48),
-            ("pair check's code prompts", list(pairs.CODE_PROMPTS), 48)]
-
-
-def rounds_row(counts: pairs.RoundCounts) -> dict:
-    """What pair check reports of a set's rounds."""
-    return {"alpha_by_position": [round(a, 3) for a in counts.alphas(MAX_DRAFT)[:MAX_DRAFT]],
-            "checked": counts.tries, "rounds": counts.rounds, "accepted_per_round": round(counts.mean_accepted, 3),
-            "agreement": round(counts.agreement, 3)}
-
-
-def prompts(args) -> None:
-    """Acceptance by prompt set, distill's way and pair check's, on the same text."""
-    began = time.perf_counter()
-    cfg = pairs.PairCheckConfig()
-    torch.set_num_threads(cfg.threads)
-    paths = default_paths()
-    engine, target = pairs._target(str(paths["target"]), cfg)
-    eos = set(target.eos_token_ids)
-    reference = load_model(str(paths["plain"]), device="cpu", engine="torch")
-    head = set(reference.head_ids.tolist())
-    settings = DraftSettings(sampling=SamplingParams(temperature=0.0), vocab_size=target.vocab_size,
-                             stop_ids=frozenset(eos), max_context=cfg.max_context)
-    on_llama = pairs._drafter(str(paths["plain"]), target.vocab_size, frozenset(eos), cfg)  # as pair check runs it
-    texts: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-    rows = []
-    for name, questions, new_tokens in prompt_sets():
-        for q in questions:
-            if (q, new_tokens) not in texts:
-                prompt = pairs._encode(paths["target"], q)
-                texts[q, new_tokens] = prompt, pairs._continuation(engine, prompt, new_tokens, eos)
-        prompts, answers = zip(*(texts[q, new_tokens] for q in questions))
-        flags = agreement_flags(reference.model, reference.head_ids,
-                                [Sample(p + a, len(p)) for p, a in zip(prompts, answers)], reference.device)
-        tokens = sum(map(len, flags))
-        rounds, _, accepted, tries, hits = replay(flags, MAX_DRAFT)
-        on_torch = pairs.draft_rounds(make_drafter(DrafterKind.MODEL, reference, settings), prompts, answers, MAX_DRAFT)
-        on_edge = pairs.draft_rounds(on_llama, prompts, answers, MAX_DRAFT)
-        in_head = [(f, t in head) for row, answer in zip(flags, answers) for f, t in zip(row, answer)]
-        rows.append({
-            "set": name, "prompts": len(prompts), "new_tokens": new_tokens, "tokens": tokens,
-            "distill": {"agreement": round(sum(map(sum, flags)) / tokens, 3),
-                        "per_prompt": [round(sum(f) / len(f), 3) for f in flags],
-                        "alpha_by_position": [round(h / t, 3) if t else None for h, t in zip(hits, tries)],
-                        "accepted_per_round": round(accepted / rounds, 3)},
-            "pair_check": {"llamacpp": rounds_row(on_edge), "torch": rounds_row(on_torch),
-                           "torch_rounds_are_the_replay": (on_torch.rounds, on_torch.accepted, on_torch.tries,
-                                                           on_torch.hits) == (rounds, accepted, tries, hits)},
-            "head": {"target_tokens_in_head": round(sum(h for _, h in in_head) / tokens, 3),
-                     "agreement_where_in_head": round(sum(f for f, h in in_head if h) / max(1, sum(h for _, h in in_head)), 3)}})
-        print(f"{name}: distill α {rows[-1]['distill']['agreement']}, pair check α_1 "
-              f"{rows[-1]['pair_check']['llamacpp']['alpha_by_position'][0]}", flush=True)
-    report({**header(machine="2 cores, shared with other work", threads=cfg.threads),
-            "command": "python bench/drafter_quality.py prompts" + (f" --out {args.out}" if args.out else ""),
-            "target": paths["target"].name, "target_engine": f"{engine.capabilities.name} ({engine.capabilities.dtype})",
-            "drafter": paths["plain"].name, "max_draft": MAX_DRAFT, "sets": rows,
-            "seconds": round(time.perf_counter() - began, 1)}, args.out)
 
 
 if __name__ == "__main__":

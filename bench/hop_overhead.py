@@ -1,17 +1,10 @@
-"""What the hop edge → verifier → edge costs a round beyond the forward pass: per path, per security
-setup, in a replica's host time under many edges, and per batching policy.
+"""What the hop edge → verifier → edge costs a round beyond the forward pass: per path, in a replica's
+host time under many edges, and per batching policy.
 
-    python bench/hop_overhead.py [--rounds 300] [--target tiny|PATH] [--pin] [--out FILE]
-    python bench/hop_overhead.py --security [--rounds 400] [--connects 40] [--target tiny|PATH] [--out FILE]
-    python bench/hop_overhead.py --host [--edges 1,8,64] [--seconds 5] [--repeats 3] [--draft-ms 0] [--out FILE]
-    python bench/hop_overhead.py --meet [--edges 16,64] [--holds company,cohort,quorum] [--draft-ms 8] [--pass-ms 0]
-                                        [--repeats 3] [--out FILE]
-
-Real gRPC clients take turns round by round, so other load hits every path or setup alike; --target
-tiny (the default) is a random 2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths:
-front-door (a 1-replica Ray pool), direct (the replica's own endpoint), in-process (the floor); overhead
-= the round trip − (verify_ms − queue_ms). docs/measurements.md (the paths, --host, --meet) and
-docs/security.md (--security) have the method and the numbers.
+Real gRPC clients take turns round by round, so other load hits every path alike; --target tiny (the
+default) is a random 2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths: front-door (a
+1-replica Ray pool), direct (the replica's own endpoint), in-process (the floor); overhead = the round
+trip − (verify_ms − queue_ms). docs/measurements.md has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -29,7 +22,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import grpc
 import torch
-import trustme
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS, Hold
@@ -45,21 +37,16 @@ from hybridspec.common.protocol.channel import SHARED_OPTIONS
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec
-from hybridspec.common.security.credentials import add_identity
-from hybridspec.common.security.tls import ClientTLS
 from hybridspec.edge.client import VerifierClient
-from hybridspec.edge.config import CloudAccess
 from hybridspec.lab.stats import mean_ci
-from harness import (CLOUD_CORE, EDGE_CORE, arguments, header, median, percentile, pin, report, start_cloud, stop_cloud,
-                     tiny_target, usable_cores)
+from harness import (CLOUD_CORE, EDGE_CORE, arguments, header, median, percentile, pin, report, tiny_target,
+                     usable_cores)
 
 PROMPT = (5, 17, 33, 80, 41, 9, 120, 77)
 GAMMA = 4
 DRAFT = tuple(range(10, 10 + GAMMA))  # every round's block
 LIMITS = VerifierLimits(max_context=512, max_draft=32, max_sessions=8)
 WARMUP_ROUNDS = 20
-SECURITY_WARMUP_ROUNDS = 30
-SERVER_NAME = "verifier.bench.test"
 
 
 @dataclass
@@ -101,58 +88,9 @@ class Lane:
                 samples.append(value)
 
 
-@dataclass
-class Setup(Lane):
-    """A security setup: its server's keys, how an edge connects, and its connection times too."""
-
-    server_keys: dict = field(default_factory=dict)
-    access: CloudAccess = field(default_factory=CloudAccess)
-    address: str = ""
-    connect_ms: list[float] = field(default_factory=list)
-
-    def one_connect(self) -> None:
-        """A new channel, its handshake and one OpenSession, timed; then closed."""
-        start = time.perf_counter()
-        with VerifierClient(self.address, 30, self.access) as client:
-            opened = client.open_session(SessionSpec("", PROMPT))
-            self.connect_ms.append((time.perf_counter() - start) * 1e3)
-            client.close_session(opened.session_id)
-
-
-def make_setups(root: Path) -> list[Setup]:
-    """Certificates, a credentials file and the four setups."""
-    ca, client_ca = trustme.CA(), trustme.CA()
-    server = ca.issue_cert(SERVER_NAME, "127.0.0.1")
-    edge = client_ca.issue_cert("edge-1")
-    files = {"ca": ca.cert_pem, "client_ca": client_ca.cert_pem, "cert": server.cert_chain_pems[0],
-             "key": server.private_key_pem, "edge_cert": edge.cert_chain_pems[0], "edge_key": edge.private_key_pem}
-    paths = {name: str(root / f"{name}.pem") for name in files}
-    for name, blob in files.items():
-        blob.write_to_path(paths[name])
-    credentials = root / "credentials.yaml"
-    token = add_identity(credentials, "bench-edge", max_sessions=64, tokens_per_s=1e9)  # the rate check runs, never binds
-    tls = {"tls_cert": paths["cert"], "tls_key": paths["key"]}
-    client = ClientTLS(enabled=True, ca=paths["ca"], server_name=SERVER_NAME)
-    mutual = ClientTLS(enabled=True, ca=paths["ca"], server_name=SERVER_NAME, cert=paths["edge_cert"],
-                       key=paths["edge_key"])
-    return [
-        Setup("plaintext", server_keys={}, access=CloudAccess()),
-        Setup("tls", server_keys=tls, access=CloudAccess(client)),
-        Setup("tls+token", server_keys={**tls, "credentials": str(credentials)}, access=CloudAccess(client, token)),
-        Setup("mtls+token", server_keys={**tls, "tls_client_ca": paths["client_ca"], "credentials": str(credentials)},
-              access=CloudAccess(mutual, token)),
-    ]
-
-
 def target_of(args, folder: Path) -> str:
     """The model directory --target names: a tiny random target built into `folder` for "tiny"."""
     return tiny_target(folder) if args.target == "tiny" else args.target
-
-
-def paired(setup: list[float], base: list[float]) -> dict:
-    """Mean and 95 % t interval of the paired differences setup − base (ms)."""
-    estimate = mean_ci([a - b for a, b in zip(setup, base)])
-    return {"mean_ms": estimate.value, "ci95_ms": estimate.half_width}
 
 
 def paths(args) -> dict:
@@ -199,46 +137,6 @@ def paths(args) -> dict:
              "queue_median_ms": median(p.queue_ms)} for p in lanes]
     return {"target": args.target, "gamma": GAMMA, "rounds": args.rounds, "max_wait_ms": DEFAULT_MAX_WAIT_MS,
             "pinned": pinned, "cores": len(cores), "rows": rows}
-
-
-def security(args) -> dict:
-    """The four security setups' round and connection times, paired against plaintext."""
-    tmp = tempfile.TemporaryDirectory()
-    target, setups = target_of(args, Path(tmp.name)), make_setups(Path(tmp.name))
-    processes = []
-    try:
-        for setup in setups:
-            keys = {"target": target, "backend": "inprocess", "device": "cpu", "torch_threads": 1,
-                    "max_context": LIMITS.max_context, **setup.server_keys}
-            proc, setup.address = start_cloud(keys)
-            processes.append(proc)
-            setup.client = VerifierClient(setup.address, 30, setup.access)
-            setup.open()
-        for r in range(SECURITY_WARMUP_ROUNDS + args.rounds):
-            for setup in setups:  # in turns: background load hits every setup alike
-                setup.one_round(DRAFT, keep=r >= SECURITY_WARMUP_ROUNDS)
-            if r % 100 == 0:
-                print(f"round {r}/{SECURITY_WARMUP_ROUNDS + args.rounds}", file=sys.stderr, flush=True)
-        for setup in setups:
-            setup.one_connect()  # warm-up, untimed
-            setup.connect_ms.clear()
-        for _ in range(args.connects):
-            for setup in setups:
-                setup.one_connect()
-    finally:
-        for setup in setups:
-            if setup.client is not None:
-                setup.client.close()
-        for proc in processes:
-            stop_cloud(proc)
-        tmp.cleanup()
-
-    base = setups[0]
-    rows = [{"setup": setup.name, "round_median_ms": median(setup.rtt_ms), "round_p90_ms": percentile(setup.rtt_ms, 90),
-             "round_added": paired(setup.rtt_ms, base.rtt_ms), "connect_median_ms": median(setup.connect_ms),
-             "connect_added": paired(setup.connect_ms, base.connect_ms)} for setup in setups]
-    return {"target": args.target, "gamma": GAMMA, "rounds": args.rounds, "connects": args.connects,
-            "edge_core": EDGE_CORE, "cloud_core": CLOUD_CORE, "rows": rows}
 
 
 MANY = VerifierLimits(max_context=512, max_draft=32, max_sessions=64)
@@ -404,13 +302,11 @@ def meet(args) -> dict:
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--security", action="store_true", help="the four security setups instead of the paths")
     parser.add_argument("--host", action="store_true", help="a replica's host time per step under many edges")
     parser.add_argument("--meet", action="store_true", help="the batching policies (--holds) under many edges")
     parser.add_argument("--target", default="tiny", help='"tiny" (built from a config) or a model directory')
-    parser.add_argument("--rounds", type=int, help="timed rounds per lane (default: 300 per path, 400 per setup)")
+    parser.add_argument("--rounds", type=int, default=300, help="timed rounds per path")
     parser.add_argument("--pin", action="store_true", help="paths: replicas on the second core, the rest on the first")
-    parser.add_argument("--connects", type=int, default=40, help="--security: timed fresh connections per setup")
     parser.add_argument("--edges", type=lambda s: [int(n) for n in s.split(",")],
                         help="--host, --meet: concurrent edges (sessions), comma-separated (default 1,8,64 and 16,64)")
     parser.add_argument("--holds", type=lambda s: s.split(","), default=[h.value for h in Hold],
@@ -423,11 +319,10 @@ def main() -> None:
                                                                    "long (a flat-cost device; 0: the target's own)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    args.rounds = args.rounds or (400 if args.security else 300)
     args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
     args.edges = args.edges or ([16, 64] if args.meet else [1, 8, 64])
     torch.set_num_threads(1)
-    result = security(args) if args.security else host(args) if args.host else meet(args) if args.meet else paths(args)
+    result = host(args) if args.host else meet(args) if args.meet else paths(args)
     report({**header(), **result}, args.out, indent=2)
 
 

@@ -1,16 +1,10 @@
 """A user's own GGUF pair given as bare files (no tokenizer beside them): what starting a cloud and an
 edge on them costs, where the cloud's memory goes, and how well `pair check` predicts hybrid decoding.
-bench/README.md says what each command measures; what it does not say:
 
-`start` runs this checkout and `--baseline-commit`'s code (extracted with `git archive`, first on
-PYTHONPATH) on the same files. A process tree is sampled every 50 ms (peak resident memory, by process
-at the peak; CPU seconds; whether a process mapped the drafter's file); in-process, /proc/PID/smaps
-gives the memory by backing at the serving line. The GGUF tokenizers and pass-cost curves kept from an
-earlier use are removed first, so the first start and the first edge include reading them. `memory`
-runs `cloud serve --backend inprocess`'s own steps (START_STEPS) in a fresh process, once more with
-`max_tree_nodes: 0`. `predict` alternates cloud-only and forced-hybrid edges prompt by prompt (greedy:
-their tokens are checked equal). Times are noisy on a shared machine; memory and "was the file
-opened" are not. A larger target of a real model's sizes: scripts/shaped_gguf.py.
+A process tree is sampled every 50 ms (peak resident memory, by process at the peak; CPU seconds; whether
+a process mapped the drafter's file). The GGUF tokenizers and pass-cost curves kept from an earlier use
+are removed first, so the first start and the first edge include reading them. A larger target of a real
+model's sizes: scripts/shaped_gguf.py.
 """
 from __future__ import annotations
 
@@ -28,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import psutil
 
-from harness import EDGE_CORE, ROOT, arguments, other_vocabulary_gguf, cloud as cloud_on_core, commit, header, pin, report, usable_cores
+from harness import EDGE_CORE, arguments, other_vocabulary_gguf, cloud as cloud_on_core, commit, header, pin, report, usable_cores
 
 from hybridspec.cloud.process import parse_ready_line
 from hybridspec.common.models.embedded import default_paths, resolve
@@ -84,21 +78,7 @@ sys.stdin.read()  # held until the parent has read /proc/PID/smaps
 """
 
 
-PACKAGES = ("common", "edge", "cloud", "cli", "distill", "netem", "lab", "fetch")
 CURVE_WAIT_S = 600  # how long a start's pass-cost curve is waited for
-
-
-def baseline_path(commit: str, workdir: Path) -> Path:
-    """A directory whose `hybridspec` package is `commit`'s code (put first on PYTHONPATH)."""
-    src = workdir / "src"
-    src.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *PACKAGES], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
-    package = workdir / "path" / "hybridspec"
-    package.mkdir(parents=True)
-    for name in PACKAGES:
-        (package / name).symlink_to(src / name)
-    return package.parent
 
 
 def bare_copy(src: Path, into: Path) -> Path:
@@ -308,10 +288,9 @@ def edge(address: str, drafter: Path, env: dict, *flags: str) -> dict:
             "tokens": len(out["token_ids"]), "rounds": out["stats"].get("rounds", 0), "token_ids": out["token_ids"]}
 
 
-def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "", edges: bool = True,
-            kept_curve: bool = False) -> dict:
-    """The starts of one code version (`kept_curve`: one that keeps its curve on disk: start once more)."""
-    env = {**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+def measure(target: Path, drafter: Path, ray: bool, edges: bool) -> dict:
+    """The starts: a first one, a second that finds the curve the first kept, and one measuring no curve."""
+    env = dict(os.environ)
     out: dict = {}
     w, out["cloud_inprocess"] = cloud(target, "inprocess", env)
     try:
@@ -322,9 +301,8 @@ def measure(target: Path, drafter: Path, ray: bool, pythonpath: str = "", edges:
             out["edge_default"] = edge(address, drafter, env)
     finally:
         w.stop()
-    if kept_curve:
-        w, out["cloud_inprocess_kept_curve"] = cloud(target, "inprocess", env)
-        w.stop()
+    w, out["cloud_inprocess_kept_curve"] = cloud(target, "inprocess", env)
+    w.stop()
     w, out["cloud_inprocess_no_pass_costs"] = cloud(target, "inprocess", env, pass_cost_tokens=0)
     w.stop()
     if ray:
@@ -384,7 +362,7 @@ def llama_alone(target: Path) -> dict:
 
 
 def start(args) -> None:
-    """Start costs of a bare pair, this code and `args.baseline_commit`'s."""
+    """Start costs of a bare pair."""
     shipped = default_paths()["target"]
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
@@ -402,14 +380,10 @@ def start(args) -> None:
                   "cloud": f"cloud serve with {json.dumps({k: v for k, v in SMALL_KV.items() if k != 'port'})}",
                   "edge": f"edge generate --prompt {PROMPT!r} --max-new-tokens {NEW_TOKENS} --json",
                   "llama_cpp_alone": llama_alone(target), "kv_cells_mib": kv_cells_mib(target)}
-        edges = not args.no_edges
-        if not args.skip_baseline:
-            path = baseline_path(args.baseline_commit, work)
-            result[f"baseline {args.baseline_commit}"] = measure(target, drafter, not args.no_ray, str(path), edges)
-        forget_tokenizers(target, drafter)  # this code's first start on a file reads its tokenizer: measure that
+        forget_tokenizers(target, drafter)  # the first start on a file reads its tokenizer: measure that
         forget_curves(target)  # and finds no pass-cost curve kept: it measures one while it serves
-        result[f"{commit()} (this code)"] = measure(target, drafter, not args.no_ray, edges=edges, kept_curve=True)
-        if edges:
+        result[f"{commit()} (this code)"] = measure(target, drafter, not args.no_ray, not args.no_edges)
+        if not args.no_edges:
             result["mismatched_vocabulary"] = mismatch(target, work)
     report(result, args.out)
 
@@ -529,13 +503,11 @@ def _tokenizer_dir(target: str):
 def main() -> None:
     parser = arguments(__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    start_ = commands.add_parser("start", help="start costs of a bare GGUF pair, this code against an earlier commit")
-    start_.add_argument("--baseline-commit", default="92253c5")
+    start_ = commands.add_parser("start", help="start costs of a bare GGUF pair")
     start_.add_argument("--target", default="", help="a GGUF target (default: the embedded target's Q8_0 file)")
     start_.add_argument("--drafter", default="", help="a GGUF drafter (default: the embedded drafter, exported)")
     start_.add_argument("--no-ray", action="store_true")
     start_.add_argument("--no-edges", action="store_true", help="cloud starts only")
-    start_.add_argument("--skip-baseline", action="store_true")
     start_.add_argument("--out", default="")
     memory_ = commands.add_parser("memory", help="the in-process start's resident memory, step by step")
     memory_.add_argument("--target", default="", help="a GGUF target (default: the embedded target's Q8_0 file)")

@@ -3,7 +3,7 @@ template and special tokens: a file as large as a user's own target, without dow
 `cloud serve`'s start scales with the file (docs/models.md):
 
     python scripts/shaped_gguf.py OUT.gguf [--shape llama-1b]
-    python bench/own_models.py start --target OUT.gguf --skip-baseline --no-edges
+    python bench/own_models.py start --target OUT.gguf --no-edges
     python bench/own_models.py memory --target OUT.gguf
 
 Its weights are random: it serves (llama.cpp loads it and decodes), but its text is noise.
