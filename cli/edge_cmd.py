@@ -43,7 +43,8 @@ def prompt_ids(codec, text: str, chat: bool) -> list[int]:
 def run_generate(args) -> int:
     """Generate and print text, JSON, or a live stream. While the cloud caches a long prompt, a line on
     stderr says how far it got (each report, at least every 2 s). If the cloud is lost mid-way without
-    --allow-unverified, what was committed is still printed, then the error (exit 2)."""
+    --allow-unverified, what was committed is still printed, then the error (exit 2); a failure before
+    the first token is the error line alone."""
     from ..common.protocol.errors import HybridSpecError
     from ..edge.generation import EventKind
 
@@ -63,15 +64,20 @@ def run_generate(args) -> int:
             error = exc
     finally:
         worker.close()
+    # A failure before any token leaves nothing to show but the error: one line, as for any other error.
+    anything = error is None or bool(gen.token_ids)
     if args.json:
-        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
+        print(json.dumps({"text": gen.text, "token_ids": gen.token_ids,
+                          "finish_reason": gen.finish_reason if error is None else "error",
                           "error": gen.error, "stats": gen.stats.to_dict()}))
-    elif not args.stream:
+    elif not args.stream and anything:
         print(gen.text)
-    print(summary(gen.stats), file=sys.stderr)
+    if anything:
+        print(summary(gen.stats), file=sys.stderr)
     code = 0
     if error is not None:
-        print(f"hybridspec: error: {error} (the text above is what was verified before it)", file=sys.stderr)
+        after = " (the text above is what was verified before it)" if gen.token_ids else ""
+        print(f"hybridspec: error: {error}{after}", file=sys.stderr)
         code = 2
     if worker.load.pending():
         # The generation ended before the drafter finished loading. Exiting while its thread is inside

@@ -1,4 +1,5 @@
 """The console script: real subprocesses, one-line errors, JSON output, graceful shutdown."""
+import contextlib
 import json
 import os
 import signal
@@ -51,21 +52,30 @@ def test_bad_flag_value(model_dirs):
     assert_one_line_error(r, "temperature")
 
 
-@pytest.fixture(scope="module")
-def served(model_dirs):
-    """`hybridspec cloud serve` as a real subprocess on a free port."""
+@contextlib.contextmanager
+def cloud_serve(model_dirs, *flags: str):
+    """`hybridspec cloud serve` (in-process, the tiny target) as a real subprocess on a free port."""
     from hybridspec.cloud.process import parse_ready_line
 
     proc = subprocess.Popen([sys.executable, "-m", "hybridspec.cli.main", "cloud", "serve", "--target",
                              str(model_dirs["target"]), "--port", "0", "--metrics-port", "-1", "--torch-threads", "1",
-                             "--backend", "inprocess"],
+                             "--backend", "inprocess", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    line = proc.stdout.readline()
-    address = parse_ready_line(line)
-    assert address, proc.stderr.read() if proc.poll() is not None else line
-    yield proc, address
-    if proc.poll() is None:
-        proc.kill()
+    try:
+        line = proc.stdout.readline()
+        address = parse_ready_line(line)
+        assert address, proc.stderr.read() if proc.poll() is not None else line
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs):
+    with cloud_serve(model_dirs) as running:
+        yield running
 
 
 @pytest.mark.slow
@@ -97,6 +107,28 @@ def test_generate_cloud_only_baseline(served, model_dirs, target):
     assert r.stdout.strip() == target.tokenizer.decode(greedy_reference(target, [5, 17, 33], 12),
                                                        skip_special_tokens=True)
     assert "decoded by the cloud alone" in r.stderr and "acceptance" not in r.stderr
+
+
+@pytest.mark.slow
+def test_a_session_refused_before_any_token_is_one_error_line_and_no_text(model_dirs):
+    """A cloud that refuses the session (here: full) before a token is committed. It used to print an
+    empty line, a "[0 tokens, ...]" summary and an error saying "the text above is what was verified",
+    with no text above; and --json said finish_reason "length"."""
+    from hybridspec.common.protocol.wire import SessionSpec
+    from hybridspec.edge.client import VerifierClient
+
+    with cloud_serve(model_dirs, "--max-sessions", "1") as (_, address), VerifierClient(address) as holder:
+        holder.open_session(SessionSpec("", (5, 6, 7)))  # the replica's only session
+        args = ("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
+                str(model_dirs["random"]), "--max-new-tokens", "4")
+        for mode in ((), ("--stream",)):
+            r = hybridspec(*args, *mode)
+            assert_one_line_error(r, "limit")
+            assert "text above" not in r.stderr and r.stdout == "", (mode, r.stdout)
+        r = hybridspec(*args, "--json")
+        assert_one_line_error(r, "limit")
+        out = json.loads(r.stdout)
+        assert (out["token_ids"], out["finish_reason"]) == ([], "error") and "limit" in out["error"]
 
 
 @pytest.mark.slow

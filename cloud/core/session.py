@@ -163,8 +163,9 @@ class SessionStore:
         """Check there is room for `session_id` (a re-open of a live session always fits)."""
         self.expire_idle()
         if session_id not in self._sessions and len(self._sessions) >= self.max_sessions:
-            raise ResourceExhausted(f"this replica already holds {self.max_sessions} sessions, its limit; retry in "
-                                    f"about {FULL_RETRY_S:g} s", FULL_RETRY_S)
+            held = f"{self.max_sessions} session{'s' if self.max_sessions != 1 else ''}"
+            raise ResourceExhausted(f"this replica already holds {held}, its limit; retry in about {FULL_RETRY_S:g} s",
+                                    FULL_RETRY_S)
 
     def go_live(self, session: Session) -> None:
         """Make a fully prefilled session LIVE, replacing (and freeing) one of the same id; a session
