@@ -98,7 +98,7 @@ class Watch:
     """A command run to its end (or to a line on stdout), its process tree sampled every 50 ms: the
     peak of the tree's summed resident memory, and whether any process of it mapped `watched`."""
 
-    def __init__(self, cmd: list[str], env: dict, watched: Path | None = None, ready_line=None) -> None:
+    def __init__(self, cmd: list[str], watched: Path | None = None, ready_line=None) -> None:
         self.watched = str(watched.resolve()) if watched else None
         self.peak_mib = 0.0
         self.at_peak: dict[str, float] = {}  # MiB per process (by what it runs) when the tree peaked
@@ -107,7 +107,7 @@ class Watch:
         self.ready_s: float | None = None
         self.lines: list[str] = []
         start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._ready = threading.Event()
         self._err: list[str] = []
         readers = [threading.Thread(target=self._read, args=(ready_line, start), daemon=True),
@@ -203,13 +203,13 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "hybridspec.cli.main", *args]
 
 
-def cloud(target: Path, backend: str, env: dict, **extra) -> tuple[Watch, dict]:
+def cloud(target: Path, backend: str, **extra) -> tuple[Watch, dict]:
     """Start `cloud serve` on the bare target; (the running Watch, what its start cost, and then what
     reporting the pass-cost curve cost, unless pass_cost_tokens is 0)."""
     keys = {**SMALL_KV, "target": str(target), "backend": backend, **extra}
     config = Path(tempfile.mkstemp(prefix="own-models-", suffix=".json")[1])
     config.write_text(json.dumps(keys))
-    w = Watch(cli("cloud", "serve", "--config", str(config)), env, ready_line=parse_ready_line)
+    w = Watch(cli("cloud", "serve", "--config", str(config)), ready_line=parse_ready_line)
     if w.ready_s is None:
         raise RuntimeError(f"cloud serve ({backend}) did not start: {w.stderr[-2000:]}")
     size = target.stat().st_size
@@ -274,10 +274,10 @@ def kv_cells_mib(target: Path) -> dict:
     return {"kv_pool": round(pool, 1), "tree_context": round(pool, 1)}
 
 
-def edge(address: str, drafter: Path, env: dict, *flags: str) -> dict:
+def edge(address: str, drafter: Path, *flags: str) -> dict:
     """One `edge generate --json` with the bare drafter: wall minus generation, and whether it was loaded."""
     w = Watch(cli("edge", "generate", "--cloud", address, "--drafter", str(drafter), "--prompt", PROMPT,
-                  "--max-new-tokens", str(NEW_TOKENS), "--json", *flags), env, watched=drafter)
+                  "--max-new-tokens", str(NEW_TOKENS), "--json", *flags), watched=drafter)
     if w.proc.returncode != 0:
         return {"error": w.stderr.strip().splitlines()[-1:] or ["exit status %d" % w.proc.returncode]}
     out = json.loads(w.lines[-1])
@@ -290,23 +290,22 @@ def edge(address: str, drafter: Path, env: dict, *flags: str) -> dict:
 
 def measure(target: Path, drafter: Path, ray: bool, edges: bool) -> dict:
     """The starts: a first one, a second that finds the curve the first kept, and one measuring no curve."""
-    env = dict(os.environ)
     out: dict = {}
-    w, out["cloud_inprocess"] = cloud(target, "inprocess", env)
+    w, out["cloud_inprocess"] = cloud(target, "inprocess")
     try:
         address = parse_ready_line(next(line for line in w.lines if parse_ready_line(line)))
         if edges:
-            out["edge_cloud_only_first"] = edge(address, drafter, env, "--cloud-only")
-            out["edge_cloud_only"] = edge(address, drafter, env, "--cloud-only")
-            out["edge_default"] = edge(address, drafter, env)
+            out["edge_cloud_only_first"] = edge(address, drafter, "--cloud-only")
+            out["edge_cloud_only"] = edge(address, drafter, "--cloud-only")
+            out["edge_default"] = edge(address, drafter)
     finally:
         w.stop()
-    w, out["cloud_inprocess_kept_curve"] = cloud(target, "inprocess", env)
+    w, out["cloud_inprocess_kept_curve"] = cloud(target, "inprocess")
     w.stop()
-    w, out["cloud_inprocess_no_pass_costs"] = cloud(target, "inprocess", env, pass_cost_tokens=0)
+    w, out["cloud_inprocess_no_pass_costs"] = cloud(target, "inprocess", pass_cost_tokens=0)
     w.stop()
     if ray:
-        w, out["cloud_ray"] = cloud(target, "ray", env)
+        w, out["cloud_ray"] = cloud(target, "ray")
         w.stop()
     return out
 
@@ -316,13 +315,13 @@ def mismatch(target: Path, work: Path) -> dict:
     (work / "other").mkdir()
     other = other_vocabulary_gguf(work / "other" / "other.gguf")
     out = {}
-    w, _ = cloud(target, "inprocess", dict(os.environ))
+    w, _ = cloud(target, "inprocess")
     try:
         address = parse_ready_line(next(line for line in w.lines if parse_ready_line(line)))
         for name, args in (("pair_check", ("pair", "check", "--target", str(target), "--drafter", str(other))),
                            ("edge_generate", ("edge", "generate", "--cloud", address, "--drafter", str(other),
                                               "--prompt", PROMPT))):
-            run = Watch(cli(*args), dict(os.environ), watched=None)
+            run = Watch(cli(*args))
             out[name] = {"exit": run.proc.returncode, "stderr": run.stderr.strip(), "wall_s": round(run.wall_s, 2),
                          "peak_rss_mib": round(run.peak_mib, 1)}
     finally:
@@ -356,7 +355,7 @@ def forget_tokenizers(*files: Path) -> None:
 
 def llama_alone(target: Path) -> dict:
     """llama.cpp's own load of the target into a context of SMALL_KV's size, in a fresh process."""
-    w = Watch([sys.executable, "-c", LLAMA_LOAD, str(target), str(SMALL_KV["max_context"])], dict(os.environ))
+    w = Watch([sys.executable, "-c", LLAMA_LOAD, str(target), str(SMALL_KV["max_context"])])
     return {"process_wall_s": round(w.wall_s, 2), "cpu_s": round(w.cpu_s, 2), "load_s": round(float(w.lines[-1]), 2),
             "peak_rss_mib": round(w.peak_mib, 1), "peak_rss_over_file": round(w.peak_mib * 2**20 / target.stat().st_size, 2)}
 
