@@ -28,6 +28,7 @@ from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS, Hold
 from hybridspec.cloud.core.telemetry import Part, StepClock
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.pool import inprocess_pool
+from hybridspec.cloud.pool.process_replica import process_pool
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
@@ -191,28 +192,45 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
     return {"rounds": len(latencies), "latency_ms": latencies, **seen}
 
 
-def one_window(conn, target: str, edges: int, args, **verifier) -> dict:
-    """A fresh in-process replica under `edges` closed-loop edges for one window: its steps' CPU and wall time
-    part by part (StepClock), the process's CPU outside the model thread, and what the edges saw."""
-    replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
-    if args.pass_ms:
-        at_least(replica.engine, args.pass_ms / 1e3)
-    server = BackgroundServer(replica)
+def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", **verifier) -> dict:
+    """A fresh replica under `edges` closed-loop edges for one window: its steps' CPU and wall time part by part
+    (StepClock), the CPU of the model's process outside its model thread (grpc in-process; ipc, the pipe, for
+    a replica in a process of its own, whose front door's CPU is front_door), and what the edges saw."""
+    if backend == "process":
+        settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
+        pool = process_pool(ReplicaSpec(target, settings, MANY), PoolSettings(max_sessions_per_client=MANY.max_sessions,
+                                                                              max_sessions_per_address=MANY.max_sessions))
+        server, child = BackgroundServer(pool), pool.replicas["process"]
+    else:
+        replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
+        if args.pass_ms:
+            at_least(replica.engine, args.pass_ms / 1e3)
+        server = BackgroundServer(replica)
     gc.freeze()  # as a serving process does once started (cloud/api/server.py serve_forever)
     try:
         conn.send({"address": server.address, "edges": edges, "draft_ms": args.draft_ms})
         assert conn.recv() == "warm"
-        clock = replica.clock = StepClock()
+        if backend == "process":
+            server.call(child.step_clock(True))
+        else:
+            replica.clock = StepClock()
         cpu, deadline = time.process_time(), time.perf_counter() + args.seconds
         conn.send(deadline)
         time.sleep(args.seconds)
-        replica.clock, cpu = StepClock(enabled=False), time.process_time() - cpu
+        if backend == "process":
+            cpu = time.process_time() - cpu
+            clock, model_cpu = server.call(child.step_clock(False))
+        else:
+            clock, replica.clock, cpu = replica.clock, StepClock(enabled=False), time.process_time() - cpu
+            model_cpu = cpu
         seen = conn.recv()
     finally:
         server.stop()
     steps = max(1, clock.steps)
     cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
-    cpu_ms["grpc"] = 1e3 * (cpu - sum(clock.cpu.values())) / steps
+    cpu_ms["ipc" if backend == "process" else "grpc"] = 1e3 * (model_cpu - sum(clock.cpu.values())) / steps
+    if backend == "process":
+        cpu_ms["front_door"] = 1e3 * cpu / steps
     return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
             "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps,
             "wall_ms": {part.value: 1e3 * clock.wall[part] / steps for part in Part},
@@ -269,12 +287,14 @@ def interval(values: list[float]) -> list[float]:
 
 def host(args) -> dict:
     """Host time per step and per round at each --edges count, the forward pass excluded, part by part."""
-    out, setting = windows(args, [(f"B={n}", n, {}) for n in args.edges])
+    out, setting = windows(args, [(f"{b}, B={n}", n, {"backend": b}) for n in args.edges for b in args.backends])
     rows = []
-    for n, runs in zip(args.edges, out.values()):
-        host_parts = [p for p in [*(part.value for part in Part), "grpc"] if p != Part.FORWARD.value]
+    for (n, backend), runs in zip([(n, b) for n in args.edges for b in args.backends], out.values()):
+        # What shares the model thread's interpreter: the step's own parts, and grpc or the pipe's ipc.
+        host_parts = [p for p in [*(part.value for part in Part), "grpc", "ipc"]
+                      if p != Part.FORWARD.value and p in runs[0]["cpu_ms"]]
         per_step = [sum(r["cpu_ms"][p] for p in host_parts) for r in runs]
-        rows.append({"edges": n, "steps": [r["steps"] for r in runs],
+        rows.append({"edges": n, "backend": backend, "steps": [r["steps"] for r in runs],
                      "rounds_per_step": interval([r["rounds_per_step"] for r in runs]),
                      "host_cpu_ms_per_step": interval(per_step),
                      "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"])
@@ -317,8 +337,13 @@ def main() -> None:
                                                        "(default 0 and 8)")
     parser.add_argument("--pass-ms", type=float, default=0.0, help="--host, --meet: every pass lasts at least this "
                                                                    "long (a flat-cost device; 0: the target's own)")
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=["inprocess"],
+                        help="--host: where the verifier runs, in turns: inprocess (the front door's process), "
+                             "process (one of its own; cloud serve --backend process)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
+    if args.pass_ms and "process" in args.backends:
+        parser.error("--pass-ms applies to an in-process verifier only")
     args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
     args.edges = args.edges or ([16, 64] if args.meet else [1, 8, 64])
     torch.set_num_threads(1)

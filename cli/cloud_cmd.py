@@ -95,6 +95,10 @@ def _backend(config):
 
         pool = RayPool(config.pool_spec(target), config.replica_endpoint())
         return pool, f"{target}, {kind} engine, {config.pool.replicas} Ray replica(s)"
+    if config.server.backend is Backend.PROCESS:
+        from ..cloud.pool.process_replica import process_pool
+
+        return process_pool(config.replica_spec(target), config.pool), f"{target}, {kind} engine, its own process"
     from ..cloud.pool.pool import inprocess_pool
     from ..cloud.pool.replica import load_verifier
 

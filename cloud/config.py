@@ -20,6 +20,7 @@ class Backend(Choice):
 
     RAY = "ray"  # a pool of replica actors
     INPROCESS = "inprocess"  # one verifier in the front door
+    PROCESS = "process"  # one verifier in a process of its own beside the front door
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class ServerSettings:
     host: str = setting(DEFAULT_HOST, "interface to bind; 0.0.0.0 serves other hosts")
     port: int = setting(DEFAULT_PORT, "port to bind; 0 = any free port", ge=0, le=65535)
     backend: Backend = setting(Backend.RAY, "ray: a pool of replica actors; inprocess: one verifier inside the "
-                                            "front door")
+                                            "front door; process: one verifier in a process of its own beside the "
+                                            "front door (gRPC off the model loop's interpreter)")
     direct_verify: bool = setting(True, "(ray) edges stream rounds straight to their replica's own port on the "
                                         "host")
     metrics_port: int = setting(9464, "Prometheus /metrics port; -1 = off, 0 = any free port", ge=-1, le=65535)

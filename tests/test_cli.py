@@ -210,3 +210,25 @@ def test_cloud_serve_ray_listens_on_loopback_and_leaves_no_process_behind(model_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_serve_with_the_verifier_in_a_process_of_its_own(model_dirs, target):
+    """`cloud serve --backend process`: the edge gets the target's greedy text; SIGTERM stops the front door
+    and its verifier process with it."""
+    import psutil
+    from tinymodels import greedy_reference
+
+    with cloud_serve(model_dirs, "--backend", "process") as (proc, address):
+        children = [child for child in psutil.Process(proc.pid).children()
+                    if "spawn_main" in " ".join(child.cmdline())]  # not multiprocessing's resource tracker
+        assert len(children) == 1, "the verifier should run in one child process"
+        r = hybridspec("edge", "generate", "--cloud", address, "--prompt", "w5 w17 w33", "--drafter",
+                       str(model_dirs["random"]), "--max-new-tokens", "12", "--max-draft", "3", "--json",
+                       "--gamma-policy", "fixed", "--no-cloud-only-switch")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["token_ids"] == greedy_reference(target, [5, 17, 33], 12)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        psutil.wait_procs(children, timeout=30)
+        assert not any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children)

@@ -79,6 +79,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -121,6 +122,32 @@ class VerifierStats:
     telemetry: ReplicaTelemetry | None = None  # time to first token, inter-token latency, step sizes, KV fill
     prefixes: PrefixStats = PrefixStats()  # prefix reuse since the start, closed sessions' caches kept now
     parked_tokens: int = 0  # tokens of idle sessions parked in host memory (an engine that parks)
+
+
+class Answer(Protocol):
+    """A round's answer slot, as the step settles it through a mail (`_settle`): an awaited round's
+    asyncio future, or `post_round`'s caller's own."""
+
+    def cancelled(self) -> bool:
+        """The caller left: the round is not taken (or not answered, if it was)."""
+
+    def done(self) -> bool:
+        """Answered or cancelled."""
+
+    def set_result(self, result: VerifyResult | HybridSpecError) -> None:
+        """The answer (run by the mail's `send`)."""
+
+
+class Mail(Protocol):
+    """Where a step posts its answers (`post`) and hands them on at its end (`send`)."""
+
+    closed: bool  # nothing sent would be run
+
+    def post(self, fn: Callable[[object], None], arg: object) -> None:
+        """Run fn(arg) at the next `send`."""
+
+    def send(self) -> None:
+        """Run what was posted (or have its loop run it)."""
 
 
 class _Mail:
@@ -223,12 +250,12 @@ class DecodeStream:
 @dataclass
 class _Round:
     block: DraftBlock
-    future: Future | asyncio.Future  # an awaited round's is its loop's, answered through `mail`
+    future: Future | Answer  # an awaited round's is its loop's asyncio future, answered through `mail`
     arrived: float
     stream: DecodeStream | None = None  # a cloud-only stream's round: its answer queues the next one
-    mail: _Mail | None = None  # the loop an awaited round's answer (or its stream's token) goes to
+    mail: Mail | None = None  # where an awaited round's answer (or its stream's token) goes
 
-    def answer(self, result: VerifyResult | HybridSpecError) -> _Mail | None:
+    def answer(self, result: VerifyResult | HybridSpecError) -> Mail | None:
         """Resolve the round: a blocking caller's future at once, an awaited one's through its loop's
         mail; returns the mail the step must send (an awaited round's or its decode stream's), if any."""
         if isinstance(self.future, Future):
@@ -328,6 +355,19 @@ class Verifier:
     def submit_round(self, block: DraftBlock) -> Future:
         """Verify one round in a coming step; resolves to a VerifyResult or a HybridSpecError."""
         return self._put(self._rounds, _Round(block, Future(), time.perf_counter()))
+
+    def post_rounds(self, rounds: Sequence[tuple[DraftBlock, Answer]], mail: Mail) -> None:
+        """Verify rounds in coming steps, each answer settled through `mail` as an awaited round's is: the
+        step posts `answer.set_result(result)` to `mail` and calls `mail.send()` once at its end. A replica
+        in a process of its own queues what each message from its front door carries that way, under one
+        lock and with one wake-up, and sends a step's answers back in one message
+        (cloud/pool/process_replica.py), with answer slots lighter than Futures."""
+        now = time.perf_counter()
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("the verifier is shutting down")
+            self._rounds.extend(_Round(block, answer, now, mail=mail) for block, answer in rounds)
+            self._cv.notify()
 
     def submit_open(self, spec: SessionSpec) -> Future:
         """Open (or re-open, replacing) a session from its committed tokens; resolves to its
@@ -1050,14 +1090,14 @@ def _resolve(future: Future, value: object) -> None:
         future.set_result(value)
 
 
-def _settle(answer: tuple[asyncio.Future, object]) -> None:
-    """`_resolve` for an awaited round's future, on its loop."""
+def _settle(answer: tuple[Answer, object]) -> None:
+    """`_resolve` for an awaited round's future, on its loop (or `post_round`'s answer slot, where its mail runs it)."""
     future, value = answer
     if not future.done():
         future.set_result(value)
 
 
-def _send(mails: set[_Mail | None]) -> None:
+def _send(mails: set[Mail | None]) -> None:
     """Hand every loop in `mails` what the step posted for it."""
     for mail in mails:
         if mail is not None:
