@@ -21,6 +21,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import grpc
+import ray
 import torch
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
@@ -127,13 +128,10 @@ def paths(args) -> dict:
             lane.client.close()
         for server in servers.values():
             server.stop()
-        import ray
-
         ray.shutdown()
         tmp.cleanup()
 
-    rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms),
-             "overhead_p90_ms": percentile(p.overhead_ms, 90),
+    rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms), "overhead_p90_ms": percentile(p.overhead_ms, 90),
              "rtt_median_ms": median(p.rtt_ms), "forward_median_ms": median(p.forward_ms),
              "queue_median_ms": median(p.queue_ms)} for p in lanes]
     return {"target": args.target, "gamma": GAMMA, "rounds": args.rounds, "max_wait_ms": DEFAULT_MAX_WAIT_MS,
@@ -187,8 +185,7 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
     deadline = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
     window[:] = [time.perf_counter(), deadline]
     await asyncio.gather(*tasks)
-    for channel in channels:
-        await channel.close()
+    await asyncio.gather(*(channel.close() for channel in channels))
     return {"rounds": len(latencies), "latency_ms": latencies, **seen}
 
 
@@ -196,40 +193,39 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
     """A fresh replica under `edges` closed-loop edges for one window: its steps' CPU and wall time part by part
     (StepClock), the CPU of the model's process outside its model thread (grpc in-process; ipc, the pipe, for
     a replica in a process of its own, whose front door's CPU is front_door), and what the edges saw."""
-    if backend == "process":
+    process = backend == "process"
+    if process:
         settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
-        pool = process_pool(ReplicaSpec(target, settings, MANY), PoolSettings(max_sessions_per_client=MANY.max_sessions,
-                                                                              max_sessions_per_address=MANY.max_sessions))
-        server, child = BackgroundServer(pool), pool.replicas["process"]
+        most = PoolSettings(max_sessions_per_client=MANY.max_sessions, max_sessions_per_address=MANY.max_sessions)
+        server = BackgroundServer(pool := process_pool(ReplicaSpec(target, settings, MANY), most))
+        replica = pool.replicas["process"]
     else:
         replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
-        if args.pass_ms:
-            at_least(replica.engine, args.pass_ms / 1e3)
+        at_least(replica.engine, args.pass_ms / 1e3)
         server = BackgroundServer(replica)
     gc.freeze()  # as a serving process does once started (cloud/api/server.py serve_forever)
     try:
         conn.send({"address": server.address, "edges": edges, "draft_ms": args.draft_ms})
         assert conn.recv() == "warm"
-        if backend == "process":
-            server.call(child.step_clock(True))
+        if process:
+            server.call(replica.step_clock(True))
         else:
             replica.clock = StepClock()
         cpu, deadline = time.process_time(), time.perf_counter() + args.seconds
         conn.send(deadline)
         time.sleep(args.seconds)
-        if backend == "process":
-            cpu = time.process_time() - cpu
-            clock, model_cpu = server.call(child.step_clock(False))
+        cpu = time.process_time() - cpu
+        if process:
+            clock, model_cpu = server.call(replica.step_clock(False))
         else:
-            clock, replica.clock, cpu = replica.clock, StepClock(enabled=False), time.process_time() - cpu
-            model_cpu = cpu
+            clock, model_cpu, replica.clock = replica.clock, cpu, StepClock(enabled=False)
         seen = conn.recv()
     finally:
         server.stop()
     steps = max(1, clock.steps)
     cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
-    cpu_ms["ipc" if backend == "process" else "grpc"] = 1e3 * (model_cpu - sum(clock.cpu.values())) / steps
-    if backend == "process":
+    cpu_ms["ipc" if process else "grpc"] = 1e3 * (model_cpu - sum(clock.cpu.values())) / steps
+    if process:  # the front door's process: all of its CPU
         cpu_ms["front_door"] = 1e3 * cpu / steps
     return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
             "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps,
@@ -241,6 +237,8 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
 
 def at_least(engine, seconds: float) -> None:
     """Every pass of `engine` lasts at least `seconds` (a sleep after it): a flat-cost device, as a GPU is."""
+    if not seconds:
+        return
     forward = engine.forward
 
     def flat(feeds):
@@ -291,14 +289,12 @@ def host(args) -> dict:
     rows = []
     for (n, backend), runs in zip([(n, b) for n in args.edges for b in args.backends], out.values()):
         # What shares the model thread's interpreter: the step's own parts, and grpc or the pipe's ipc.
-        host_parts = [p for p in [*(part.value for part in Part), "grpc", "ipc"]
-                      if p != Part.FORWARD.value and p in runs[0]["cpu_ms"]]
+        host_parts = [p for p in runs[0]["cpu_ms"] if p not in (Part.FORWARD.value, "front_door")]
         per_step = [sum(r["cpu_ms"][p] for p in host_parts) for r in runs]
         rows.append({"edges": n, "backend": backend, "steps": [r["steps"] for r in runs],
                      "rounds_per_step": interval([r["rounds_per_step"] for r in runs]),
                      "host_cpu_ms_per_step": interval(per_step),
-                     "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"])
-                                                        for h, r in zip(per_step, runs)]),
+                     "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"]) for h, r in zip(per_step, runs)]),
                      "cpu_ms_per_step": {p: interval([r["cpu_ms"][p] for r in runs]) for p in runs[0]["cpu_ms"]},
                      "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
                      "reopens": [r["opens"] for r in runs]})
@@ -337,9 +333,8 @@ def main() -> None:
                                                        "(default 0 and 8)")
     parser.add_argument("--pass-ms", type=float, default=0.0, help="--host, --meet: every pass lasts at least this "
                                                                    "long (a flat-cost device; 0: the target's own)")
-    parser.add_argument("--backends", type=lambda s: s.split(","), default=["inprocess"],
-                        help="--host: where the verifier runs, in turns: inprocess (the front door's process), "
-                             "process (one of its own; cloud serve --backend process)")
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=["inprocess"], help="--host: where the "
+                        "verifier runs, in turns: inprocess (the front door's process), process (a process of its own)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     if args.pass_ms and "process" in args.backends:

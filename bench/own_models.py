@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,8 +89,6 @@ def bare_copy(src: Path, into: Path) -> Path:
     try:
         os.link(src, dst)
     except OSError:
-        import shutil
-
         shutil.copyfile(src, dst)
     return dst
 
@@ -345,8 +344,6 @@ def forget_curves(target: Path) -> None:
 
 def forget_tokenizers(*files: Path) -> None:
     """Remove these files' tokenizers from the cache `gguf_file.tokenizer_files` keeps."""
-    import shutil
-
     from hybridspec.common.models.gguf_file import TOKENIZER_FORMAT, file_identity, tokenizer_cache
 
     for f in files:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -18,8 +19,11 @@ import transformers
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.common.models.loading import LoadedModel, load_model
+from hybridspec.edge.client import VerifierClient
+from hybridspec.edge.config import EdgeConfig
+from hybridspec.edge.worker import EdgeWorker
 
-from tinymodels import make_model, save_model
+from tinymodels import EVERY_ROUND, make_model, save_model
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -139,3 +143,25 @@ def random_ids(seed: int, n: int) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(seed).integers(100, 40000, n).tolist()
+
+
+def run_edges(address: str, drafters: list[LoadedModel], prompts: list[list[int]], new_tokens: int, **cfg) -> list:
+    """One edge worker per prompt (drafters taken in turn), all at once, each on its own channel: their
+    generations, every round sent (`EVERY_ROUND`) unless `cfg` says otherwise."""
+    results, errors = [None] * len(prompts), []
+
+    def one(i):
+        try:
+            config = EdgeConfig.of(cloud=address, max_new_tokens=new_tokens, **{**EVERY_ROUND, **cfg})
+            with VerifierClient(address) as client:
+                results[i] = EdgeWorker(drafters[i % len(drafters)], client, config).generate(prompts[i])
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results

@@ -1,7 +1,6 @@
 """The Ray verifier pool behind the real gRPC front door: affinity, batching, recovery, statuses, metrics."""
 import contextlib
 import os
-import threading
 import time
 import urllib.request
 
@@ -21,7 +20,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from conftest import REPLICA_RESTART_S
+from conftest import REPLICA_RESTART_S, run_edges
 from tinymodels import EVERY_ROUND, greedy_reference
 
 MAX_SESSIONS = 8  # per replica
@@ -55,34 +54,13 @@ def metric(server, name: str, **labels) -> float:
     return total
 
 
-def run_edges(address, drafters, prompts, **cfg):
-    """One edge worker per prompt, all at once, each on its own channel."""
-    results, errors = [None] * len(prompts), []
-
-    def one(i):
-        try:
-            config = EdgeConfig.of(cloud=address, max_new_tokens=NEW_TOKENS, **EVERY_ROUND, **cfg)
-            with VerifierClient(address) as client:
-                results[i] = EdgeWorker(drafters[i % len(drafters)], client, config).generate(prompts[i])
-        except Exception as exc:  # surfaced by the assertion below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.slow
 def test_eight_concurrent_edges_get_the_target_greedy_output(pool_server, target, random_drafter):
     server, pool = pool_server
     routed_before = [metric(server, "hybridspec_sessions_routed_total", replica=name) for name in pool.replicas]
     batches_before = metric(server, "hybridspec_batch_size_count")
     singles_before = metric(server, "hybridspec_batch_size_bucket", le="1.0")
-    gens = run_edges(server.address, [target, random_drafter], PROMPTS, max_draft=4, fallback_threshold=0.0)
+    gens = run_edges(server.address, [target, random_drafter], PROMPTS, NEW_TOKENS, max_draft=4, fallback_threshold=0.0)
     for prompt, gen in zip(PROMPTS, gens):
         assert gen.token_ids == greedy_reference(target, prompt, NEW_TOKENS)
     routed = [metric(server, "hybridspec_sessions_routed_total", replica=name) - b

@@ -79,6 +79,28 @@ class _Final:
     value: object
 
 
+class _Outbox:
+    """Messages queued on an event loop's thread, handed to `write` as one batch per turn of the loop."""
+
+    def __init__(self, write: Callable[[list], None]) -> None:
+        self._write = write
+        self._batch: list[tuple[int, int, object]] = []
+
+    def add(self, kind: Msg, key: int, value: object) -> None:
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._batch.append((kind.value, key, value))
+
+    def flush(self) -> None:
+        """Write what is queued now."""
+        batch, self._batch = self._batch, []
+        if batch:
+            self._write(batch)
+
+    def clear(self) -> None:
+        self._batch.clear()
+
+
 def process_pool(spec: ReplicaSpec, settings: PoolSettings) -> Pool:
     """The pool over one verifier replica in a process of its own (`cloud serve --backend process`)."""
     return Pool([ProcessReplica("process", spec)], settings.max_sessions_per_client,
@@ -104,8 +126,7 @@ class ProcessReplica:
         self._ready: asyncio.Future | None = None  # the current child's READY (or failure)
         self._waiting: dict[int, asyncio.Future | asyncio.Queue] = {}  # request key -> its answer's waiter
         self._keys = iter(range(1, 1 << 62))
-        self._outbox: list[tuple[int, int, object]] = []
-        self._flush_due = False
+        self._outbox = _Outbox(self._write)
         self._back = asyncio.Event()
         self._restarting: asyncio.Task | None = None
         self._stopped = False
@@ -129,8 +150,8 @@ class ProcessReplica:
             self._restarting.cancel()
         process, conn = self._process, self._conn
         if conn is not None:
-            self._send(Msg.STOP, 0, None)
-            self._flush()
+            self._outbox.add(Msg.STOP, 0, None)
+            self._outbox.flush()
         if process is not None:
             await asyncio.to_thread(process.join, STOP_S)
             if process.is_alive():
@@ -329,7 +350,7 @@ class ProcessReplica:
             answer.set_result(ReplicaLost("the replica holding the session was lost; re-open it"))
             return key, answer
         self._waiting[key] = answer
-        self._send(kind, key, payload)
+        self._outbox.add(kind, key, payload)
         return key, answer
 
     def _stream(self, kind: Msg, payload: object) -> tuple[int, asyncio.Queue]:
@@ -339,26 +360,17 @@ class ProcessReplica:
             items.put_nowait(_Final(ReplicaLost("the replica holding the session was lost; re-open it")))
             return key, items
         self._waiting[key] = items
-        self._send(kind, key, payload)
+        self._outbox.add(kind, key, payload)
         return key, items
 
     def _abandon(self, key: int) -> None:
         """The caller is done with `key`: if it is still answering, the child drops it."""
         if self._waiting.pop(key, None) is not None:
-            self._send(Msg.CANCEL, key, None)
+            self._outbox.add(Msg.CANCEL, key, None)
 
-    def _send(self, kind: Msg, key: int, payload: object) -> None:
-        """Queue a message; what one turn of the event loop queues goes to the child as one batch."""
-        self._outbox.append((kind.value, key, payload))
-        if not self._flush_due:
-            self._flush_due = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        batch, self._outbox = self._outbox, []
-        if not batch or self._conn is None:
-            return
+    def _write(self, batch: list[tuple[int, int, object]]) -> None:
+        if self._conn is None:
+            return  # the child is gone: its waiters have their error
         try:
             self._conn.send_bytes(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
         except OSError:
@@ -445,8 +457,7 @@ class _Child:
         self.verifier: Verifier | None = None
         self.stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: list[tuple[int, int, object]] = []
-        self._flush_due = False
+        self._outbox = _Outbox(self.out.put)  # the event loop's messages, for the writer thread
         self._clock_cpu = 0.0
 
     async def serve(self, spec: ReplicaSpec) -> None:
@@ -518,11 +529,11 @@ class _Child:
         try:
             if kind == Msg.OPEN:
                 async for item in verifier.aopen_progress(payload):
-                    self._reply(Msg.ANSWER if isinstance(item, SessionOpened) else Msg.ITEM, key, item)
+                    self._outbox.add(Msg.ANSWER if isinstance(item, SessionOpened) else Msg.ITEM, key, item)
                 return
             if kind == Msg.DECODE:
                 async for token in verifier.adecode(*payload):
-                    self._reply(Msg.ITEM, key, token)
+                    self._outbox.add(Msg.ITEM, key, token)
                 value = None
             elif kind == Msg.CLOSE:
                 value = await verifier.aclose_session(payload)
@@ -540,7 +551,7 @@ class _Child:
             value = incident(log, exc, Msg(kind).name.lower())
         finally:
             self.calls.pop(key, None)
-        self._reply(Msg.ANSWER, key, value)
+        self._outbox.add(Msg.ANSWER, key, value)
 
     def _clock(self, on: bool) -> tuple[StepClock, float] | None:
         """Swap the verifier's step clock (between steps, as the verifier allows)."""
@@ -549,19 +560,6 @@ class _Child:
             return None
         clock, self.verifier.clock = self.verifier.clock, StepClock(enabled=False)
         return clock, time.process_time() - self._clock_cpu
-
-    def _reply(self, kind: Msg, key: int, value: object) -> None:
-        """Queue a message from the event loop; one batch per turn of the loop."""
-        self._outbox.append((kind.value, key, value))
-        if not self._flush_due:
-            self._flush_due = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        batch, self._outbox = self._outbox, []
-        if batch:
-            self.out.put(batch)
 
     def _write(self) -> None:
         """The writer thread, for the event loop's messages: the loop never blocks on a full pipe."""
