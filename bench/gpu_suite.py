@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=4, help="γ of the fixed-γ hybrid runs (d)")
     parser.add_argument("--draft-ms", type=float, default=1.0, help="drafting time per token on the edge (d)")
     parser.add_argument("--window-s", type=float, help="the steady-state window of each capacity run (d)")
+    parser.add_argument("--capacity-backend", choices=["process", "inprocess"], default="process",
+                        help="(d): the verifier in a process of its own beside the front door, or inside it")
     parser.add_argument("--hold", type=Hold, choices=list(Hold), default=DEFAULT_HOLD,
                         help="which rounds a queued round waits for (d; cloud/core/holding.py)")
     args = parser.parse_args(argv)
@@ -191,36 +193,33 @@ class _Suite:
             print(f"  {key}: {self.results['exactness'][key]}", flush=True)
 
     def capacity(self) -> None:
-        from hybridspec.cloud.api.server import BackgroundServer
-        from hybridspec.cloud.core.verifier import Verifier
-
         plan, args = self.plan, self.args
         shape = plan["capacity_shape"]
-        bench = self.bench(shape)
         vocab = models.SHAPES[shape]["vocab_size"]
-        # The replica: the shape's engine behind a verifier that batches every edge's rounds.
-        verifier = Verifier(bench.verifier.target, self.limits, bench.engine, max_batch=max(plan["edges"]),
-                            max_wait_ms=1.0, hold=args.hold)
-        verifier.measure_pass_costs(args.gamma + 5)
+        # The replica: the shape's engine behind a verifier that batches every edge's rounds, in this process
+        # (sharing the engine of parts (a) and (c)) or in one of its own (which builds its own: freed here).
         sessions = tuple(sorted({b for b in (*plan["edges"], 8, 64) if 1 < b <= max(plan["edges"])}))
-        costs = (verifier.info.pass_costs, measure_batch_costs(bench.engine, vocab, args.gamma + 5, sessions))
-        # What an edge reads from GetModelInfo once the replica reports batch costs too.
-        verifier.info = replace(verifier.info, batch_pass_costs=costs[1])
+        replica = capacity.Replica(shape, args.device, self.dtype, self.limits, EngineOptions(
+            products=Products.FUSED, blocks=(args.gamma + 1,)), max(plan["edges"]), args.hold, args.gamma, sessions)
+        if args.capacity_backend == "process":
+            self._benches.pop(shape, None)
+            free_memory(self.cuda)
+        server, info, telemetry, steps = capacity.serve(
+            replica, args.capacity_backend, self.bench(shape) if args.capacity_backend == "inprocess" else None)
+        costs = (info.pass_costs, info.batch_pass_costs)  # what an edge reads from GetModelInfo
         trace = capacity.load_trace() if plan["trace"] else None
         modes = capacity.standard_modes(plan["agrees"], args.gamma, plan["rtt_hybrid"], plan["trace"], plan["policy"],
                                         plan["rtts"])
-        server = BackgroundServer(verifier)
         fleet = capacity.EdgeFleet(plan["processes"])
-        self.results["capacity"] = {"shape": shape, "hold": args.hold.value, "draft_ms_per_token": args.draft_ms,
-                                    "new_tokens": plan["new_tokens"], "warm_s": plan["warm_s"],
-                                    "window_s": plan["window_s"],
+        self.results["capacity"] = {"shape": shape, "backend": args.capacity_backend, "hold": args.hold.value,
+                                    "draft_ms_per_token": args.draft_ms, "new_tokens": plan["new_tokens"],
+                                    "warm_s": plan["warm_s"], "window_s": plan["window_s"],
                                     "trace": trace and {k: v for k, v in trace.items() if k != "flags"},
                                     "pass_costs": costs[0], "batch_pass_costs": costs[1], "rows": []}
         try:
             self.results["capacity"]["rows"] = capacity.capacity(
                 server.address, fleet, vocab, plan["edges"], modes, args.draft_ms, plan["new_tokens"],
-                plan["prompt_len"], plan["warm_s"], plan["window_s"], verifier.telemetry.iteration_tokens.snapshot,
-                costs, trace, steps=capacity.StepTimes(verifier))
+                plan["prompt_len"], plan["warm_s"], plan["window_s"], telemetry, costs, trace, steps=steps)
         finally:
             fleet.close()
             server.stop()

@@ -28,6 +28,7 @@ def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path
     for part in results["exactness"].values():
         for kind in ("chains", "trees"):
             assert part[kind]["tokens"] > 0 and part[kind]["differing_tokens"] == 0
+    assert results["capacity"]["backend"] == "process"  # the verifier in a child process, the default
     capacity = results["capacity"]["rows"]
     assert {r["mode"] for r in capacity} == {"cloud-only", "hybrid a=0.6", "hybrid a=0.8", "hybrid trace",
                                              "hybrid a=0.8, policy γ", "hybrid trace, policy γ"}

@@ -2,6 +2,7 @@
 exact output, errors as statuses, a child that dies replaced, starts that fail in one line, nothing left
 behind."""
 import asyncio
+import functools
 import os
 import signal
 
@@ -13,6 +14,7 @@ from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.cloud.core.telemetry import Part
 from hybridspec.cloud.pool.process_replica import ProcessReplica, process_pool
+from hybridspec.cloud.pool.replica import load_verifier
 from hybridspec.cloud.pool.specs import PoolSettings, ReplicaSettings, ReplicaSpec
 from hybridspec.common.protocol.errors import Unavailable
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
@@ -64,6 +66,7 @@ def test_rounds_of_one_step_share_a_pass_and_the_clock_crosses_the_pipe(process_
     clock, cpu_s = server.call(replica.step_clock(False))
     assert clock.steps > 0 and clock.rounds > clock.steps, "concurrent edges' rounds should share passes"
     assert clock.cpu[Part.FORWARD] > 0 and cpu_s >= sum(clock.cpu.values())
+    assert len(clock.ends) == clock.steps and all(ms > 0 for _, ms in clock.ends)
 
 
 def test_domain_errors_cross_the_pipe_as_statuses(process_server):
@@ -105,7 +108,7 @@ def test_a_child_that_dies_is_replaced_and_its_sessions_answer_failed_preconditi
 
 
 def test_a_target_that_cannot_load_fails_the_start_in_one_line_and_leaves_no_child(tmp_path):
-    replica = ProcessReplica("broken", spec_of(tmp_path / "no-such-model"))
+    replica = ProcessReplica("broken", functools.partial(load_verifier, spec_of(tmp_path / "no-such-model")))
 
     async def start():
         try:

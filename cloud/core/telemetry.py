@@ -111,8 +111,9 @@ class Part(enum.Enum):
 
 
 class StepClock:
-    """Wall and thread-CPU seconds per Part, summed over the steps that ran a pass, and the rounds those
-    steps answered. Off unless `enabled` (a Verifier's default clock is off): then a stamp is one test."""
+    """Wall and thread-CPU seconds per Part, summed over the steps that ran a pass, the rounds those steps
+    answered, and each such step's end and length. Off unless `enabled` (a Verifier's default clock is
+    off): then a stamp is one test."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -120,12 +121,14 @@ class StepClock:
         self.cpu = dict.fromkeys(Part, 0.0)
         self.steps = 0
         self.rounds = 0
-        self._wall = self._cpu = 0.0
+        self.ends: list[tuple[float, float]] = []  # per step: (time.time() at its end, its wall milliseconds)
+        self._wall = self._cpu = self._began = 0.0
 
     def start(self) -> None:
         """A step begins."""
         if self.enabled:
             self._wall, self._cpu = time.perf_counter(), time.thread_time()
+            self._began = self._wall
 
     def lap(self, part: Part) -> None:
         """The time since the last stamp went to `part`."""
@@ -140,3 +143,4 @@ class StepClock:
         if self.enabled:
             self.steps += 1
             self.rounds += rounds
+            self.ends.append((time.time(), (time.perf_counter() - self._began) * 1e3))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import gc
 import logging
 import multiprocessing
@@ -101,9 +102,15 @@ class _Outbox:
         self._batch.clear()
 
 
+# What the child runs to get its verifier: given the callback to run once the verifier's pass-cost curve
+# is in its `info`, the loaded verifier. Picklable (the child is spawned): a module-level function or a
+# functools.partial of one, as `functools.partial(load_verifier, spec)`.
+Loader = Callable[[Callable[[ModelInfo], None]], "Verifier"]
+
+
 def process_pool(spec: ReplicaSpec, settings: PoolSettings) -> Pool:
     """The pool over one verifier replica in a process of its own (`cloud serve --backend process`)."""
-    return Pool([ProcessReplica("process", spec)], settings.max_sessions_per_client,
+    return Pool([ProcessReplica("process", functools.partial(load_verifier, spec))], settings.max_sessions_per_client,
                 settings.max_sessions_per_address, settings.replica_wait_s)
 
 
@@ -113,9 +120,9 @@ class ProcessReplica:
 
     verify_address = ""  # its rounds come through the front door
 
-    def __init__(self, name: str, spec: ReplicaSpec) -> None:
+    def __init__(self, name: str, load: Loader) -> None:
         self.name = name
-        self.spec = spec
+        self.load = load
         self.alive = False  # until the child has its model loaded
         self.answering = True
         self.failures = 0  # times the child died
@@ -253,7 +260,7 @@ class ProcessReplica:
         ours, theirs = context.Pipe()
         # Not a daemon: a daemonic process may not start processes of its own, and loading a GGUF file the
         # first time does. The child exits when this end of the pipe closes, however this process ends.
-        process = context.Process(target=serve_child, args=(theirs, self.spec, logging.getLogger().level),
+        process = context.Process(target=serve_child, args=(theirs, self.load, logging.getLogger().level),
                                   name=f"hybridspec-{self.name}")
         await asyncio.to_thread(process.start)
         theirs.close()
@@ -436,11 +443,11 @@ class _Ticket:
             self.mail.batch.append((Msg.ANSWER.value, self.key, result))
 
 
-def serve_child(conn: Connection, spec: ReplicaSpec, log_level: int) -> None:
+def serve_child(conn: Connection, load: Loader, log_level: int) -> None:
     """The child process: load the verifier, report READY, serve the pipe until STOP or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent stops us
     logging.basicConfig(level=log_level or logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(_Child(conn).serve(spec))
+    asyncio.run(_Child(conn).serve(load))
 
 
 class _Child:
@@ -460,12 +467,12 @@ class _Child:
         self._outbox = _Outbox(self.out.put)  # the event loop's messages, for the writer thread
         self._clock_cpu = 0.0
 
-    async def serve(self, spec: ReplicaSpec) -> None:
+    async def serve(self, load: Loader) -> None:
         writer = threading.Thread(target=self._write, name="replica-pipe-writer", daemon=True)
         writer.start()
         try:
             try:
-                self.verifier = load_verifier(spec, lambda info: self.out.put([(Msg.INFO.value, 0, info)]))
+                self.verifier = load(lambda info: self.out.put([(Msg.INFO.value, 0, info)]))
             except Exception as exc:  # noqa: BLE001 — the parent reports it as one line
                 self.out.put([(Msg.FAILED.value, 0, str(exc) or type(exc).__name__)])
                 return

@@ -1,5 +1,5 @@
-"""Part (d): N edges against one GPU verifier through real gRPC (the in-process backend; the GPU
-machine has no Ray), cloud-only against hybrid, measured in steady state.
+"""Part (d): N edges against one GPU verifier through real gRPC (the process backend by default, or the
+in-process one; the GPU machine has no Ray), cloud-only against hybrid, measured in steady state.
 
 Every edge runs closed-loop until a common deadline: when its generation ends it starts the next of
 its prompts, so the replica carries N edges the whole time, and tokens are counted only in a window
@@ -7,7 +7,7 @@ that starts after a warm-up (connections, first prefills, the first batches form
 the deadline, where every edge is still busy (no tail of a few late edges in small batches). Figures
 per run: committed tokens/s of all edges with a 95 % interval (from the window cut into equal parts),
 each edge's tokens/s (median, and the mean with its 95 % interval), the p95 of the replica's step
-time (StepTimes: a pass and its rules, wall time) and of the gap between an edge's commits (a round,
+time (StepTimes: a step that ran a pass, wall time) and of the gap between an edge's commits (a round,
 or a streamed token), the fewest tokens any edge committed in the window, and the iteration-token
 histogram the replica's Telemetry kept over the window (tokens per forward pass).
 
@@ -212,26 +212,81 @@ def _p95(values: Sequence[float]) -> float | None:
 
 
 class StepTimes:
-    """The replica's steps, timed around its verifier's `step` (the model thread calls it once per pass:
-    the forward and the rules that read its scores, so on a GPU the pass has finished when it returns);
-    a turn that found nothing queued is not a step."""
+    """The replica's steps that ran a pass, as its verifier's StepClock timed them (cloud/core/telemetry.py:
+    from taking the queues to the answers, so on a GPU the pass has finished within it). `ends()` returns
+    every step's (time.time() at its end, milliseconds) so far."""
 
-    def __init__(self, verifier) -> None:
-        self.samples: list[tuple[float, float]] = []  # (time.time() at the end, milliseconds)
-        step = verifier.step
-
-        def timed() -> bool:
-            began = time.perf_counter()
-            worked = step()
-            if worked:
-                self.samples.append((time.time(), (time.perf_counter() - began) * 1e3))
-            return worked
-
-        verifier.step = timed
+    def __init__(self, ends: Callable[[], list[tuple[float, float]]]) -> None:
+        self.ends = ends
 
     def p95_ms(self, window: tuple[float, float]) -> float | None:
         """The p95 of the steps that ended inside `window`."""
-        return _p95([ms for end, ms in self.samples if window[0] <= end < window[1]])
+        return _p95([ms for end, ms in self.ends() if window[0] <= end < window[1]])
+
+
+@dataclass(frozen=True)
+class Replica:
+    """Part (d)'s replica as a recipe that pickles: random weights of `shape`, a verifier that batches every
+    edge's rounds, and its pass costs (one session's and, for the edges' policy, those of the batch sizes
+    `sessions`) in its `info`. Built in the front door's process over the engine parts (a) and (c) used, or
+    in a process of its own (cloud/pool/process_replica.py: gRPC off the model loop's interpreter)."""
+
+    shape: str
+    device: str
+    dtype: object  # a torch.dtype
+    limits: object  # VerifierLimits
+    options: object  # EngineOptions
+    max_batch: int
+    hold: object  # Hold
+    gamma: int
+    sessions: tuple[int, ...]
+
+    def verifier(self, measured: Callable | None = None, bench=None):
+        """The verifier over `bench`'s engine (models.build's), or over one built here; its costs measured
+        before it serves (`measured`, a process replica's callback, is not needed then)."""
+        from ...cloud.core.costs import measure_batch_costs
+        from ...cloud.core.verifier import Verifier
+        from .models import build
+
+        bench = bench or build(self.shape, self.device, self.dtype, self.limits, options=self.options)
+        verifier = Verifier(bench.verifier.target, self.limits, bench.engine, max_batch=self.max_batch,
+                            max_wait_ms=1.0, hold=self.hold)
+        verifier.measure_pass_costs(self.gamma + 5)
+        verifier.publish_pass_costs(verifier.info.pass_costs, measure_batch_costs(
+            bench.engine, verifier.info.vocab_size, self.gamma + 5, self.sessions))
+        return verifier
+
+
+def serve(replica: Replica, backend: str, bench=None) -> tuple:
+    """`replica` behind a real gRPC front door in this process: (the BackgroundServer, what it serves, its
+    iteration-token histogram now (a callable), StepTimes). backend "inprocess": the verifier over `bench`
+    in this process; "process": in a child process of its own."""
+    from ...cloud.api.server import BackgroundServer
+    from ...cloud.core.telemetry import StepClock
+
+    if backend == "inprocess":
+        verifier = replica.verifier(bench=bench)
+        verifier.clock = StepClock()
+        return (BackgroundServer(verifier), verifier.info, verifier.telemetry.iteration_tokens.snapshot,
+                StepTimes(lambda: verifier.clock.ends))
+    from ...cloud.pool.pool import Pool
+    from ...cloud.pool.process_replica import ProcessReplica
+
+    child = ProcessReplica("capacity", replica.verifier)
+    most = replica.limits.max_sessions
+    server = BackgroundServer(Pool([child], most, most, replica_wait_s=0.0))
+    server.call(child.step_clock(True))
+    ends: list[tuple[float, float]] = []
+
+    def child_ends() -> list[tuple[float, float]]:
+        """The child's step ends so far: its clock taken and a fresh one started (a step in between is lost)."""
+        clock, _ = server.call(child.step_clock(False))
+        server.call(child.step_clock(True))
+        ends.extend(clock.ends)
+        return ends
+
+    return (server, child.model_info(), lambda: server.call(child.astats()).telemetry.iteration_tokens,
+            StepTimes(child_ends))
 
 
 def references(results: list[dict], prompts: int, new_tokens: int) -> list[tuple[tuple[int, ...], ...]]:
