@@ -39,6 +39,7 @@ def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path
     assert all(r["errors"] == 0 and r["tokens_per_s"] > 0 and r["min_edge_tokens"] > 0 for r in capacity)
     assert all(lo <= r["tokens_per_s"] <= hi for r in capacity for lo, hi in [r["tokens_per_s_95"]])
     assert all(sum(r["iteration_tokens"]["counts"]) > 0 for r in capacity)
+    assert all(0 < r["front_door_cores"] for r in capacity)
     assert all(r["p95_step_ms"] > 0 and r["p95_gap_ms"] > 0 for r in capacity)
     # Through gRPC too, hybrid commits exactly the tokens cloud-only streamed for the same prompts.
     hybrid = [r for r in capacity if r["mode"] != "cloud-only"]

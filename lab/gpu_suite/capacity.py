@@ -8,8 +8,10 @@ the deadline, where every edge is still busy (no tail of a few late edges in sma
 per run: committed tokens/s of all edges with a 95 % interval (from the window cut into equal parts),
 each edge's tokens/s (median, and the mean with its 95 % interval), the p95 of the replica's step
 time (StepTimes: a step that ran a pass, wall time) and of the gap between an edge's commits (a round,
-or a streamed token), the fewest tokens any edge committed in the window, and the iteration-token
-histogram the replica's Telemetry kept over the window (tokens per forward pass).
+or a streamed token), the fewest tokens any edge committed in the window, the iteration-token
+histogram the replica's Telemetry kept over the window (tokens per forward pass), and the cores the
+front door's process used over the window (with the verifier in a process of its own, the front
+door's gRPC alone: the ceiling to watch beside the ratio).
 
 Cloud-only edges stream the target's tokens with the Generate RPC; their complete generations are
 the references. Hybrid edges open a session per prompt and send rounds of γ drafts. The drafter is an
@@ -386,11 +388,12 @@ def capacity(upstream: str, fleet: EdgeFleet, vocab: int, edges: list[int], mode
                     jobs = [EdgeJob(relay.address, prompts[i], new_tokens, vocab, window[1],
                                     refs[i] if mode.hybrid else (), mode.agree, trace["flags"] if mode.trace else "",
                                     gamma, draft_ms, seed=i) for i in range(n)]
-                    results, marks = fleet.run(jobs, telemetry, window)
+                    results, marks = fleet.run(jobs, lambda: (telemetry(), time.process_time()), window)
                     row = {"rtt_ms": rtt, "edges": n, "mode": mode.name, "gamma": gamma if mode.hybrid else None,
                            "alpha": ("trace" if mode.trace else mode.agree) if mode.hybrid else None,
                            **summarise(results, window), "p95_step_ms": steps.p95_ms(window) if steps else None,
-                           "iteration_tokens": histogram_delta(*marks)}
+                           "iteration_tokens": histogram_delta(marks[0][0], marks[1][0]),
+                           "front_door_cores": (marks[1][1] - marks[0][1]) / window_s}
                     if mode.hybrid:
                         row["differing_tokens"], row["compared_tokens"] = differing(refs, results)
                     else:

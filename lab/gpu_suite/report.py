@@ -119,10 +119,13 @@ def write_markdown(out: Path, results: dict) -> None:
         c = results["capacity"]
         lines += ["", "## Capacity through gRPC, steady state", "",
                   f"{c.get('shape')}; closed-loop edges, {c.get('warm_s')} s warm-up, then a {c.get('window_s')} s window "
-                  f"to the deadline; {c.get('draft_ms_per_token')} ms drafting per token; trace: {c.get('trace')}.", "",
+                  f"to the deadline; {c.get('draft_ms_per_token')} ms drafting per token; trace: {c.get('trace')}; the "
+                  f"verifier {'in a process of its own' if c.get('backend') == 'process' else 'in the front door'}"
+                  ". Front door CPU: the cores the front door's process used over the window (with the verifier "
+                  "in it, the verifier's too).", "",
                   "| RTT ms | edges | mode | γ | tokens/s (95 %) | per edge: median, its mean's 95 % | fewest per edge | "
                   "p95 step ms (replica) | p95 commit gap ms (edge) | tokens/round | differing / compared | "
-                  "tokens per pass (histogram) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "front door CPU (cores) | tokens per pass (histogram) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in cap:
             lines.append(f"| {r['rtt_ms']:g} | {r['edges']} | {r['mode']} | {r.get('gamma') or ''} | "
                          f"{_fmt(r['tokens_per_s'], 0)} {_interval(r.get('tokens_per_s_95'), 0)} | "
@@ -130,7 +133,7 @@ def write_markdown(out: Path, results: dict) -> None:
                          f"{r.get('min_edge_tokens', '')} | {_fmt(r.get('p95_step_ms'), 1)} | {_fmt(r.get('p95_gap_ms'), 1)} | "
                          f"{_fmt(r.get('tokens_per_round'))} | "
                          f"{r.get('differing_tokens', '')}{' / ' + str(r['compared_tokens']) if 'compared_tokens' in r else ''}"
-                         f" | {_histogram(r.get('iteration_tokens'))} |")
+                         f" | {_fmt(r.get('front_door_cores'))} | {_histogram(r.get('iteration_tokens'))} |")
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
     (out / "results.md").write_text("\n".join(lines) + "\n")
