@@ -9,6 +9,7 @@ trip − (verify_ms − queue_ms). docs/measurements.md has the method and the n
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import multiprocessing
 import os
@@ -25,11 +26,12 @@ import ray
 import torch
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
-from hybridspec.cloud.core.limits import DEFAULT_MAX_WAIT_MS, Hold
+from hybridspec.cloud.core.limits import DEFAULT_HOLD, DEFAULT_MAX_WAIT_MS, Hold
 from hybridspec.cloud.core.telemetry import Part, StepClock
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-from hybridspec.cloud.pool.pool import inprocess_pool
-from hybridspec.cloud.pool.process_replica import process_pool
+from hybridspec.cloud.pool.pool import Pool, inprocess_pool
+from hybridspec.cloud.pool.process_replica import ProcessReplica
+from hybridspec.cloud.pool.replica import load_verifier
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
@@ -61,10 +63,7 @@ class Lane:
     length: int = 0
     round: int = 0
     direct: bool = False  # rounds go to a replica's own endpoint
-    overhead_ms: list[float] = field(default_factory=list)
-    rtt_ms: list[float] = field(default_factory=list)
-    forward_ms: list[float] = field(default_factory=list)
-    queue_ms: list[float] = field(default_factory=list)
+    ms: dict[str, list[float]] = field(default_factory=lambda: {"overhead": [], "rtt": [], "forward": [], "queue": []})
 
     def open(self) -> None:
         """A fresh session (untimed): a fixed block's rounds grow the context until it must be renewed."""
@@ -85,14 +84,8 @@ class Lane:
         self.length, self.round = result.committed_len, self.round + 1
         if keep:
             rtt, forward = (pending.arrived - pending.sent) * 1e3, result.verify_ms - result.queue_ms
-            for samples, value in ((self.rtt_ms, rtt), (self.forward_ms, forward), (self.queue_ms, result.queue_ms),
-                                   (self.overhead_ms, rtt - forward)):
-                samples.append(value)
-
-
-def target_of(args, folder: Path) -> str:
-    """The model directory --target names: a tiny random target built into `folder` for "tiny"."""
-    return tiny_target(folder) if args.target == "tiny" else args.target
+            for key, value in (("rtt", rtt), ("forward", forward), ("queue", result.queue_ms), ("overhead", rtt - forward)):
+                self.ms[key].append(value)
 
 
 def paths(args) -> dict:
@@ -100,7 +93,7 @@ def paths(args) -> dict:
     cores = usable_cores()
     pinned = args.pin and len(cores) >= 2
     tmp = tempfile.TemporaryDirectory()
-    target = target_of(args, Path(tmp.name))
+    target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
     if pinned:
         pin(cores[1])  # Ray's processes, replicas included, inherit this core
     start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
@@ -131,9 +124,8 @@ def paths(args) -> dict:
         ray.shutdown()
         tmp.cleanup()
 
-    rows = [{"path": p.name, "overhead_median_ms": median(p.overhead_ms), "overhead_p90_ms": percentile(p.overhead_ms, 90),
-             "rtt_median_ms": median(p.rtt_ms), "forward_median_ms": median(p.forward_ms),
-             "queue_median_ms": median(p.queue_ms)} for p in lanes]
+    rows = [{"path": p.name, "overhead_p90_ms": percentile(p.ms["overhead"], 90),
+             **{f"{key}_median_ms": median(p.ms[key]) for key in ("overhead", "rtt", "forward", "queue")}} for p in lanes]
     return {"target": args.target, "gamma": GAMMA, "rounds": args.rounds, "max_wait_ms": DEFAULT_MAX_WAIT_MS,
             "pinned": pinned, "cores": len(cores), "rows": rows}
 
@@ -196,9 +188,8 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
     process = backend == "process"
     if process:
         settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
-        most = PoolSettings(max_sessions_per_client=MANY.max_sessions, max_sessions_per_address=MANY.max_sessions)
-        server = BackgroundServer(pool := process_pool(ReplicaSpec(target, settings, MANY), most))
-        replica = pool.replicas["process"]
+        replica = ProcessReplica("process", functools.partial(flat_replica, ReplicaSpec(target, settings, MANY), args.pass_ms))
+        server = BackgroundServer(Pool([replica], MANY.max_sessions, MANY.max_sessions, replica_wait_s=0.0))
     else:
         replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
         at_least(replica.engine, args.pass_ms / 1e3)
@@ -235,6 +226,13 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
             "p95_round_ms": percentile(seen["latency_ms"], 95) if seen["latency_ms"] else None, "opens": seen["opens"]}
 
 
+def flat_replica(spec: ReplicaSpec, pass_ms: float, measured) -> Verifier:
+    """A process replica's loader (cloud/pool/process_replica.py): `spec`'s verifier, every pass `pass_ms` at least."""
+    verifier = load_verifier(spec, measured)
+    at_least(verifier.engine, pass_ms / 1e3)
+    return verifier
+
+
 def at_least(engine, seconds: float) -> None:
     """Every pass of `engine` lasts at least `seconds` (a sleep after it): a flat-cost device, as a GPU is."""
     if not seconds:
@@ -257,7 +255,7 @@ def windows(args, runs: list[tuple[str, int, dict]]) -> tuple[dict[str, list[dic
                "draft_ms": args.draft_ms, "pass_ms": args.pass_ms, "cores": len(usable_cores())}
     load_before = os.getloadavg()
     tmp = tempfile.TemporaryDirectory()
-    target = target_of(args, Path(tmp.name))
+    target = tiny_target(Path(tmp.name)) if args.target == "tiny" else args.target
     conn, child = multiprocessing.get_context("spawn").Pipe()
     edges = multiprocessing.get_context("spawn").Process(target=edge_process, args=(child,), daemon=True)
     edges.start()
@@ -285,7 +283,8 @@ def interval(values: list[float]) -> list[float]:
 
 def host(args) -> dict:
     """Host time per step and per round at each --edges count, the forward pass excluded, part by part."""
-    out, setting = windows(args, [(f"{b}, B={n}", n, {"backend": b}) for n in args.edges for b in args.backends])
+    runs = [(f"{b}, B={n}", n, {"backend": b, "hold": Hold(args.hold)}) for n in args.edges for b in args.backends]
+    out, setting = windows(args, runs)
     rows = []
     for (n, backend), runs in zip([(n, b) for n in args.edges for b in args.backends], out.values()):
         # What shares the model thread's interpreter: the step's own parts, and grpc or the pipe's ipc.
@@ -298,7 +297,7 @@ def host(args) -> dict:
                      "cpu_ms_per_step": {p: interval([r["cpu_ms"][p] for r in runs]) for p in runs[0]["cpu_ms"]},
                      "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
                      "reopens": [r["opens"] for r in runs]})
-    return {**setting, "rows": rows}
+    return {**setting, "hold": args.hold, "rows": rows}
 
 
 def meet(args) -> dict:
@@ -327,6 +326,8 @@ def main() -> None:
                         help="--host, --meet: concurrent edges (sessions), comma-separated (default 1,8,64 and 16,64)")
     parser.add_argument("--holds", type=lambda s: s.split(","), default=[h.value for h in Hold],
                         help="--meet: the batching policies to compare (cloud/core/holding.py)")
+    parser.add_argument("--hold", default=DEFAULT_HOLD.value, choices=[h.value for h in Hold],
+                        help="--host: the batching policy (quorum and --pass-ms 30: every edge's round in each pass)")
     parser.add_argument("--seconds", type=float, default=5.0, help="--host, --meet: the timed window of each run")
     parser.add_argument("--repeats", type=int, default=3, help="--host, --meet: runs of each setting, in turns")
     parser.add_argument("--draft-ms", type=float, help="--host, --meet: each edge's drafting time per round "
@@ -337,8 +338,6 @@ def main() -> None:
                         "verifier runs, in turns: inprocess (the front door's process), process (a process of its own)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
-    if args.pass_ms and "process" in args.backends:
-        parser.error("--pass-ms applies to an in-process verifier only")
     args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
     args.edges = args.edges or ([16, 64] if args.meet else [1, 8, 64])
     torch.set_num_threads(1)
