@@ -29,8 +29,8 @@ from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.limits import DEFAULT_HOLD, DEFAULT_MAX_WAIT_MS, Hold
 from hybridspec.cloud.core.telemetry import Part, StepClock
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
-from hybridspec.cloud.pool.pool import Pool, inprocess_pool
-from hybridspec.cloud.pool.process_replica import ProcessReplica
+from hybridspec.cloud.pool.pool import inprocess_pool
+from hybridspec.cloud.pool.process_replica import process_pool
 from hybridspec.cloud.pool.replica import load_verifier
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
@@ -188,8 +188,9 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
     process = backend == "process"
     if process:
         settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
-        replica = ProcessReplica("process", functools.partial(flat_replica, ReplicaSpec(target, settings, MANY), args.pass_ms))
-        server = BackgroundServer(Pool([replica], MANY.max_sessions, MANY.max_sessions, replica_wait_s=0.0))
+        loader = functools.partial(flat_replica, ReplicaSpec(target, settings, MANY), args.pass_ms)
+        server = BackgroundServer(pool := process_pool(loader, MANY.max_sessions, MANY.max_sessions))
+        replica = pool.replicas["process"]
     else:
         replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
         at_least(replica.engine, args.pass_ms / 1e3)

@@ -98,7 +98,9 @@ def _backend(config):
     if config.server.backend is Backend.PROCESS:
         from ..cloud.pool.process_replica import process_pool
 
-        return process_pool(config.replica_spec(target), config.pool), f"{target}, {kind} engine, its own process"
+        pool = process_pool(config.replica_spec(target), config.pool.max_sessions_per_client,
+                            config.pool.max_sessions_per_address, config.pool.replica_wait_s)
+        return pool, f"{target}, {kind} engine, its own process"
     from ..cloud.pool.pool import inprocess_pool
     from ..cloud.pool.replica import load_verifier
 

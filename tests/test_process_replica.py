@@ -15,7 +15,7 @@ from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.cloud.core.telemetry import Part
 from hybridspec.cloud.pool.process_replica import ProcessReplica, process_pool
 from hybridspec.cloud.pool.replica import load_verifier
-from hybridspec.cloud.pool.specs import PoolSettings, ReplicaSettings, ReplicaSpec
+from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
 from hybridspec.common.protocol.errors import Unavailable
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
@@ -37,7 +37,7 @@ def spec_of(path) -> ReplicaSpec:
 @pytest.fixture(scope="module")
 def process_server(model_dirs):
     """The tiny target's verifier in a child process, behind a front door in this one."""
-    pool = process_pool(spec_of(model_dirs["target"]), PoolSettings())
+    pool = process_pool(spec_of(model_dirs["target"]), 16, 16)
     server = BackgroundServer(pool)
     yield server, pool.replicas["process"]
     server.stop()
@@ -126,7 +126,7 @@ def test_a_target_that_cannot_load_fails_the_start_in_one_line_and_leaves_no_chi
 
 
 def test_a_stopped_replica_leaves_no_process_and_answers_nothing(model_dirs):
-    pool = process_pool(spec_of(model_dirs["target"]), PoolSettings())
+    pool = process_pool(spec_of(model_dirs["target"]), 16, 16)
     server = BackgroundServer(pool)
     replica = pool.replicas["process"]
     child = child_of(replica)

@@ -126,7 +126,7 @@ class VerifierStats:
 
 class Answer(Protocol):
     """A round's answer slot, as the step settles it through a mail (`_settle`): an awaited round's
-    asyncio future, or `post_round`'s caller's own."""
+    asyncio future, or `post_rounds`'s caller's own."""
 
     def cancelled(self) -> bool:
         """The caller left: the round is not taken (or not answered, if it was)."""
@@ -1091,7 +1091,7 @@ def _resolve(future: Future, value: object) -> None:
 
 
 def _settle(answer: tuple[Answer, object]) -> None:
-    """`_resolve` for an awaited round's future, on its loop (or `post_round`'s answer slot, where its mail runs it)."""
+    """`_resolve` for an awaited round's future, on its loop (or `post_rounds`'s answer slot, where its mail runs it)."""
     future, value = answer
     if not future.done():
         future.set_result(value)

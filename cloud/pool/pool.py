@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 class ReplicaLost(FailedPrecondition):
     """The replica holding the session died: the edge re-opens and lands on a live one."""
 
+    def __init__(self, message: str = "the replica holding the session was lost; re-open it",
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message, retry_after_s)
+
 
 class ReplicaSilent(Unavailable):
     """A replica said nothing for REPLICA_SILENT_S during an open (a stopped process, a hung host): it

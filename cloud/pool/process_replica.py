@@ -42,7 +42,7 @@ from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, Session
 from ..core.telemetry import StepClock, Tally
 from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
 from .replica import load_verifier
-from .specs import PoolSettings, ReplicaSpec
+from .specs import ReplicaSpec
 
 if TYPE_CHECKING:
     from ..core.verifier import Verifier, VerifierStats
@@ -108,10 +108,13 @@ class _Outbox:
 Loader = Callable[[Callable[[ModelInfo], None]], "Verifier"]
 
 
-def process_pool(spec: ReplicaSpec, settings: PoolSettings) -> Pool:
-    """The pool over one verifier replica in a process of its own (`cloud serve --backend process`)."""
-    return Pool([ProcessReplica("process", functools.partial(load_verifier, spec))], settings.max_sessions_per_client,
-                settings.max_sessions_per_address, settings.replica_wait_s)
+def process_pool(load: Loader | ReplicaSpec, max_sessions_per_client: int, max_sessions_per_address: int,
+                 replica_wait_s: float = 0.0) -> Pool:
+    """The pool over one verifier replica in a process of its own, named "process" (`cloud serve --backend
+    process`: `load` is the replica's spec; a benchmark passes a loader of its own)."""
+    if isinstance(load, ReplicaSpec):
+        load = functools.partial(load_verifier, load)
+    return Pool([ProcessReplica("process", load)], max_sessions_per_client, max_sessions_per_address, replica_wait_s)
 
 
 class ProcessReplica:
@@ -312,7 +315,7 @@ class ProcessReplica:
         if self._conn is None:
             return
         serving, code = self.alive, self._process.exitcode if self._process is not None else None
-        self._gone(ReplicaLost("the replica holding the session was lost; re-open it"))
+        self._gone(ReplicaLost())
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(Unavailable(f"the verifier process exited while loading its model (exit code "
                                                   f"{code}); the server log says why"))
@@ -354,7 +357,7 @@ class ProcessReplica:
         """Send a request; its answer's future (ReplicaLost as its value if the child is down)."""
         key, answer = next(self._keys), self._loop.create_future()
         if not self.alive:
-            answer.set_result(ReplicaLost("the replica holding the session was lost; re-open it"))
+            answer.set_result(ReplicaLost())
             return key, answer
         self._waiting[key] = answer
         self._outbox.add(kind, key, payload)
@@ -364,7 +367,7 @@ class ProcessReplica:
         """Send a request answered by a stream of items, then a _Final."""
         key, items = next(self._keys), asyncio.Queue()
         if not self.alive:
-            items.put_nowait(_Final(ReplicaLost("the replica holding the session was lost; re-open it")))
+            items.put_nowait(_Final(ReplicaLost()))
             return key, items
         self._waiting[key] = items
         self._outbox.add(kind, key, payload)
@@ -503,11 +506,9 @@ class _Child:
                 if kind == Msg.VERIFY:
                     ticket = self.rounds[key] = _Ticket(key, self.mail, self.rounds)
                     rounds.append((payload, ticket))
-                elif kind == Msg.CANCEL and key in self.rounds:
-                    ticket = self.rounds.pop(key, None)
-                    if ticket is not None:
-                        ticket.cancel()
-                else:
+                elif kind == Msg.CANCEL and (ticket := self.rounds.pop(key, None)) is not None:
+                    ticket.cancel()
+                else:  # a call's cancel goes to the event loop, which holds its task
                     others.append((kind, key, payload))
             if rounds:
                 try:

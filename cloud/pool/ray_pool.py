@@ -248,7 +248,7 @@ class RayReplica:
             self._back.clear()
             log.warning("replica %s failed (%s); Ray is restarting it", self.name, type(exc).__name__)
             self._watcher = asyncio.get_running_loop().create_task(self._await_restart())
-        return ReplicaLost("the replica holding the session was lost; re-open it")
+        return ReplicaLost()
 
     async def _await_restart(self) -> None:
         while not self._stopped:

@@ -271,12 +271,10 @@ def serve(replica: Replica, backend: str, bench=None) -> tuple:
         verifier.clock = StepClock()
         return (BackgroundServer(verifier), verifier.info, verifier.telemetry.iteration_tokens.snapshot,
                 StepTimes(lambda: verifier.clock.ends))
-    from ...cloud.pool.pool import Pool
-    from ...cloud.pool.process_replica import ProcessReplica
+    from ...cloud.pool.process_replica import process_pool
 
-    child = ProcessReplica("capacity", replica.verifier)
-    most = replica.limits.max_sessions
-    server = BackgroundServer(Pool([child], most, most, replica_wait_s=0.0))
+    pool = process_pool(replica.verifier, replica.limits.max_sessions, replica.limits.max_sessions)
+    server, child = BackgroundServer(pool), pool.replicas["process"]
     server.call(child.step_clock(True))
     ends: list[tuple[float, float]] = []
 
