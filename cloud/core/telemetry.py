@@ -105,8 +105,8 @@ class Part(enum.Enum):
     HOLD = "hold"  # before a step: holding queued rounds for company (its wall time is mostly idle)
     SCHEDULE = "schedule"  # 1-2: taking the queues, admitting opens, plan_pass
     ADMIT = "admit"  # 3-4: each round's admission and its KV reservation
-    FORWARD = "forward"  # 5: the engine's pass (not the step's own host work)
-    RULES = "rules"  # 6: argmaxes and sampling rules, commits, prompt features, latency telemetry
+    FORWARD = "forward"  # 5: the engine's pass alone (none of the step's own host work)
+    RULES = "rules"  # 6: the pass's accounting, argmaxes and sampling rules, commits, prompt features
     ANSWER = "answer"  # 7: timing and resolving answers, decode streams' next rounds, opens settled
 
 

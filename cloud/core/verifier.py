@@ -12,8 +12,9 @@ A step (`Verifier.step`) reads top-down:
   3. admit each round: its session, the block's validation, a replay answered from memory;
   4. reserve KV for every feed, evicting what may be evicted (from the identity most over its share of
      the cache first); a new session first starts from a cached prefix of its prompt;
-  5. one `engine.forward` over every feed, timed and charged to the feeds' identities;
-  6. each round's rule (cloud/core/rules.py) and commit; opened sessions whose prompt is cached go live;
+  5. one `engine.forward` over every feed, timed;
+  6. the pass's time learnt and charged to the feeds' identities; each round's rule (cloud/core/rules.py)
+     and commit; opened sessions whose prompt is cached go live;
   7. answer: time each round, resolve its future, queue a decode stream's next round, settle opens.
 A failure in 3–6 is the item's own (its error is its answer; a session touched by a failed pass is
 cut back to its committed tokens), and the step goes on for the others.
@@ -584,12 +585,14 @@ class Verifier:
             feeds, rounds_in, chunks = self._reserve_feeds(rounds_in, work, results)
             clock.lap(Part.ADMIT)
             # 5. One pass: [newest committed token, x_1..x_γ] per round gives p_1..p_{γ+1}.
-            owners = [session for *_, session in rounds_in] + [session for session, _ in chunks]
-            scores = self._forward(feeds, owners, rounds_in, work.openings, results)
+            sizes = [(len(feed.tokens), feed.kv.length) for feed in feeds]  # before the pass caches them
+            scores, ms = self._forward(feeds, rounds_in, work.openings, results)
             clock.lap(Part.FORWARD)
             if scores is not None:
-                # 6. Each round's rule; its session commits the accepted drafts and the new token;
-                #    prompt chunks keep the features their session asked for.
+                # 6. The pass's cost is learnt and charged to its tenants; each round's rule; its session
+                #    commits the accepted drafts and the new token; prompt chunks keep the features their
+                #    session asked for.
+                self._account(sizes, [session for *_, session in rounds_in] + [session for session, _ in chunks], ms)
                 self._conclude_all(rounds_in, scores[:len(rounds_in)], results)
                 for (session, position), chunk_scores in zip(chunks, scores[len(rounds_in):]):
                     self._keep_prefill_features(session, chunk_scores, position)
@@ -819,18 +822,16 @@ class Verifier:
 
     # ---- 5. the forward pass -------------------------------------------------------------------
 
-    def _forward(self, feeds: list[Feed], owners: list[Session], rounds: list[Round], openings: Sequence[Session],
-                 results: list) -> list[Scores] | None:
-        """The engine's pass, timed: the pass-time model learns from it and each feed's tenant (`owners`,
-        per feed) is charged its part. On failure every fed session is left as it was and the pass's
-        rounds and opens get the incident."""
+    def _forward(self, feeds: list[Feed], rounds: list[Round], openings: Sequence[Session],
+                 results: list) -> tuple[list[Scores] | None, float]:
+        """The engine's pass and its milliseconds. On failure every fed session is left as it was and the
+        pass's rounds and opens get the incident."""
         if not feeds:
-            return None
-        sizes = [(len(feed.tokens), feed.kv.length) for feed in feeds]
+            return None, 0.0
         try:
             started = time.perf_counter()
             scores = self.engine.forward(feeds)
-            ms = (time.perf_counter() - started) * 1e3
+            return scores, (time.perf_counter() - started) * 1e3
         except Exception as exc:  # a bug or a failed device: no session changes
             error = incident(log, exc, "a verification forward pass")
             for i, _, session in rounds:
@@ -839,13 +840,16 @@ class Verifier:
             for session in openings:
                 if session.phase is Phase.PREFILLING:
                     session.fail(error, self.engine.release)
-            return None
-        self.telemetry.iteration_tokens.observe(sum(len(feed.tokens) for feed in feeds))
+            return None, 0.0
+
+    def _account(self, sizes: list[tuple[int, int]], owners: list[Session], ms: float) -> None:
+        """What a pass of `ms` over feeds of `sizes` ((tokens, cached before) each) teaches: the pass-time
+        model learns from it, and each feed's tenant (`owners`, per feed) is charged its part."""
+        self.telemetry.iteration_tokens.observe(sum(tokens for tokens, _ in sizes))
         if threading.current_thread() is self._thread:  # the shares a blocking caller's passes never use
             for session, part in zip(owners, self.pass_time.split(sizes, ms)):
                 self._usage.charge(self._tenant(session), part, session.spec.weight)
         self.pass_time.observe(sizes, ms)
-        return scores
 
     # ---- 6. rules and commit -------------------------------------------------------------------
 
