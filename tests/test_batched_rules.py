@@ -1,6 +1,6 @@
-"""A pass's decisions taken together (cloud/core/rules.py `prepare_pass`): one argmax over every greedy
-round's rows, the sampling rounds' probabilities from one copy to the host, transformed together per
-setting. Each round must get exactly what it would have computed alone, in every mode, for chains and
+"""A pass's decisions taken together (cloud/core/rules.py `decide_pass`, `prepare_pass`): one argmax over
+every greedy round's rows, the sampling rounds' probabilities from one copy to the host, transformed
+together per setting. Each round must get exactly what it would have computed alone, in every mode, for chains and
 trees, penalized or not, whether its logits are a slice of the pass's (the torch engine) or a tensor of
 their own (llama.cpp)."""
 import random
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hybridspec.cloud.core.rules import Prepared, apply_rule, joined, prepare_pass, row_argmaxes
+from hybridspec.cloud.core.rules import Prepared, apply_rule, decide_pass, joined, prepare_pass, row_argmaxes
 from hybridspec.common.maths.sampling import logits_to_probs
 from hybridspec.common.protocol.tree import chain_parents, children
 from hybridspec.common.protocol.wire import DraftBlock, Mode, SamplingParams, SessionSpec
@@ -78,6 +78,29 @@ def test_a_pass_decides_every_round_as_the_round_alone(seed, adjacent):
         if ready.probs is not None:  # the very bits the round's own transform gives
             assert torch.equal(ready.probs, logits_to_probs(rows.cpu(), spec.sampling))
         assert apply_rule(spec, block, rows, committed, ready) == apply_rule(spec, block, rows, list(committed))
+
+
+@pytest.mark.parametrize("told", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_a_pass_decided_at_once_decides_every_round_as_the_round_alone(seed, told):
+    """decide_pass, whether the engine says where each round's rows lie in the pass's logits (`rows`: a
+    torch engine's pass, whose logits hold other feeds' rows too) or not, gives each round what apply_rule
+    gives it alone; a round whose rule fails gets its own exception and the others their decisions."""
+    rng = random.Random(seed)
+    rounds = [random_round(rng, i) for i in range(rng.randint(1, 14))]
+    counts = [len(block.draft_ids) + 1 for _, block, _ in rounds]
+    whole = torch.randint(-4, 5, (sum(counts) + 6, VOCAB), generator=torch.Generator().manual_seed(seed)).float()
+    firsts = [3 + sum(counts[:i]) for i in range(len(counts))]  # three rows before them, three after
+    logits = [whole[first:first + n] for first, n in zip(firsts, counts)]
+    broken = rng.randrange(len(rounds))
+    logits[broken] = logits[broken][:-1] if counts[broken] > 1 else whole[:0]  # a row short: its rule fails
+    decisions = decide_pass([spec for spec, _, _ in rounds], [block for _, block, _ in rounds], logits,
+                            [list(committed) for _, _, committed in rounds], (whole, firsts) if told else None)
+    for i, ((spec, block, committed), rows, decision) in enumerate(zip(rounds, logits, decisions)):
+        if i == broken:
+            assert isinstance(decision, Exception)
+        else:
+            assert decision == apply_rule(spec, block, rows, list(committed))
 
 
 def test_the_modes_and_shapes_above_are_all_drawn():

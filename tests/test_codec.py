@@ -30,3 +30,17 @@ def test_unspecified_mode_follows_temperature():
     sampled = codec.session_to_pb(SessionSpec("s", (1,), SamplingParams(temperature=1.0), Mode.SPECULATIVE))
     sampled.mode = 0
     assert codec.session_from_pb(sampled).mode is Mode.SPECULATIVE
+
+
+def test_a_timed_answer_is_the_answer_with_its_timings_replaced():
+    """VerifyResult.timed (what a step calls for every round it answers) is `dataclasses.replace` of the
+    two timings: equal, of the same class, hashed alike, and the answer it came from unchanged."""
+    import dataclasses
+    import pickle
+
+    result = VerifyResult(4, 2, 8, 13, batch_size=64, accepted_path=(1, 2))
+    timed = result.timed(12.5, 0.25)
+    assert timed == dataclasses.replace(result, verify_ms=12.5, queue_ms=0.25) and type(timed) is VerifyResult
+    assert hash(timed) == hash(dataclasses.replace(result, verify_ms=12.5, queue_ms=0.25))
+    assert result.verify_ms == 0.0 and result.queue_ms == 0.0
+    assert pickle.loads(pickle.dumps(timed)) == timed

@@ -138,6 +138,26 @@ def test_pass_time_learns_what_a_token_at_a_long_context_costs():
     assert model.split([(5, 100), (1, 3000)], 80.0) == pytest.approx([80 * 52.5 / 77.5, 80 * 25 / 77.5], rel=0.05)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 512), st.integers(0, 8192)), min_size=1, max_size=40),
+       st.floats(0.1, 500.0), st.integers(1, 60))
+def test_the_pass_time_fit_in_plain_floats_solves_as_numpy_does(feeds, ms, passes_seen):
+    """`solve` (Gaussian elimination in plain floats, cheaper than numpy's call at 64 feeds a pass) solves
+    the model's own systems as well as numpy's LAPACK does, the nearly singular ones of passes all alike
+    included (condition numbers up to 1e10, where the two answers may differ as the system cannot tell)."""
+    import numpy as np
+
+    model = PassTime([(1, 12.0), (8, 82.0), (32, 322.0)])
+    for _ in range(passes_seen):
+        model.observe(feeds, ms)
+    a, b = np.array(model._gram), np.array(model._moment)
+    ours, lapack = np.array(passes.solve(model._gram, model._moment)), np.linalg.solve(a, b)
+    assert np.abs(a @ ours - b).max() <= 1e-10 * np.abs(b).max()  # backward stable, as LAPACK's
+    if np.linalg.cond(a) < 1e8:  # where the system determines its answer, the same answer
+        assert ours.tolist() == pytest.approx(lapack.tolist(), rel=1e-6, abs=1e-9)
+    assert passes.solve([[1.0, 2.0], [2.0, 4.0]], [1.0, 2.0]) is None  # singular
+
+
 def test_a_tenant_that_becomes_active_starts_level_with_the_others():
     """No credit is banked: bob's time alone is not held against him, alice's time away not for her."""
     usage = Usage()

@@ -39,6 +39,7 @@ sessions beyond the streams are served in runs, not one pass each.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -339,13 +340,16 @@ class PassTime:
         if len(points) >= 2:
             tokens, ms = np.array(points, dtype=float).T
             slope, fixed = np.polyfit(tokens, ms, 1)
-            prior = np.array([max(0.0, fixed), max(0.01, slope), 0.0])
+            prior = (max(0.0, float(fixed)), max(0.01, float(slope)), 0.0)
         else:
-            prior = np.array([0.0, 1.0, 0.0])
-        self._prior = prior
-        self._gram = np.eye(3) * PASS_TIME_PRIOR
-        self._moment = self._gram @ prior
-        self.coef = prior.copy()  # ms: fixed, per token, per token per thousand tokens cached
+            prior = (0.0, 1.0, 0.0)
+        # The fit in plain floats: numpy's per-call cost would be most of a pass's accounting.
+        self._gram = [[PASS_TIME_PRIOR * (i == j) for j in range(3)] for i in range(3)]
+        self._moment = [PASS_TIME_PRIOR * p for p in prior]
+        # What each observation adds to hold the fit towards the prior: the same every pass.
+        self._pull_gram = [[(1 - PASS_TIME_MEMORY) * g for g in row] for row in self._gram]
+        self._pull_moment = [(1 - PASS_TIME_MEMORY) * m for m in self._moment]
+        self.coef = prior  # ms: fixed, per token, per token per thousand tokens cached
 
     def feed_ms(self, tokens: int, cached: int) -> float:
         """What a feed of `tokens` after `cached` cached tokens adds to a pass."""
@@ -355,19 +359,39 @@ class PassTime:
         """A pass of `feeds` ((tokens, cached) each) took `ms`."""
         if not feeds or not ms > 0:
             return
-        x = np.array([1.0, sum(t for t, _ in feeds), sum(t * c for t, c in feeds) / 1e3])
-        prior = np.eye(3) * PASS_TIME_PRIOR
-        self._gram = PASS_TIME_MEMORY * self._gram + np.outer(x, x) + (1 - PASS_TIME_MEMORY) * prior
-        self._moment = PASS_TIME_MEMORY * self._moment + x * ms + (1 - PASS_TIME_MEMORY) * prior @ self._prior
-        coef = np.linalg.solve(self._gram, self._moment)
-        if np.all(np.isfinite(coef)):
-            self.coef = np.maximum(coef, [0.0, 0.01, 0.0])
+        x = (1.0, sum(t for t, _ in feeds), sum(t * c for t, c in feeds) / 1e3)
+        m = PASS_TIME_MEMORY
+        self._gram = [[m * g + xi * xj + pull for g, xj, pull in zip(row, x, pulls)]
+                      for row, xi, pulls in zip(self._gram, x, self._pull_gram)]
+        self._moment = [m * v + xi * ms + pull for v, xi, pull in zip(self._moment, x, self._pull_moment)]
+        coef = solve(self._gram, self._moment)
+        if coef is not None and all(math.isfinite(c) for c in coef):
+            self.coef = (max(coef[0], 0.0), max(coef[1], 0.01), max(coef[2], 0.0))
 
     def split(self, feeds: Sequence[tuple[int, int]], ms: float) -> list[float]:
         """A measured pass's `ms`, split over its feeds in proportion to what each adds."""
         parts = [self.feed_ms(t, c) for t, c in feeds]
         total = sum(parts)
         return [ms * p / total for p in parts] if total > 0 else [ms / len(feeds)] * len(feeds)
+
+
+def solve(a: Sequence[Sequence[float]], b: Sequence[float]) -> list[float] | None:
+    """x with a·x = b, by Gaussian elimination with partial pivoting (LAPACK's method for a small
+    system, in plain floats); None if `a` is singular."""
+    n = len(b)
+    rows = [[*row, v] for row, v in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        if rows[col][col] == 0.0:
+            return None
+        for r in range(col + 1, n):
+            f = rows[r][col] / rows[col][col]
+            rows[r] = [v - f * w for v, w in zip(rows[r], rows[col])]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (rows[r][n] - sum(rows[r][c] * x[c] for c in range(r + 1, n))) / rows[r][r]
+    return x
 
 
 @dataclass

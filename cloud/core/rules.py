@@ -6,6 +6,7 @@ rule by the session's mode and the block's shape.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from ...common.maths.sampling import SamplingParams, logits_to_probs, penalize, 
 from ...common.protocol.tree import path_to
 from ...common.protocol.wire import DraftBlock, Mode, SessionSpec
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -27,16 +30,56 @@ class Prepared:
     probs: torch.Tensor | None = None  # each row's target probabilities on the CPU (sampling, no penalty)
 
 
-def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor]) -> list[Prepared]:
+Decision = tuple[list[int], int]  # a round's accepted nodes and the verifier's token (`apply_rule`)
+
+
+PassRows = tuple[torch.Tensor, Sequence[int]]  # the pass's logits, and the row of each round's first in them
+
+
+def decide_pass(specs: Sequence[SessionSpec], blocks: Sequence[DraftBlock], logits: Sequence[torch.Tensor],
+                committed: Sequence[list[int]], rows: PassRows | None = None) -> list[Decision | Exception]:
+    """Every round of a pass decided: what `apply_rule` decides for each round alone, from what the rules
+    read taken for the whole pass at once (`prepare_pass`). A greedy chain's decision is read straight off
+    its argmaxes: on a full pass that is most rounds, so nothing per round is built on its way. A rule that
+    raises is its own round's exception, and a failed preparation leaves each rule its own logits."""
+    try:
+        prepared = prepare_pass(specs, logits, rows)
+    except Exception as exc:  # noqa: BLE001 — each rule then reads its own logits, and fails alone if it must
+        log.warning("preparing the pass's rules failed (%s); each rule reads its own logits", exc)
+        prepared = [Prepared()] * len(specs)
+    out: list[Decision | Exception] = []
+    for spec, block, rows, history, ready in zip(specs, blocks, logits, committed, prepared):
+        try:
+            if ready.best is not None and not block.parents:
+                outcome = rules.greedy_from_argmax(block.draft_ids, ready.best)
+                out.append((list(range(outcome.num_accepted)), outcome.token))
+            else:
+                out.append(apply_rule(spec, block, rows, history, ready))
+        except Exception as exc:  # noqa: BLE001 — this round's incident; the pass's other rounds are decided
+            out.append(exc)
+    return out
+
+
+def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor],
+                 rows: PassRows | None = None) -> list[Prepared]:
     """What every round of a pass reads, for all of them at once, with one wait for the device: the
-    greedy rounds' row argmaxes (`row_argmaxes`: on a device one argmax over all their rows), and the
+    greedy rounds' row argmaxes (one argmax over the pass's rows where the engine says where the rounds'
+    rows lie in them, `rows`, else `row_argmaxes`: on a device one argmax over all their rows), and the
     sampling rounds' target probabilities, their rows brought to the host in one copy and transformed
     together per sampling setting. The transform reads each row alone, so a row's probabilities are the
     very bits its round would compute by itself (tests/test_batched_rules.py). Penalized rounds are left
     to their rule: each row's history, and so its penalty, is its own."""
     out = [Prepared()] * len(specs)
     greedy = [i for i, spec in enumerate(specs) if spec.mode is Mode.GREEDY and not spec.sampling.penalized]
-    for i, best in zip(greedy, row_argmaxes([logits[i] for i in greedy])):
+    if greedy and rows is not None:  # the span of the pass's rows that holds the greedy rounds' (rounds come first)
+        whole, firsts = rows
+        spans = [(firsts[i], firsts[i] + logits[i].shape[0]) for i in greedy]
+        low = min(start for start, _ in spans)
+        flat = _argmax(whole[low:max(end for _, end in spans)])
+        bests = [flat[start - low:end - low] for start, end in spans]
+    else:
+        bests = row_argmaxes([logits[i] for i in greedy])
+    for i, best in zip(greedy, bests):
         out[i] = Prepared(best=best)
     sampled = [i for i, spec in enumerate(specs) if spec.mode is not Mode.GREEDY and not spec.sampling.penalized]
     if sampled:
@@ -56,13 +99,26 @@ def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor]) -
 def row_argmaxes(parts: Sequence[torch.Tensor]) -> list[list[int]]:
     """Each part's row argmaxes, brought to the host together. On a device, parts that lie one after
     another in one buffer (a torch engine's pass) take one argmax over all their rows and one copy,
-    else one argmax per part and one copy. On the CPU numpy's, per part (6 against torch's 77 us for a
-    49,152-token row, and no copy of the rows), which breaks ties as torch does, by the first maximum."""
-    if all(part.is_cpu and part.dtype == torch.float32 for part in parts):
-        return [part.numpy().argmax(axis=-1).tolist() for part in parts]
+    else one argmax per part and one copy. On the CPU numpy's (6 against torch's 77 us for a 49,152-token
+    row, and no copy of the rows), which breaks ties as torch does, by the first maximum: over all rows at
+    once where they lie one after another too."""
+    if not parts:
+        return []
     whole = _adjacent(parts)
-    flat = (whole.argmax(dim=-1) if whole is not None else torch.cat([part.argmax(dim=-1) for part in parts])).tolist()
+    if whole is not None:
+        flat = _argmax(whole)
+    elif all(part.is_cpu and part.dtype == torch.float32 for part in parts):
+        return [part.numpy().argmax(axis=-1).tolist() for part in parts]
+    else:
+        flat = torch.cat([part.argmax(dim=-1) for part in parts]).tolist()
     return [flat[start:start + n] for start, n in _starts([part.shape[0] for part in parts])]
+
+
+def _argmax(rows: torch.Tensor) -> list[int]:
+    """Each row's argmax, on the host: numpy's on the CPU (see row_argmaxes), one argmax and one copy on a device."""
+    if rows.is_cpu and rows.dtype == torch.float32:
+        return rows.numpy().argmax(axis=-1).tolist()
+    return rows.argmax(dim=-1).tolist()
 
 
 def joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -98,7 +154,7 @@ def _rows(whole: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
 
 
 def apply_rule(spec: SessionSpec, block: DraftBlock, logits: torch.Tensor, committed: list[int],
-               prepared: Prepared = Prepared()) -> tuple[list[int], int]:
+               prepared: Prepared = Prepared()) -> Decision:
     """The session's acceptance rule on one block: (accepted nodes, the verifier's token). logits:
     [nodes + 1, V] float32 on the model's device; row 0 scores the position after the committed
     tokens, row i + 1 the position after node i (for a chain: after committed + draft[:i + 1]).

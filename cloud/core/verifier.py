@@ -99,7 +99,7 @@ from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAUL
                      DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits)
 from .passes import Pass, PassTime, Shares, StepCost, Usage, plan_pass, prefill_tokens, tree_nodes
 from .prefixes import PrefixCache, PrefixStats, Source
-from .rules import Prepared, apply_rule, prepare_pass
+from .rules import Decision, decide_pass
 from .session import FULL_RETRY_S, Phase, Session, SessionStore
 from .telemetry import Part, ReplicaTelemetry, StepClock, Tally, Telemetry
 
@@ -618,8 +618,7 @@ class Verifier:
         mails = set()
         for item, result in zip(taken, results):
             if isinstance(result, VerifyResult):
-                result = replace(result, verify_ms=(done - item.arrived) * 1e3,
-                                 queue_ms=max(0.0, started - item.arrived) * 1e3)
+                result = result.timed((done - item.arrived) * 1e3, max(0.0, started - item.arrived) * 1e3)
             if item.stream is not None:
                 self._continue(item.stream, item.stream.answered(item.block, result), done)
             mails.add(item.answer(result))
@@ -805,7 +804,8 @@ class Verifier:
 
     def _room_for(self, session: Session, tokens: int, work: Pass) -> None:
         """Room for `tokens` more tokens of `session`'s cache, made if the cache is full (`_make_room`)."""
-        self._make_room(session, tokens, work)
+        if not self.engine.fits(session.kv, tokens):
+            self._make_room(session, tokens, work)
         self.engine.reserve(session.kv, tokens)
 
     def _make_room(self, session: Session, tokens: int, work: Pass, spare: KVSequence | None = None) -> None:
@@ -847,48 +847,57 @@ class Verifier:
         model learns from it, and each feed's tenant (`owners`, per feed) is charged its part."""
         self.telemetry.iteration_tokens.observe(sum(tokens for tokens, _ in sizes))
         if threading.current_thread() is self._thread:  # the shares a blocking caller's passes never use
+            used: dict[tuple[str, float], float] = {}  # one charge per tenant (and weight), not per feed
             for session, part in zip(owners, self.pass_time.split(sizes, ms)):
-                self._usage.charge(self._tenant(session), part, session.spec.weight)
+                key = (self._tenant(session), session.spec.weight)
+                used[key] = used.get(key, 0.0) + part
+            for (tenant, weight), part in used.items():
+                self._usage.charge(tenant, part, weight)
         self.pass_time.observe(sizes, ms)
 
     # ---- 6. rules and commit -------------------------------------------------------------------
 
     def _conclude_all(self, rounds: list[Round], scores: list[Scores], results: list) -> None:
-        """Every round's rule on its rows, what the rules read from the logits taken for the whole pass
-        at once (`prepare_pass`: one argmax over the greedy rounds' rows, the sampling rounds'
-        probabilities in one copy to the host; one wait for the device, not one per round)."""
+        """Every round's rule on its rows (`decide_pass`: what the rules read is taken from the logits for the
+        whole pass at once, one argmax over the greedy rounds' rows, the sampling rounds' probabilities in
+        one copy to the host; one wait for the device, not one per round), then each round's commit."""
         answered = time.monotonic()
-        try:
-            prepared = prepare_pass([session.spec for _, _, session in rounds], [s.logits for s in scores])
-        except Exception as exc:  # each rule then reads its own logits, and fails alone if it must
-            log.warning("preparing the pass's rules failed (%s); each rule reads its own logits", exc)
-            prepared = [Prepared()] * len(rounds)
-        for (i, block, session), round_scores, ready in zip(rounds, scores, prepared):
-            results[i] = self._conclude(block, session, round_scores, len(rounds), answered, ready)
+        whole = scores[0].in_pass if scores else None
+        rows = (whole, [s.first_row for s in scores]) if all(s.in_pass is whole for s in scores) and whole is not None \
+            else None
+        decisions = decide_pass([session.spec for _, _, session in rounds], [block for _, block, _ in rounds],
+                                [s.logits for s in scores], [session.committed for _, _, session in rounds], rows)
+        for (i, block, session), round_scores, decision in zip(rounds, scores, decisions):
+            results[i] = self._conclude(block, session, round_scores, decision, len(rounds), answered)
 
-    def _conclude(self, block: DraftBlock, session: Session, scores: Scores, batch_size: int, answered: float,
-                  prepared: Prepared) -> VerifyResult | HybridSpecError:
-        """Apply the session's rule to its scores, keep the KV of committed + accepted drafts (the new
-        token is fed at the head of the next block) and commit. A failure is this session's alone."""
+    def _conclude(self, block: DraftBlock, session: Session, scores: Scores, decision: Decision | Exception,
+                  batch_size: int, answered: float) -> VerifyResult | HybridSpecError:
+        """Keep the KV of the session's committed tokens and the round's accepted drafts (the new token is
+        fed at the head of the next block) and commit the rule's `decision`. A failure (the rule's
+        included) is this session's alone."""
         try:
-            nodes, token = apply_rule(session.spec, block, scores.logits, session.committed, prepared)
-            # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
-            # features are the session's next committed context, and only their keys stay cached.
-            rows = [0, *(node + 1 for node in nodes)]
-            features = _features(session.spec, scores.hidden, len(session.committed) - 1, rows)
-            if block.is_tree:
-                self.engine.keep_rows(session.kv, len(session.committed) - 1, rows)
+            if isinstance(decision, Exception):
+                raise decision
+            nodes, token = decision
+            features = None
+            if _wants_features(session.spec):
+                # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
+                # features are the session's next committed context.
+                features = _features(session.spec, scores.hidden, len(session.committed) - 1,
+                                     [0, *(node + 1 for node in nodes)])
+            if block.is_tree:  # only the accepted path's keys stay cached
+                self.engine.keep_rows(session.kv, len(session.committed) - 1, [0, *(node + 1 for node in nodes)])
             else:
                 self.engine.truncate(session.kv, len(session.committed) + len(nodes))
         except Exception as exc:
             session.roll_back(self.engine.truncate)
             return incident(log, exc, "a verification rule")
         self._observe_latency(session, len(nodes) + 1, answered)
-        result = VerifyResult(round=block.round, num_accepted=len(nodes), next_token=token,
-                              committed_len=len(session.committed) + len(nodes) + 1,
+        result = VerifyResult(block.round, len(nodes), token, len(session.committed) + len(nodes) + 1,
                               batch_size=batch_size, features=features,
                               accepted_path=tuple(nodes) if block.is_tree else ())
-        session.commit(block, [block.draft_ids[node] for node in nodes], result)
+        session.commit(block, [block.draft_ids[node] for node in nodes] if block.is_tree
+                       else list(block.draft_ids[:len(nodes)]), result)
         return result
 
     def _keep_prefill_features(self, session: Session, scores: Scores, position: int) -> None:

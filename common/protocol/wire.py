@@ -345,6 +345,13 @@ class VerifyResult:
     features: FeatureBlock | None = None  # asked-for features of the last committed token + accepted drafts
     accepted_path: tuple[int, ...] = ()  # a tree's accepted nodes from depth 1 down; () for a chain
 
+    def timed(self, verify_ms: float, queue_ms: float) -> VerifyResult:
+        """This answer with the replica's timings: `dataclasses.replace` of the two fields at a fifth of its
+        cost (a step times every round it answers, 64 and more at a time)."""
+        out = object.__new__(VerifyResult)
+        out.__dict__.update(self.__dict__, verify_ms=verify_ms, queue_ms=queue_ms)
+        return out
+
 
 @dataclass(frozen=True)
 class GenerateSpec:
