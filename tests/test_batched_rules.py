@@ -95,7 +95,9 @@ def test_a_pass_decided_at_once_decides_every_round_as_the_round_alone(seed, tol
     broken = rng.randrange(len(rounds))
     logits[broken] = logits[broken][:-1] if counts[broken] > 1 else whole[:0]  # a row short: its rule fails
     decisions = decide_pass([spec for spec, _, _ in rounds], [block for _, block, _ in rounds], logits,
-                            [list(committed) for _, _, committed in rounds], (whole, firsts) if told else None)
+                            [list(committed) for _, _, committed in rounds],
+                            (whole, [slice(first, first + len(rows)) for first, rows in zip(firsts, logits)])
+                            if told else None)
     for i, ((spec, block, committed), rows, decision) in enumerate(zip(rounds, logits, decisions)):
         if i == broken:
             assert isinstance(decision, Exception)

@@ -33,7 +33,7 @@ class Prepared:
 Decision = tuple[list[int], int]  # a round's accepted nodes and the verifier's token (`apply_rule`)
 
 
-PassRows = tuple[torch.Tensor, Sequence[int]]  # the pass's logits, and the row of each round's first in them
+PassRows = tuple[torch.Tensor, Sequence[slice]]  # the pass's logits, and where each round's rows lie in them
 
 
 def decide_pass(specs: Sequence[SessionSpec], blocks: Sequence[DraftBlock], logits: Sequence[torch.Tensor],
@@ -70,18 +70,19 @@ def prepare_pass(specs: Sequence[SessionSpec], logits: Sequence[torch.Tensor],
     very bits its round would compute by itself (tests/test_batched_rules.py). Penalized rounds are left
     to their rule: each row's history, and so its penalty, is its own."""
     out = [Prepared()] * len(specs)
-    greedy = [i for i, spec in enumerate(specs) if spec.mode is Mode.GREEDY and not spec.sampling.penalized]
+    greedy, sampled = [], []
+    for i, spec in enumerate(specs):
+        if not spec.sampling.penalized:
+            (greedy if spec.mode is Mode.GREEDY else sampled).append(i)
     if greedy and rows is not None:  # the span of the pass's rows that holds the greedy rounds' (rounds come first)
-        whole, firsts = rows
-        spans = [(firsts[i], firsts[i] + logits[i].shape[0]) for i in greedy]
-        low = min(start for start, _ in spans)
-        flat = _argmax(whole[low:max(end for _, end in spans)])
-        bests = [flat[start - low:end - low] for start, end in spans]
+        whole, where = rows
+        low = min(where[i].start for i in greedy)
+        flat = _argmax(whole[low:max(where[i].stop for i in greedy)])
+        bests = [flat[where[i].start - low:where[i].stop - low] for i in greedy]
     else:
         bests = row_argmaxes([logits[i] for i in greedy])
     for i, best in zip(greedy, bests):
         out[i] = Prepared(best=best)
-    sampled = [i for i, spec in enumerate(specs) if spec.mode is not Mode.GREEDY and not spec.sampling.penalized]
     if sampled:
         counts = [logits[i].shape[0] for i in sampled]
         on_host = dict(zip(sampled, _rows(joined([logits[i] for i in sampled]).cpu(), counts)))

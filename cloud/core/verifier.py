@@ -863,7 +863,7 @@ class Verifier:
         one copy to the host; one wait for the device, not one per round), then each round's commit."""
         answered = time.monotonic()
         whole = scores[0].in_pass if scores else None
-        rows = (whole, [s.first_row for s in scores]) if all(s.in_pass is whole for s in scores) and whole is not None \
+        rows = (whole, [s.rows for s in scores]) if whole is not None and all(s.in_pass is whole for s in scores) \
             else None
         decisions = decide_pass([session.spec for _, _, session in rounds], [block for _, block, _ in rounds],
                                 [s.logits for s in scores], [session.committed for _, _, session in rounds], rows)

@@ -57,10 +57,10 @@ class Scores:
     logits: torch.Tensor | None  # float32 [len(tokens), V] on the engine's device if the feed is scored
     hidden: torch.Tensor | None  # [len(tokens), H] final hidden states (after the final norm, the
     #                              output head's input) if the feed asked
-    # Where `logits` lie in the pass's own logits, if they are rows first_row.. of one tensor that every
+    # Where `logits` lie in the pass's own logits, if they are the rows `rows` of one tensor that every
     # feed of the pass shares (a torch engine's pass): a pass's rules then read them all at once.
     in_pass: torch.Tensor | None = None
-    first_row: int = 0
+    rows: slice | None = None
 
 
 @dataclass(frozen=True)

@@ -382,7 +382,7 @@ class TorchEngine:
             logits = logits.clone()  # a graph's output buffers are overwritten by its next replay
         hidden = hidden[:host.tokens].clone() if any(feed.features for feed in feeds) else None
         return [Scores(logits[scored] if feed.scored else None, hidden[rows] if feed.features else None,
-                       logits if feed.scored else None, scored.start)
+                       logits if feed.scored else None, scored)
                 for feed, rows, scored in zip(feeds, host.feed_rows, logit_rows)]
 
     def _eager(self, host: HostPass, scored: list[bool]) -> tuple[torch.Tensor | None, torch.Tensor, list[slice]]:

@@ -498,6 +498,8 @@ class _Child:
         while True:
             try:
                 batch = pickle.loads(self.conn.recv_bytes())
+                while self.conn.poll():  # what else has arrived meanwhile joins it: one wake-up of the verifier
+                    batch += pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
                 self._loop.call_soon_threadsafe(self.stopped.set)  # the parent is gone
                 return
