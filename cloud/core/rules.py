@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -21,10 +21,9 @@ from ...common.protocol.wire import DraftBlock, Mode, SessionSpec
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Prepared:
+class Prepared(NamedTuple):
     """What one round's rule reads from its logits, computed with the rest of its pass (`prepare_pass`);
-    empty: the rule computes it from the logits itself."""
+    empty: the rule computes it from the logits itself. (A tuple: one is made for every round of a pass.)"""
 
     best: list[int] | None = None  # each row's argmax (greedy, no penalty)
     probs: torch.Tensor | None = None  # each row's target probabilities on the CPU (sampling, no penalty)

@@ -248,7 +248,7 @@ class DecodeStream:
         self.mail.post(self._queue.put_nowait, item)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Round:
     block: DraftBlock
     future: Future | Answer  # an awaited round's is its loop's asyncio future, answered through `mail`

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # tensors only pass through here: a process that serves no model never imports torch
     import torch
@@ -36,9 +36,9 @@ class KVLimits(Protocol):
     kv_streams: int  # llama.cpp: sessions resident at once
 
 
-@dataclass(frozen=True)
-class Feed:
-    """Tokens to append to one session's cache in a pass."""
+class Feed(NamedTuple):
+    """Tokens to append to one session's cache in a pass. (A tuple: a pass makes one per session, 64 and
+    more, and a frozen dataclass costs five times as much to make.)"""
 
     kv: KVSequence  # the session's cache; the engine was asked for room for the tokens beforehand
     tokens: Sequence[int]

@@ -83,7 +83,8 @@ class PageTable:
 
     def grow(self, extra: int) -> None:
         """Make room for `extra` more tokens (the caller frees pages first if it must)."""
-        self.pages += self.pool.take(self.pages_needed(extra))
+        if needed := self.pages_needed(extra):
+            self.pages += self.pool.take(needed)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens; pages past them go back to the pool."""
@@ -91,8 +92,9 @@ class PageTable:
             raise ValueError(f"cannot truncate {self.length} cached tokens to {length}")
         self.length = length
         keep = -(-length // PAGE_TOKENS)
-        self.pool.give_back(self.pages[keep:])
-        del self.pages[keep:]
+        if keep < len(self.pages):
+            self.pool.give_back(self.pages[keep:])
+            del self.pages[keep:]
 
     def release(self) -> None:
         """Give every page back (the session is gone)."""

@@ -52,8 +52,10 @@ def greedy_from_argmax(draft_ids: list[int], best: list[int]) -> Outcome:
     """verify_greedy given the target's argmax of every row (γ+1 of them): for a replica that takes
     the argmaxes of many rounds in one step."""
     assert len(best) == len(draft_ids) + 1, f"need γ+1 = {len(draft_ids) + 1} argmaxes, got {len(best)}"
-    k = next((i for i, (x, y) in enumerate(zip(draft_ids, best)) if x != y), len(draft_ids))
-    return Outcome(k, best[k])
+    for k, (x, y) in enumerate(zip(draft_ids, best)):
+        if x != y:
+            return Outcome(k, y)
+    return Outcome(len(draft_ids), best[-1])
 
 
 def verify_speculative(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
