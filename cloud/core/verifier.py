@@ -562,8 +562,9 @@ class Verifier:
         # 2. Plan the pass: one round per session, up to max_batch, as many as the engine may carry,
         #    each tenant its share, and the prompt tokens it may carry beside them. What it leaves goes
         #    first next time.
+        shares = self._shares(rounds, feeding)
         plan = plan_pass([r.block for r in rounds], feeding, self._prompt_tokens(feeding), self.engine.capabilities,
-                         self.max_batch, self._shares(rounds, feeding))
+                         self.max_batch, shares)
         with self._cv:
             self._rounds.extendleft(reversed([rounds[i] for i in plan.split + plan.waiting]))
         work, taken, self._split = plan.work, [rounds[i] for i in plan.taken], bool(plan.split)
@@ -592,7 +593,8 @@ class Verifier:
                 # 6. The pass's cost is learnt and charged to its tenants; each round's rule; its session
                 #    commits the accepted drafts and the new token; prompt chunks keep the features their
                 #    session asked for.
-                self._account(sizes, [session for *_, session in rounds_in] + [session for session, _ in chunks], ms)
+                self._account(sizes, [session for *_, session in rounds_in] + [session for session, _ in chunks], ms,
+                              shares)
                 self._conclude_all(rounds_in, scores[:len(rounds_in)], results)
                 for (session, position), chunk_scores in zip(chunks, scores[len(rounds_in):]):
                     self._keep_prefill_features(session, chunk_scores, position)
@@ -842,11 +844,16 @@ class Verifier:
                     session.fail(error, self.engine.release)
             return None, 0.0
 
-    def _account(self, sizes: list[tuple[int, int]], owners: list[Session], ms: float) -> None:
+    def _account(self, sizes: list[tuple[int, int]], owners: list[Session], ms: float, shares: Shares | None) -> None:
         """What a pass of `ms` over feeds of `sizes` ((tokens, cached before) each) teaches: the pass-time
-        model learns from it, and each feed's tenant (`owners`, per feed) is charged its part."""
+        model learns from it, and each feed's tenant (`owners`, per feed) is charged its part; with
+        `shares` (the step's, None for a blocking caller, whose passes never use them) of one tenant, that
+        tenant the whole pass."""
         self.telemetry.iteration_tokens.observe(sum(tokens for tokens, _ in sizes))
-        if threading.current_thread() is self._thread:  # the shares a blocking caller's passes never use
+        if shares is not None and len(shares.active) == 1:  # every feed is that tenant's
+            (tenant,) = shares.active
+            self._usage.charge(tenant, ms, shares.weight_of(tenant))
+        elif shares is not None:
             used: dict[tuple[str, float], float] = {}  # one charge per tenant (and weight), not per feed
             for session, part in zip(owners, self.pass_time.split(sizes, ms)):
                 key = (self._tenant(session), session.spec.weight)
