@@ -38,22 +38,17 @@ PassRows = tuple[torch.Tensor, Sequence[slice]]  # the pass's logits, and where 
 def decide_pass(specs: Sequence[SessionSpec], blocks: Sequence[DraftBlock], logits: Sequence[torch.Tensor],
                 committed: Sequence[list[int]], rows: PassRows | None = None) -> list[Decision | Exception]:
     """Every round of a pass decided: what `apply_rule` decides for each round alone, from what the rules
-    read taken for the whole pass at once (`prepare_pass`). A greedy chain's decision is read straight off
-    its argmaxes: on a full pass that is most rounds, so nothing per round is built on its way. A rule that
-    raises is its own round's exception, and a failed preparation leaves each rule its own logits."""
+    read taken for the whole pass at once (`prepare_pass`). A rule that raises is its own round's
+    exception, and a failed preparation leaves each rule its own logits."""
     try:
         prepared = prepare_pass(specs, logits, rows)
     except Exception as exc:  # noqa: BLE001 — each rule then reads its own logits, and fails alone if it must
         log.warning("preparing the pass's rules failed (%s); each rule reads its own logits", exc)
         prepared = [Prepared()] * len(specs)
     out: list[Decision | Exception] = []
-    for spec, block, rows, history, ready in zip(specs, blocks, logits, committed, prepared):
+    for spec, block, round_logits, history, ready in zip(specs, blocks, logits, committed, prepared):
         try:
-            if ready.best is not None and not block.parents:
-                outcome = rules.greedy_from_argmax(block.draft_ids, ready.best)
-                out.append((list(range(outcome.num_accepted)), outcome.token))
-            else:
-                out.append(apply_rule(spec, block, rows, history, ready))
+            out.append(apply_rule(spec, block, round_logits, history, ready))
         except Exception as exc:  # noqa: BLE001 — this round's incident; the pass's other rounds are decided
             out.append(exc)
     return out

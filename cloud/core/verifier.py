@@ -806,8 +806,7 @@ class Verifier:
 
     def _room_for(self, session: Session, tokens: int, work: Pass) -> None:
         """Room for `tokens` more tokens of `session`'s cache, made if the cache is full (`_make_room`)."""
-        if not self.engine.fits(session.kv, tokens):
-            self._make_room(session, tokens, work)
+        self._make_room(session, tokens, work)
         self.engine.reserve(session.kv, tokens)
 
     def _make_room(self, session: Session, tokens: int, work: Pass, spare: KVSequence | None = None) -> None:
@@ -816,6 +815,8 @@ class Verifier:
         never one in the pass, nor the cache `spare`; one with work queued only for a tenant within its
         share, from a tenant over its own."""
         kv = session.kv
+        if self.engine.fits(kv, tokens):  # the usual case, asked for every feed of every pass
+            return
         fits = lambda: self.engine.fits(kv, tokens)  # noqa: E731
         while not fits() and self.prefixes.drop_oldest(spare):
             pass
@@ -886,14 +887,13 @@ class Verifier:
             if isinstance(decision, Exception):
                 raise decision
             nodes, token = decision
-            features = None
-            if _wants_features(session.spec):
-                # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
-                # features are the session's next committed context.
-                features = _features(session.spec, scores.hidden, len(session.committed) - 1,
-                                     [0, *(node + 1 for node in nodes)])
-            if block.is_tree:  # only the accepted path's keys stay cached
-                self.engine.keep_rows(session.kv, len(session.committed) - 1, [0, *(node + 1 for node in nodes)])
+            # Fed rows that stay: the newest committed token (row 0) and the accepted nodes. Their
+            # features are the session's next committed context, and only their keys stay cached.
+            kept = [0, *(node + 1 for node in nodes)]
+            features = _features(session.spec, scores.hidden, len(session.committed) - 1, kept) \
+                if _wants_features(session.spec) else None
+            if block.is_tree:
+                self.engine.keep_rows(session.kv, len(session.committed) - 1, kept)
             else:
                 self.engine.truncate(session.kv, len(session.committed) + len(nodes))
         except Exception as exc:
@@ -903,8 +903,7 @@ class Verifier:
         result = VerifyResult(block.round, len(nodes), token, len(session.committed) + len(nodes) + 1,
                               batch_size=batch_size, features=features,
                               accepted_path=tuple(nodes) if block.is_tree else ())
-        session.commit(block, [block.draft_ids[node] for node in nodes] if block.is_tree
-                       else list(block.draft_ids[:len(nodes)]), result)
+        session.commit(block, [block.draft_ids[node] for node in nodes], result)
         return result
 
     def _keep_prefill_features(self, session: Session, scores: Scores, position: int) -> None:
