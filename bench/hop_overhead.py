@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import multiprocessing
 import os
 import sys
@@ -26,6 +25,7 @@ import ray
 import torch
 
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
+from hybridspec.cloud.core.heap import settle_heap
 from hybridspec.cloud.core.limits import DEFAULT_HOLD, DEFAULT_MAX_WAIT_MS, Hold
 from hybridspec.cloud.core.telemetry import Part, StepClock
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
@@ -195,7 +195,7 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
         replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
         at_least(replica.engine, args.pass_ms / 1e3)
         server = BackgroundServer(replica)
-    gc.freeze()  # as a serving process does once started (cloud/api/server.py serve_forever)
+    settle_heap()  # as a serving process does once started
     try:
         conn.send({"address": server.address, "edges": edges, "draft_ms": args.draft_ms})
         assert conn.recv() == "warm"

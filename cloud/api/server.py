@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import threading
@@ -32,6 +31,7 @@ from ..pool.pool import Pool, inprocess_pool
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .ports import port_unavailable, probe_port
 from .service import SERVICE_NAME, VerifierService
+from ..core.heap import settle_heap
 from ..core.telemetry import Tally
 
 if TYPE_CHECKING:  # a Ray pool's front door serves no model: it never imports torch
@@ -202,9 +202,7 @@ async def serve_forever(backend: Pool, host: str, port: int, grace_s: float, met
                         access: AccessSpec = AccessSpec()) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return."""
     running = await start_server(backend, host, port, metrics_port, metrics_host, access)
-    # What start-up loaded (torch, the model, gRPC: hundreds of thousands of objects) lives as long as
-    # the process: frozen, a full collection no longer scans it, holding every session's round meanwhile.
-    gc.freeze()
+    settle_heap()
     # Installed after the backend started, so they replace any handler Ray installed meanwhile.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

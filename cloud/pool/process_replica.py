@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import gc
 import logging
 import multiprocessing
 import pickle
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
+from ..core.heap import settle_heap
 from ..core.telemetry import StepClock, Tally
 from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
 from .replica import load_verifier
@@ -480,7 +480,7 @@ class _Child:
                 self.out.put([(Msg.FAILED.value, 0, str(exc) or type(exc).__name__)])
                 return
             await self.verifier.start()
-            gc.freeze()  # start-up's objects out of the collector's sight, as a serving process does
+            settle_heap()
             self._loop = asyncio.get_running_loop()
             self.out.put([(Msg.READY.value, 0, self.verifier.info)])
             threading.Thread(target=self._read, name="replica-pipe-reader", daemon=True).start()

@@ -15,7 +15,6 @@ rate on one replica is its rate, not one bucket at the front door plus one at th
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
@@ -27,6 +26,7 @@ from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, Session
 from .specs import ReplicaSpec
 from ..core import cost_cache
 from ..core.costs import CurveMeasurement, measure_in_background
+from ..core.heap import settle_heap
 from ..core.telemetry import Tally
 
 if TYPE_CHECKING:  # imported where a model is loaded: the front door of a Ray pool never imports torch
@@ -136,7 +136,7 @@ class VerifierReplica:
             if not self._started:
                 await self.verifier.start()
                 self._started = True
-                gc.freeze()  # start-up's objects out of the collector's sight (cloud/api/server.py serve_forever)
+                settle_heap()
             if self._starter is not None and self._endpoint is None:
                 self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
         return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")
