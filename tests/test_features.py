@@ -157,13 +157,13 @@ def test_features_cover_every_committed_position_but_the_last(target, stub, fmt)
 def test_a_session_that_did_not_ask_gets_none(target, stub, feature_server):
     info = codec.model_info_from_pb(stub.GetModelInfo(pb.GetModelInfoRequest()))
     assert info.feature_dim == target.model.config.hidden_size
-    metrics = feature_server.running.metrics.feature_bytes
-    before = metrics._value.get()
+    registry = feature_server.running.metrics.registry
+    before = registry.get_sample_value("hybridspec_feature_bytes_total")
     blocks, _, _ = run_session(target, stub, None)
     assert blocks == [None] * len(blocks)
-    assert metrics._value.get() == before
+    assert registry.get_sample_value("hybridspec_feature_bytes_total") == before
     asked, _, _ = run_session(target, stub, FeatureFormat.INT8)
-    assert metrics._value.get() - before == sum(b.nbytes for b in asked)
+    assert registry.get_sample_value("hybridspec_feature_bytes_total") - before == sum(b.nbytes for b in asked)
 
 
 def test_a_one_token_prompt_gets_its_features_with_the_first_round(target, stub):

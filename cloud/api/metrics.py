@@ -23,12 +23,13 @@ import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, make_wsgi_app
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ...common.protocol.wire import SessionOpened, VerifyResult
-from ..core.telemetry import HistogramSnapshot, ReplicaTelemetry, RoundSample, Tally
+from ..core.telemetry import Buckets, HistogramSnapshot, ReplicaTelemetry, RoundSample, Tally
 from ..pool.pool import ReplicaStatus
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -89,39 +90,15 @@ class Metrics:
         self.replicas_alive = Gauge("hybridspec_replicas_alive", "Replicas answering", registry=r)
         self.sessions_opened = Counter("hybridspec_sessions_opened", "OpenSession calls for new sessions", registry=r)
         self.reopens = Counter("hybridspec_session_reopens", "OpenSession calls re-opening a lost session", registry=r)
-        self.drafts = Counter("hybridspec_spec_decode_num_drafts", "Rounds that carried at least one draft token",
-                              registry=r)
-        self.draft_tokens = Counter("hybridspec_spec_decode_num_draft_tokens", "Draft tokens received", registry=r)
-        self.accepted_tokens = Counter("hybridspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                       registry=r)
-        self.accepted_per_pos = Counter("hybridspec_spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each position of a block, counted from 0",
-                                        ["position"], registry=r)
-        self.drafted_per_pos = Counter("hybridspec_spec_decode_num_draft_tokens_per_pos",
-                                       "Draft tokens received at each position of a block, counted from 0 (the "
-                                       "acceptance rate at a position is accepted_per_pos / this)", ["position"],
-                                       registry=r)
+        self.rounds = RoundCounters()
+        r.register(self.rounds)
         self.prompt_tokens = Counter("hybridspec_prompt_tokens", "Prompt tokens prefilled (OpenSession, re-opens "
                                      "included, and Generate)", registry=r)
-        self.generation_tokens = Counter("hybridspec_generation_tokens", "Tokens committed: accepted drafts plus "
-                                         "each round's correction or bonus token, and Generate's tokens", registry=r)
-        self.generated_tokens = Counter("hybridspec_generate_tokens", "Tokens streamed by cloud-only decoding "
-                                        "(Generate, and Decode at the front door or a replica's endpoint)", registry=r)
-        self.batch_size = Histogram("hybridspec_batch_size", "Rounds scored in the forward pass that scored each "
-                                    "round (one observation per round)", buckets=BATCH_BUCKETS, registry=r)
-        self.verify_seconds = Histogram("hybridspec_verify_seconds", "Time per round at the endpoint that served it "
-                                        "(the front door: routing, queue, forward; a replica: queue, forward)",
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("hybridspec_request_queue_time_seconds", "Time a round waited on its replica "
-                                       "before its forward pass (batching, other batches, prefill chunks): the "
-                                       "overload signal", buckets=LATENCY_BUCKETS, registry=r)
         self.evictions = Counter("hybridspec_evictions", "Sessions evicted by replicas (idle or LRU)", registry=r)
         self.sessions_routed = Counter("hybridspec_sessions_routed", "Sessions routed to each replica", ["replica"],
                                        registry=r)
         self.replica_failures = Counter("hybridspec_replica_failures", "Replica crashes seen by the pool", registry=r)
         self.errors = Counter("hybridspec_errors", "Calls answered with an error status", ["code"], registry=r)
-        self.feature_bytes = Counter("hybridspec_feature_bytes", "Bytes of target features sent to edges that "
-                                     "asked for them (OpenSession and Verify replies)", registry=r)
         self.prefix_lookups = Counter("hybridspec_prefix_cache_queries", "New sessions that looked for a cached "
                                       "prefix of their prompt (vLLM's prefix_cache_queries counts tokens)", registry=r)
         self.prefix_hits = Counter("hybridspec_prefix_cache_hits", "New sessions that started from a cached prefix",
@@ -135,23 +112,22 @@ class Metrics:
         self.replica_histograms = ReplicaHistograms()
         r.register(self.replica_histograms)
         self._seen: dict[tuple[str, str], int] = {}  # (counter, replica) -> the replica's last total
-        self._positions: dict[int, tuple] = {}  # position -> its (drafted, accepted) counters' children
 
     def observe_round(self, gamma: int, result: VerifyResult, seconds: float) -> None:
         """Count one answered round with γ draft tokens."""
-        self._count(_sample(gamma, result, seconds))
+        self.rounds.count(_sample(gamma, result, seconds))
 
     def observe_opened(self, prompt_tokens: int, opened: SessionOpened | None = None) -> None:
         """Count a prefill of `prompt_tokens` (an open, or a Generate's prompt) and what an OpenSession
         reply carries besides the session (its features)."""
         self.prompt_tokens.inc(prompt_tokens)
         if opened is not None and opened.features is not None:
-            self.feature_bytes.inc(opened.features.nbytes)
+            self.rounds.feature_bytes += opened.features.nbytes
 
     def observe_generated(self, tokens: int = 1) -> None:
         """Count tokens a cloud-only stream (Generate or Decode) sent."""
-        self.generated_tokens.inc(tokens)
-        self.generation_tokens.inc(tokens)
+        self.rounds.generated_tokens += tokens
+        self.rounds.generation_tokens += tokens
 
     def observe_error(self, code: str) -> None:
         """Count one call answered with an error status."""
@@ -160,39 +136,10 @@ class Metrics:
     def add_tally(self, tally: Tally) -> None:
         """Count what a replica's own endpoint answered."""
         for sample in tally.rounds:
-            self._count(sample)
+            self.rounds.count(sample)
         for code, calls in tally.errors:
             self.errors.labels(code).inc(calls)
         self.observe_generated(tally.tokens)
-
-    def _count(self, s: RoundSample) -> None:
-        # Each inc takes a lock (on the front door's event loop, for every round): none adds nothing.
-        if s.gamma:
-            self.drafts.inc()
-            self.draft_tokens.inc(s.gamma)
-        if s.num_accepted:
-            self.accepted_tokens.inc(s.num_accepted)
-        self.generation_tokens.inc(s.num_accepted + 1)
-        for position in range(s.gamma):
-            drafted, accepted = self._at(position)
-            drafted.inc()
-            if position < s.num_accepted:
-                accepted.inc()
-        self.batch_size.observe(s.batch_size)
-        self.verify_seconds.observe(s.seconds)
-        self.queue_seconds.observe(s.queue_ms / 1e3)
-        if s.feature_bytes:
-            self.feature_bytes.inc(s.feature_bytes)
-
-    def _at(self, position: int):
-        """The per-position counters' children (drafted, accepted): looked up once each, as `labels` costs
-        a lock and a tuple hash per call, twice per draft token of every round."""
-        children = self._positions.get(position)
-        if children is None:
-            label = str(position)
-            children = self._positions[position] = (self.drafted_per_pos.labels(label),
-                                                    self.accepted_per_pos.labels(label))
-        return children
 
     def observe_replicas(self, replicas: list[ReplicaStatus]) -> None:
         """Refresh the per-replica gauges and histograms and add new evictions (a restarted replica
@@ -226,6 +173,74 @@ class Metrics:
         """Serve /metrics, /health and /health/ready on host:port (0 picks a free port) from a daemon
         thread. OSError (EADDRINUSE...) if the port cannot be bound."""
         return MetricsHTTPServer(self.registry, host, port, self.serving.is_set)
+
+
+class RoundCounters(Collector):
+    """The front door's round and token counters, kept as plain numbers on its event loop and exported at
+    each scrape. A prometheus_client Counter or Histogram takes a lock at every increment: a round of γ
+    draft tokens made 2γ + 7 of them, on the loop that also reads and writes every gRPC message. Read by
+    the scrape's thread without a lock: a scrape may see a round half counted, never a count lost."""
+
+    def __init__(self) -> None:
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.drafted_at: list[int] = []  # per position of a block, from 0: drafts that reached it
+        self.accepted_at: list[int] = []  # ... and were accepted there
+        self.generation_tokens = self.generated_tokens = self.feature_bytes = 0
+        self.batch_size = Buckets(BATCH_BUCKETS)
+        self.verify_seconds = Buckets(LATENCY_BUCKETS)
+        self.queue_seconds = Buckets(LATENCY_BUCKETS)
+
+    def count(self, s: RoundSample) -> None:
+        """One answered round."""
+        if s.gamma:
+            self.drafts += 1
+            self.draft_tokens += s.gamma
+            while len(self.drafted_at) < s.gamma:
+                self.drafted_at.append(0)
+                self.accepted_at.append(0)
+            for position in range(s.gamma):
+                self.drafted_at[position] += 1
+            for position in range(min(s.num_accepted, s.gamma)):
+                self.accepted_at[position] += 1
+        self.accepted_tokens += s.num_accepted
+        self.generation_tokens += s.num_accepted + 1
+        self.batch_size.observe(s.batch_size)
+        self.verify_seconds.observe(s.seconds)
+        self.queue_seconds.observe(s.queue_ms / 1e3)
+        self.feature_bytes += s.feature_bytes
+
+    def collect(self):
+        """Every counter and histogram as it stands (names as documented at the top of this module)."""
+        for name, documentation, value in (
+                ("hybridspec_spec_decode_num_drafts", "Rounds that carried at least one draft token", self.drafts),
+                ("hybridspec_spec_decode_num_draft_tokens", "Draft tokens received", self.draft_tokens),
+                ("hybridspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", self.accepted_tokens),
+                ("hybridspec_generation_tokens", "Tokens committed: accepted drafts plus each round's correction or "
+                 "bonus token, and Generate's tokens", self.generation_tokens),
+                ("hybridspec_generate_tokens", "Tokens streamed by cloud-only decoding (Generate, and Decode at the "
+                 "front door or a replica's endpoint)", self.generated_tokens),
+                ("hybridspec_feature_bytes", "Bytes of target features sent to edges that asked for them "
+                 "(OpenSession and Verify replies)", self.feature_bytes)):
+            yield CounterMetricFamily(name, documentation, value=value)
+        for name, documentation, counts in (
+                ("hybridspec_spec_decode_num_accepted_tokens_per_pos",
+                 "Draft tokens accepted at each position of a block, counted from 0", self.accepted_at),
+                ("hybridspec_spec_decode_num_draft_tokens_per_pos",
+                 "Draft tokens received at each position of a block, counted from 0 (the acceptance rate at a "
+                 "position is accepted_per_pos / this)", self.drafted_at)):
+            family = CounterMetricFamily(name, documentation, labels=["position"])
+            for position, count in enumerate(list(counts)):
+                family.add_metric([str(position)], count)
+            yield family
+        for name, documentation, buckets in (
+                ("hybridspec_batch_size", "Rounds scored in the forward pass that scored each round (one "
+                 "observation per round)", self.batch_size),
+                ("hybridspec_verify_seconds", "Time per round at the endpoint that served it (the front door: "
+                 "routing, queue, forward; a replica: queue, forward)", self.verify_seconds),
+                ("hybridspec_request_queue_time_seconds", "Time a round waited on its replica before its forward "
+                 "pass (batching, other batches, prefill chunks): the overload signal", self.queue_seconds)):
+            snapshot = buckets.snapshot()
+            yield HistogramMetricFamily(name, documentation, buckets=_cumulative(snapshot), sum_value=snapshot.total)
 
 
 class ReplicaHistograms(Collector):
@@ -265,7 +280,7 @@ def _cumulative(snapshot: HistogramSnapshot) -> list[tuple[str, int]]:
     running, buckets = 0, []
     for bound, count in zip((*snapshot.bounds, float("inf")), snapshot.counts):
         running += count
-        buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", running))
+        buckets.append((floatToGoString(bound), running))  # as prometheus_client's own histograms write them
     return buckets
 
 
