@@ -240,11 +240,11 @@ class VerifierService:
 
     async def _verify(self, request, context: grpc.aio.ServicerContext) -> pb.VerifyReply:
         caller = identify(self.access, context)
-        block = codec.block_from_pb(await self._decoded(request))
+        block = codec.block_from_pb(await self._decoded(request), caller.owner)
         check_session_id(block.session_id)
         start = time.perf_counter()
         await self._pace(caller, len(block.draft_ids) + 1)
-        result = await self.backend.averify(replace(block, owner=caller.owner))
+        result = await self.backend.averify(block)
         self.metrics.observe_round(len(block.draft_ids), result, time.perf_counter() - start)
         return codec.result_to_pb(result)
 

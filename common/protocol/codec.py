@@ -162,14 +162,15 @@ def block_to_pb(b: DraftBlock) -> pb.VerifyRequest:
         draft_parents=list(b.parents))
 
 
-def block_from_pb(m: pb.VerifyRequest) -> DraftBlock:
-    """Decode a draft block (validation happens in DraftBlock.validate)."""
+def block_from_pb(m: pb.VerifyRequest, owner: str = "") -> DraftBlock:
+    """Decode a draft block (validation happens in DraftBlock.validate); `owner` is the identity that sent
+    it, as the server that took it authenticated it (never on the wire)."""
     return DraftBlock(
         session_id=m.session_id, round=m.round, committed_len=m.committed_len,
         draft_ids=tuple(m.draft_ids),
         support_ids=tuple(tuple(d.support_ids) for d in m.draft_probs),
         probs=tuple(tuple(d.probs) for d in m.draft_probs),
-        parents=tuple(m.draft_parents))
+        parents=tuple(m.draft_parents), owner=owner)
 
 
 def result_to_pb(r: VerifyResult) -> pb.VerifyReply:
