@@ -162,6 +162,42 @@ def test_a_stream_that_sends_nothing_is_ended(target):
         srv.stop()
 
 
+@pytest.mark.slow
+def test_a_stream_waits_idle_only_while_it_waits_for_a_message(target):
+    # Every pass outlasts the idle limit, and each next round leaves 0.8 of the limit after its answer:
+    # the stream is never idle that long, though its messages are further apart than the limit.
+    verifier = Verifier(target, LIMITS)
+    forward = verifier.engine.forward
+
+    def slow(feeds):
+        time.sleep(IDLE_S * 1.6)
+        return forward(feeds)
+
+    verifier.engine.forward = slow
+    srv = BackgroundServer(verifier, access=AccessSpec(stream_idle_s=IDLE_S))
+    answered = threading.Event()
+    try:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            sid = stub.OpenSession(pb.OpenSessionRequest(committed_ids=PROMPT)).session_id
+
+            def rounds():
+                for i in range(3):
+                    if i:
+                        assert answered.wait(EVENT_TIMEOUT_S)
+                        answered.clear()
+                        time.sleep(IDLE_S * 0.8)
+                    yield pb.VerifyRequest(session_id=sid, round=i, committed_len=len(PROMPT) + i)
+
+            got = []
+            for reply in stub.VerifyStream(rounds(), timeout=30):
+                got.append(reply.round)
+                answered.set()
+            assert got == [0, 1, 2]
+    finally:
+        srv.stop()
+
+
 def test_anonymous_callers_have_their_own_limits_per_address(target, tokens):
     """Without a token every caller of one address is one client: its limits are the address's,
     set apart from the per-token ones."""

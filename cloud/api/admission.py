@@ -91,20 +91,67 @@ class Admission(grpc.aio.ServerInterceptor):
             raise AssertionError("context.abort returned") from None  # it always raises
 
     async def _until_idle(self, requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
-        """The stream's messages; the call is aborted once none came for `stream_idle_s`."""
+        """The stream's messages; the call is aborted once it has waited `stream_idle_s` for the next one."""
         idle_s = self.access.spec.stream_idle_s
+        watch = _IdleWatch(idle_s)
         messages = aiter(requests)
-        while True:
-            try:
-                async with asyncio.timeout(idle_s):  # not wait_for: no task per message
+        try:
+            while True:
+                watch.waiting()
+                try:
                     message = await anext(messages)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                await self._abort(context, "UNAVAILABLE", f"no message on this stream for {idle_s:g} s; "
-                                                          "it was closed: open a new one")
-            yield message
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if not watch.ended_the_wait():
+                        raise  # the call itself was cancelled
+                    await self._abort(context, "UNAVAILABLE", f"no message on this stream for {idle_s:g} s; "
+                                                              "it was closed: open a new one")
+                watch.handling()
+                yield message
+        finally:
+            watch.close()
 
     async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
         self.metrics.observe_error(code)
         await context.abort(getattr(grpc.StatusCode, code), message)
+
+
+class _IdleWatch:
+    """Ends a stream's wait for its next message once it has lasted `idle_s`, by cancelling the call's task
+    (as asyncio.timeout does). One timer per stream, moved only when it fires: a message just notes the
+    time. A timer made and cancelled per message (asyncio.timeout around each read) cost about 4 % of the
+    front door's CPU under 64 edges. The wait is the only time counted: a round the verifier takes long
+    to answer never ends its stream."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._cancelling = self._task.cancelling()  # cancellations asked before ours are not ours to absorb
+        self._since: float | None = None  # when the current wait began; None while a message is handled
+        self._expired = False
+        self._timer = self._loop.call_later(idle_s, self._check)
+
+    def waiting(self) -> None:
+        """The stream now waits for its next message."""
+        self._since = self._loop.time()
+
+    def handling(self) -> None:
+        """A message came; the stream handles it."""
+        self._since = None
+
+    def ended_the_wait(self) -> bool:
+        """Whether the cancellation that interrupted the wait was ours alone (then it is absorbed)."""
+        return self._expired and self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        now, since = self._loop.time(), self._since
+        if since is not None and now - since >= self.idle_s:
+            self._expired = True
+            self._task.cancel()
+        else:  # handling a message, or waiting for less than idle_s: look again when the wait could expire
+            self._timer = self._loop.call_at((now if since is None else since) + self.idle_s, self._check)
