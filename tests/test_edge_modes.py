@@ -344,7 +344,7 @@ def test_a_cloud_only_stream_hands_over_to_hybrid_when_hybrid_looks_better(serve
     """Regression: the cloud-only phase's hand-over to hybrid read a setting the controller's resolved
     `Policy` no longer carried once the config was split into sections (AttributeError, seen only where
     the tiny models made hybrid look faster by chance). Forced here: hybrid always looks better."""
-    from hybridspec.edge.controller import WARMUP_CLOUD_TOKENS, Controller
+    from hybridspec.edge.controller import Controller
 
     monkeypatch.setattr(Controller, "hybrid_looks_better", lambda self, *args: True)
     config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW, max_draft=4)  # a new worker warms up cloud-only

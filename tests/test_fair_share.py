@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -20,7 +19,6 @@ from hybridspec.cloud.core.limits import PrefixScope, VerifierLimits
 from hybridspec.cloud.core.passes import (PassTime, Shares, Usage, fair_rounds, plan_pass, stream_rounds)
 from hybridspec.cloud.core.verifier import Verifier
 from hybridspec.cloud.engine.base import Capabilities
-from hybridspec.cloud.engine.torch_engine import engine_for
 from hybridspec.common.protocol.errors import FailedPrecondition, ResourceExhausted
 from hybridspec.common.protocol.wire import DraftBlock, SessionSpec, VerifyResult
 

@@ -8,9 +8,7 @@ import pytest
 from hybridspec.cli.flags import config_overrides
 from hybridspec.cli.main import build_parser, main
 from hybridspec.cloud.api.access import AccessSpec
-from hybridspec.cloud.api.server import ReplicaEndpoint
 from hybridspec.cloud.config import ServeConfig
-from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.cloud.pool.specs import PoolSpec, ReplicaSpec
 from hybridspec.common.config import Choice, load_config, settings_of
 from hybridspec.distill.config import DistillConfig

@@ -18,7 +18,6 @@ from hybridspec.common.models.drafter_gguf import (EMBEDDINGS_NAME, GGUF_NAME, R
 from hybridspec.common.models.loading import load_model
 from hybridspec.common.protocol.wire import SamplingParams
 from hybridspec.edge.draft_lm import TorchLM
-from hybridspec.edge.drafter import ModelDrafter
 from hybridspec.edge.drafters import make_drafter
 from hybridspec.edge.proposal import DraftSettings, Drafting, DrafterKind
 
