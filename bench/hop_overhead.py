@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -183,12 +183,14 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
 
 def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", **verifier) -> dict:
     """A fresh replica under `edges` closed-loop edges for one window: its steps' CPU and wall time part by part
-    (StepClock), the CPU of the model's process outside its model thread (grpc in-process; ipc, the pipe, for
-    a replica in a process of its own, whose front door's CPU is front_door), and what the edges saw."""
-    process = backend == "process"
+    (StepClock), the CPU of the model's process outside its model thread (grpc in-process; ipc, the pipe, in a
+    process of its own, whose front door's CPU is front_door), and what the edges saw."""
+    process, cores = backend in ("process", "apart"), usable_cores()
     if process:
         settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
-        loader = functools.partial(flat_replica, ReplicaSpec(target, settings, MANY), args.pass_ms)
+        loader = functools.partial(flat_replica, ReplicaSpec(target, settings, MANY), args.pass_ms, cores)
+        if backend == "apart" and cores == [CLOUD_CORE]:  # the child alone on the cloud core, as on a server:
+            pin(EDGE_CORE)  # the front door's threads start from here, and the child pins itself back
         server = BackgroundServer(pool := process_pool(loader, MANY.max_sessions, MANY.max_sessions))
         replica = pool.replicas["process"]
     else:
@@ -214,21 +216,22 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
         seen = conn.recv()
     finally:
         server.stop()
+        pin(cores)
     steps = max(1, clock.steps)
     cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
     cpu_ms["ipc" if process else "grpc"] = 1e3 * (model_cpu - sum(clock.cpu.values())) / steps
     if process:  # the front door's process: all of its CPU
         cpu_ms["front_door"] = 1e3 * cpu / steps
     return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
-            "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps,
+            "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps, "tokens_per_s": seen["tokens"] / args.seconds,
             "wall_ms": {part.value: 1e3 * clock.wall[part] / steps for part in Part},
-            "tokens_per_s": seen["tokens"] / args.seconds,
             "passes_per_round": clock.steps * edges / max(1, seen["rounds"]),
             "p95_round_ms": percentile(seen["latency_ms"], 95) if seen["latency_ms"] else None, "opens": seen["opens"]}
 
 
-def flat_replica(spec: ReplicaSpec, pass_ms: float, measured) -> Verifier:
-    """A process replica's loader (cloud/pool/process_replica.py): `spec`'s verifier, every pass `pass_ms` at least."""
+def flat_replica(spec: ReplicaSpec, pass_ms: float, cores: list[int], measured) -> Verifier:
+    """The process replica's loader: pinned to `cores`, `spec`'s verifier with passes of `pass_ms` at least."""
+    pin(cores)
     verifier = load_verifier(spec, measured)
     at_least(verifier.engine, pass_ms / 1e3)
     return verifier
@@ -278,8 +281,7 @@ def windows(args, runs: list[tuple[str, int, dict]]) -> tuple[dict[str, list[dic
 
 def interval(values: list[float]) -> list[float]:
     """[mean, and its 95 % interval's low and high end] over the repeats."""
-    estimate = mean_ci(values)
-    return [round(estimate.value, 4), round(estimate.lo, 4), round(estimate.hi, 4)]
+    return [round(x, 4) for x in astuple(mean_ci(values))[:3]]  # value, lo, hi
 
 
 def host(args) -> dict:
@@ -293,11 +295,10 @@ def host(args) -> dict:
         per_step = [sum(r["cpu_ms"][p] for p in host_parts) for r in runs]
         rows.append({"edges": n, "backend": backend, "steps": [r["steps"] for r in runs],
                      "rounds_per_step": interval([r["rounds_per_step"] for r in runs]),
-                     "host_cpu_ms_per_step": interval(per_step),
+                     "host_cpu_ms_per_step": interval(per_step), "reopens": [r["opens"] for r in runs],
                      "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"]) for h, r in zip(per_step, runs)]),
                      "cpu_ms_per_step": {p: interval([r["cpu_ms"][p] for r in runs]) for p in runs[0]["cpu_ms"]},
-                     "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]},
-                     "reopens": [r["opens"] for r in runs]})
+                     "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]}})
     return {**setting, "hold": args.hold, "rows": rows}
 
 
@@ -331,12 +332,12 @@ def main() -> None:
                         help="--host: the batching policy (quorum and --pass-ms 30: every edge's round in each pass)")
     parser.add_argument("--seconds", type=float, default=5.0, help="--host, --meet: the timed window of each run")
     parser.add_argument("--repeats", type=int, default=3, help="--host, --meet: runs of each setting, in turns")
-    parser.add_argument("--draft-ms", type=float, help="--host, --meet: each edge's drafting time per round "
-                                                       "(default 0 and 8)")
+    parser.add_argument("--draft-ms", type=float, help="--host, --meet: drafting time per round (default 0 and 8)")
     parser.add_argument("--pass-ms", type=float, default=0.0, help="--host, --meet: every pass lasts at least this "
                                                                    "long (a flat-cost device; 0: the target's own)")
     parser.add_argument("--backends", type=lambda s: s.split(","), default=["inprocess"], help="--host: where the "
-                        "verifier runs, in turns: inprocess (the front door's process), process (a process of its own)")
+                        "verifier runs, in turns: inprocess (the front door's process), process (a process of its "
+                        "own), apart (that process alone on its core, the front door beside the edges)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0
