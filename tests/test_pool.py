@@ -12,6 +12,7 @@ import ray
 from hybridspec.cloud.pool.ray_pool import RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
 from hybridspec.cloud.api.server import BackgroundServer
+from hybridspec.cloud.core.limits import Hold
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
@@ -31,8 +32,12 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def pool_server(ray_cluster, model_dirs):
     """Two replica actors (half a Ray CPU each) behind a front door with a /metrics endpoint."""
-    settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=16,
-                               max_wait_ms=20.0)  # generous, so that concurrent test edges really share passes
+    # Generous, and waiting for every recently active session, so that concurrent test edges really share
+    # passes. The default (cohort) waits only for the sessions the same pass answered: edges whose first
+    # rounds miss each other by more than the wait keep passes of their own unless their rounds happen to
+    # arrive together (a CI run saw 100 rounds in 100 passes), which is that policy's choice, not what
+    # these tests are about.
+    settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=16, max_wait_ms=20.0, hold=Hold.COMPANY)
     replica = ReplicaSpec(str(model_dirs["target"]), settings,
                           VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
     pool = RayPool(PoolSpec(replica, PoolSettings(replicas=2, replica_num_cpus=0.5), name="test-pool"))
