@@ -4,11 +4,11 @@ from __future__ import annotations
 import gc
 
 # CPython collects its youngest generation after every 700 more container objects made than freed.
-# A step of 64 rounds makes and frees thousands, so it met about one collection a step, and each
-# traced every round still in flight: a fifth of a millisecond of the model thread's time, about a
-# tenth of its host work (bench/hop_overhead.py --host, docs/measurements.md). At ten thousand a
-# collection comes about every dozen steps; what waits to be collected meanwhile is a few megabytes
-# at most, and only reference cycles wait at all (the rest is freed when its last reference goes).
+# A step of 64 rounds makes them in bursts of more than that, so the model thread met about 0.8
+# collections a step, each tracing the rounds in flight: about 0.2 ms a step (counted with gc.callbacks
+# under bench/hop_overhead.py --host at 64 edges; docs/measurements.md). At ten thousand the bursts stay
+# below the threshold and it met none in a 10 s window. What waits to be collected meanwhile is a few
+# megabytes at most, and only reference cycles wait at all (the rest is freed when its last reference goes).
 YOUNG_COLLECTION_THRESHOLD = 10_000
 
 
