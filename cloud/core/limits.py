@@ -24,6 +24,7 @@ class Hold(Choice):
     COMPANY = "company"  # every recently active session's, at most max_wait
     COHORT = "cohort"  # those of the sessions the same pass answered, at most max_wait
     QUORUM = "quorum"  # most active sessions', at most max_wait or the last pass's time
+    AUTO = "auto"  # quorum where one group pays (sessions return sooner than a pass's fixed part), else cohort
 
 
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most

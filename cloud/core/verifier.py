@@ -94,7 +94,7 @@ from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, Mo
 from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import BATCH_SESSIONS, CurveMeasurement
-from .holding import Waiting, policy
+from .holding import QUORUM, Returns, Waiting, policy
 from .limits import (DEFAULT_FAIR_SHARE, DEFAULT_HOLD, DEFAULT_MAX_BATCH, DEFAULT_MAX_WAIT_MS,
                      DEFAULT_PREFILL_BUDGET_MS, Hold, VerifierLimits)
 from .passes import Pass, PassTime, Shares, StepCost, Usage, plan_pass, prefill_tokens, tree_nodes
@@ -338,6 +338,7 @@ class Verifier:
         self._split = False  # the last step left rounds for the engine's limits
         self._recent: dict[str, float] = {}  # session -> when its last round arrived
         self._cohort: dict[str, int] = {}  # session -> the pass that carried its last round
+        self._returns = Returns(ACTIVE_WINDOW_S)  # how soon answered edges send their next round
         self._passes = 0  # passes run so far
         self._last_pass_s = 0.0  # the last pass's time, from admission to answers
         self._fresh: dict[str, float] = {}  # session -> when it went live (it keeps its stream for its first round)
@@ -571,6 +572,7 @@ class Verifier:
         for item in taken:
             self._recent[item.block.session_id] = item.arrived
             self._cohort[item.block.session_id] = self._passes
+            self._returns.arrived(item.block.session_id, item.arrived)
         self._held_back = not taken and not work.openings and bool(rounds)
         if not taken and not work.openings:
             if opens:
@@ -621,8 +623,10 @@ class Verifier:
         for item, result in zip(taken, results):
             if isinstance(result, VerifyResult):
                 result = result.timed((done - item.arrived) * 1e3, max(0.0, started - item.arrived) * 1e3)
-            if item.stream is not None:
+            if item.stream is not None:  # the server queues its next round itself: no return to measure
                 self._continue(item.stream, item.stream.answered(item.block, result), done)
+            else:
+                self._returns.answered(item.block.session_id, done)
             mails.add(item.answer(result))
         _send(mails)
         if opens:
@@ -962,6 +966,7 @@ class Verifier:
         prefill into small chunks."""
         self._recent.pop(session_id, None)
         self._cohort.pop(session_id, None)
+        self._returns.forget(session_id)
         return self._sessions.pop(session_id)
 
     def _stats(self) -> VerifierStats:
@@ -1035,14 +1040,16 @@ class Verifier:
         if not self._rounds or self.max_wait_s == 0 or self._split:
             return  # (the rounds the last pass could not carry were ready for it: they go at once)
         since = max(free_since, self._rounds[0].arrived)
+        fixed_s, return_s = self.pass_time.coef[0] / 1e3, self._returns.within(QUORUM)
         while not self._stopping:
             now = time.perf_counter()
             for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
                 del self._recent[sid]
                 self._cohort.pop(sid, None)
+                self._returns.forget(sid)
             queued = frozenset(r.block.session_id for r in self._rounds)
             until = self.hold.hold_until(Waiting(now, since, queued, queued.union(self._recent), self.max_batch,
-                                                 self._last_pass_s, self._cohort))
+                                                 self._last_pass_s, self._cohort, fixed_s, return_s))
             if until is None:
                 return
             self._cv.wait(until - now)

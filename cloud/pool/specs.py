@@ -37,7 +37,8 @@ class ReplicaSettings:
     hold: Hold = setting(DEFAULT_HOLD, "which others a queued round waits for: company = every session that "
                                        "sent a round lately, up to max_wait; cohort = those the same pass "
                                        "answered (groups that draft while another is verified); quorum = nine in ten "
-                                       "of them, up to the last pass's time (one group)")
+                                       "of them, up to the last pass's time (one group); auto = quorum while "
+                                       "edges come back sooner than a pass's fixed part, else cohort")
     pass_cost_tokens: int = setting(32, "a replica times passes of 1 to this many tokens and reports the curve "
                                         "to edges, which size their blocks by it: kept from an earlier start on "
                                         "the same model, engine and machine ($HYBRIDSPEC_HOME/pass-costs), else "
