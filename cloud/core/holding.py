@@ -10,7 +10,7 @@ waits, so every policy is bounded, and a lone edge never waits (nobody else is a
 
 - company: hold while a recently active session has no round queued, at most `max_wait` after the
   model became free or the oldest round arrived, whichever is later.
-- cohort (the default): the same, but wait only for the sessions the same pass answered as a queued round's session:
+- cohort: the same, but wait only for the sessions the same pass answered as a queued round's session:
   its cohort (a session no pass has answered yet waits for everyone). Sessions a pass could not wait
   for are answered by the next one and become a cohort of their own, so the edges split into groups
   that draft while another group is verified (SpecEdge's two cohorts, formed by the passes
@@ -20,7 +20,7 @@ waits, so every policy is bounded, and a lone edge never waits (nobody else is a
   and HOLD_SHARE of the last pass's time: long enough for a group that is drafting to come back, so
   groups merge into one and stay merged. Where a pass costs about the same for few rounds as for many
   (a GPU below its batch size), one pass per round of every edge is what pays.
-- auto: quorum where merging the groups pays, cohort where it does not, decided afresh each time rounds
+- auto (the default): quorum where merging the groups pays, cohort where it does not, decided afresh each time rounds
   are held from what the replica has measured. Two groups cost one pass's fixed part (the pass-time
   model's: what a pass costs however few rows it has) more per round of every edge than one group does;
   one group waits, each round, for its slowest edges to come back (the QUORUM share of the measured gaps

@@ -29,7 +29,7 @@ class Hold(Choice):
 
 DEFAULT_MAX_BATCH = 16  # sessions' rounds scored in one forward pass at most
 DEFAULT_MAX_WAIT_MS = 2.0  # how long a round waits for recently active sessions' rounds
-DEFAULT_HOLD = Hold.COHORT  # which ones it waits for (docs/measurements.md, "Rounds that meet")
+DEFAULT_HOLD = Hold.AUTO  # which ones it waits for (docs/measurements.md, "Rounds that meet")
 # A step with a prompt chunk takes about this long while others wait: about one round on a CPU core.
 DEFAULT_PREFILL_BUDGET_MS = 60.0
 DEFAULT_FAIR_SHARE = True  # passes shared among identities by weight (cloud/core/passes.py)
