@@ -243,6 +243,11 @@ def test_health_is_serving_and_metrics_count_rounds(pool_server, target):
     for replica in replicas:
         assert f'hybridspec_kv_cache_usage_perc{{replica="{replica}"}}' in text
         assert 0 <= metric(server, "hybridspec_kv_cache_usage_perc", replica=replica) <= 1
+        assert metric(server, "hybridspec_pass_fixed_seconds", replica=replica) >= 0
+    # The edge sent its rounds one after another, each well within 0.5 s of its answer: the replica that
+    # served them measured how soon it came back (the auto hold's other input), and no more than a round.
+    returns = [metric(server, "hybridspec_edge_return_seconds", replica=r) for r in replicas]
+    assert any(0 < r < 0.5 for r in returns), returns
     assert sum(metric(server, "hybridspec_iteration_tokens_total_count", replica=r) for r in replicas) > 0
     assert sum(metric(server, "hybridspec_time_to_first_token_seconds_count", replica=r) for r in replicas) > 0
     assert sum(metric(server, "hybridspec_inter_token_latency_seconds_count", replica=r) for r in replicas) > 0

@@ -109,6 +109,11 @@ class Metrics:
                                  "for reuse, per replica", ["replica"], registry=r)
         self.parked_tokens = Gauge("hybridspec_kv_parked_tokens", "Tokens of idle sessions parked in host memory "
                                    "(llama.cpp), per replica", ["replica"], registry=r)
+        self.pass_fixed = Gauge("hybridspec_pass_fixed_seconds", "What a forward pass costs however few rows it "
+                                "has (the replica's pass-time model), per replica", ["replica"], registry=r)
+        self.edge_return = Gauge("hybridspec_edge_return_seconds", "How soon nine in ten answered edges send their "
+                                 "next round (+Inf until measured), per replica; the auto hold keeps one group "
+                                 "while this is below hybridspec_pass_fixed_seconds", ["replica"], registry=r)
         self.replica_histograms = ReplicaHistograms()
         r.register(self.replica_histograms)
         self._seen: dict[tuple[str, str], int] = {}  # (counter, replica) -> the replica's last total
@@ -160,6 +165,8 @@ class Metrics:
                 self._add_new("prefix_tokens", r.name, r.prefixes.tokens_saved, self.prefix_tokens)
                 if r.telemetry is not None:
                     self.kv_usage.labels(r.name).set(r.telemetry.kv_usage)
+                    self.pass_fixed.labels(r.name).set(r.telemetry.pass_fixed_s)
+                    self.edge_return.labels(r.name).set(r.telemetry.return_s)
                     self.replica_histograms.update(r.name, r.telemetry)
 
     def _add_new(self, what: str, replica: str, total: int, counter) -> None:

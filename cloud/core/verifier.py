@@ -973,7 +973,9 @@ class Verifier:
         self._sessions.expire_idle()
         return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
                              self._sessions.ids(), self.engine.capacity_tokens,
-                             self.telemetry.snapshot(self.engine.fill()), self.prefixes.stats(),
+                             self.telemetry.snapshot(self.engine.fill(), self.pass_time.coef[0] / 1e3,
+                                                     self._returns.within(QUORUM)),
+                             self.prefixes.stats(),
                              getattr(self.engine, "parked_tokens", 0))
 
     def _park_rank(self, kv: KVSequence) -> float:
