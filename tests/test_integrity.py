@@ -5,6 +5,7 @@ Each test names the defect it pins down; each failed on the code before the fix 
 import copy
 import re
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -24,7 +25,7 @@ from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
 from hybridspec.edge.worker import EdgeWorker
 
-from conftest import eventually
+from conftest import eventually, started
 from tinymodels import EVERY_ROUND, greedy_reference
 
 LIMITS = VerifierLimits(max_context=512, max_draft=16, max_sessions=32)
@@ -261,6 +262,24 @@ def test_routes_of_sessions_a_replica_expired_are_dropped(target):
                 stub.OpenSession(pb.OpenSessionRequest(committed_ids=[5, 6]))
     finally:
         srv.stop()
+
+
+def test_a_replica_that_never_holds_forgets_the_sessions_that_went_quiet(target):
+    """What the model thread keeps per session for batching (when its last round came, which pass took it,
+    when it was answered) must go with the session. Closing forgets it; a session abandoned without a
+    close expires from the store, and a replica whose hold never runs (max_wait_ms 0) never pruned it:
+    one entry per abandoned session, for good."""
+    limits = VerifierLimits(max_context=512, max_sessions=2, idle_timeout_s=1)
+    verifier = Verifier(target, limits, max_wait_ms=0)
+    with started(verifier):
+        for batch in range(4):
+            for i in range(limits.max_sessions):
+                sid = f"abandoned-{batch}-{i}"
+                length = verifier.submit_open(SessionSpec(sid, (5, 6))).result(30).committed_len
+                verifier.submit_round(DraftBlock(sid, 0, length, ())).result(30)
+            time.sleep(1.1)  # idle past the timeout: the store expires them at the next open
+        kept = (verifier._recent, verifier._cohort, verifier._returns._answered)  # the step's own state
+        assert all(len(table) <= limits.max_sessions for table in kept), [len(table) for table in kept]
 
 
 def test_oversized_session_ids_are_refused_unread(server, stub_of):

@@ -573,6 +573,10 @@ class Verifier:
             self._recent[item.block.session_id] = item.arrived
             self._cohort[item.block.session_id] = self._passes
             self._returns.arrived(item.block.session_id, item.arrived)
+        # The hold forgets sessions gone quiet without a close (expired, evicted); where it never runs
+        # (max_wait 0, a caller stepping itself), they are forgotten once they outnumber the live ones.
+        if len(self._recent) > self.limits.max_sessions:
+            self._forget_quiet(time.perf_counter())
         self._held_back = not taken and not work.openings and bool(rounds)
         if not taken and not work.openings:
             if opens:
@@ -1045,16 +1049,20 @@ class Verifier:
         fixed_s, return_s = self.pass_time.coef[0] / 1e3, self._returns.within(QUORUM)
         while not self._stopping:
             now = time.perf_counter()
-            for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
-                del self._recent[sid]
-                self._cohort.pop(sid, None)
-                self._returns.forget(sid)
+            self._forget_quiet(now)
             queued = frozenset(r.block.session_id for r in self._rounds)
             until = self.hold.hold_until(Waiting(now, since, queued, queued.union(self._recent), self.max_batch,
                                                  self._last_pass_s, self._cohort, fixed_s, return_s))
             if until is None:
                 return
             self._cv.wait(until - now)
+
+    def _forget_quiet(self, now: float) -> None:
+        """Sessions that sent no round within ACTIVE_WINDOW_S are no longer company to hold for."""
+        for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
+            del self._recent[sid]
+            self._cohort.pop(sid, None)
+            self._returns.forget(sid)
 
     def _halt(self) -> None:
         """`stop` on a thread of its own: the last stop ends the model thread, then fails what is queued."""
