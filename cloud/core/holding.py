@@ -20,8 +20,8 @@ waits, so every policy is bounded, and a lone edge never waits (nobody else is a
   and HOLD_SHARE of the last pass's time: long enough for a group that is drafting to come back, so
   groups merge into one and stay merged. Where a pass costs about the same for few rounds as for many
   (a GPU below its batch size), one pass per round of every edge is what pays.
-- auto (the default): quorum where merging the groups pays, cohort where it does not, decided afresh each time rounds
-  are held from what the replica has measured. Two groups cost one pass's fixed part (the pass-time
+- auto (the default): quorum where merging the groups pays, cohort where it does not, decided afresh
+  each time rounds are held, from what the replica has measured. Two groups cost one pass's fixed part (the pass-time
   model's: what a pass costs however few rows it has) more per round of every edge than one group does;
   one group waits, each round, for its slowest edges to come back (the QUORUM share of the measured gaps
   from a round's answer to its session's next round: drafting, the links and the front door). So

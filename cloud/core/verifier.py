@@ -977,9 +977,7 @@ class Verifier:
         self._sessions.expire_idle()
         return VerifierStats(len(self._sessions), self._sessions.cached_tokens, self._sessions.evictions,
                              self._sessions.ids(), self.engine.capacity_tokens,
-                             self.telemetry.snapshot(self.engine.fill(), self.pass_time.coef[0] / 1e3,
-                                                     self._returns.within(QUORUM)),
-                             self.prefixes.stats(),
+                             self.telemetry.snapshot(self.engine.fill(), *self._compared()), self.prefixes.stats(),
                              getattr(self.engine, "parked_tokens", 0))
 
     def _park_rank(self, kv: KVSequence) -> float:
@@ -1046,7 +1044,7 @@ class Verifier:
         if not self._rounds or self.max_wait_s == 0 or self._split:
             return  # (the rounds the last pass could not carry were ready for it: they go at once)
         since = max(free_since, self._rounds[0].arrived)
-        fixed_s, return_s = self.pass_time.coef[0] / 1e3, self._returns.within(QUORUM)
+        fixed_s, return_s = self._compared()
         while not self._stopping:
             now = time.perf_counter()
             self._forget_quiet(now)
@@ -1056,6 +1054,10 @@ class Verifier:
             if until is None:
                 return
             self._cv.wait(until - now)
+
+    def _compared(self) -> tuple[float, float]:
+        """What the auto hold compares (s): a pass's fixed part, and how soon QUORUM of answered edges came back."""
+        return self.pass_time.coef[0] / 1e3, self._returns.within(QUORUM)
 
     def _forget_quiet(self, now: float) -> None:
         """Sessions that sent no round within ACTIVE_WINDOW_S are no longer company to hold for."""
