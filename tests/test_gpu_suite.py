@@ -40,6 +40,11 @@ def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path
     assert all(lo <= r["tokens_per_s"] <= hi for r in capacity for lo, hi in [r["tokens_per_s_95"]])
     assert all(sum(r["iteration_tokens"]["counts"]) > 0 for r in capacity)
     assert all(0 < r["front_door_cores"] for r in capacity)
+    # What the replica's hold weighed, shown beside each run: the pass model's fixed part, and how soon
+    # edges came back once hybrid edges have sent rounds (cloud-only's rounds are queued by the server).
+    assert results["capacity"]["hold"] == "auto"
+    assert all(r["hold_inputs_ms"]["pass_fixed"] >= 0 for r in capacity)
+    assert all(0 < r["hold_inputs_ms"]["return"] < 500 for r in capacity if r["mode"] != "cloud-only")
     assert all(r["p95_step_ms"] > 0 and r["p95_gap_ms"] > 0 for r in capacity)
     # Through gRPC too, hybrid commits exactly the tokens cloud-only streamed for the same prompts.
     hybrid = [r for r in capacity if r["mode"] != "cloud-only"]

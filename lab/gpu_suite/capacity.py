@@ -261,15 +261,17 @@ class Replica:
 
 def serve(replica: Replica, backend: str, bench=None) -> tuple:
     """`replica` behind a real gRPC front door in this process: (the BackgroundServer, what it serves, its
-    iteration-token histogram now (a callable), StepTimes). backend "inprocess": the verifier over `bench`
-    in this process; "process": in a child process of its own."""
+    telemetry now (a callable: cloud/core/telemetry.py ReplicaTelemetry, None if it does not answer),
+    StepTimes). backend "inprocess": the verifier over `bench` in this process; "process": in a child
+    process of its own."""
     from ...cloud.api.server import BackgroundServer
     from ...cloud.core.telemetry import StepClock
 
     if backend == "inprocess":
         verifier = replica.verifier(bench=bench)
         verifier.clock = StepClock()
-        return (BackgroundServer(verifier), verifier.info, verifier.telemetry.iteration_tokens.snapshot,
+        server = BackgroundServer(verifier)
+        return (server, verifier.info, lambda: server.call(verifier.astats()).telemetry,
                 StepTimes(lambda: verifier.clock.ends))
     from ...cloud.pool.process_replica import process_pool
 
@@ -285,7 +287,7 @@ def serve(replica: Replica, backend: str, bench=None) -> tuple:
         ends.extend(clock.ends)
         return ends
 
-    return (server, child.model_info(), lambda: server.call(child.astats()).telemetry.iteration_tokens,
+    return (server, child.model_info(), lambda: getattr(server.call(child.astats()), "telemetry", None),
             StepTimes(child_ends))
 
 
@@ -360,9 +362,10 @@ def capacity(upstream: str, fleet: EdgeFleet, vocab: int, edges: list[int], mode
              steps: StepTimes | None = None, progress=print) -> list[dict]:
     """Rows of (RTT, edges, mode) with summarise's figures. Per RTT and edge count, cloud-only runs
     first (its generations are the hybrid runs' references); hybrid rows count the tokens that differ
-    from them. `telemetry()` returns the replica's iteration-token histogram (bounds, counts): its
-    difference over the window is reported. `costs`: (pass_costs, batch_pass_costs) for the policy's γ."""
-    from .report import histogram_delta
+    from them. `telemetry()` returns the replica's telemetry (or None): the difference of its iteration-token
+    histogram over the window is reported, and what its batching hold weighed at the window's end.
+    `costs`: (pass_costs, batch_pass_costs) for the policy's γ."""
+    from .report import hold_inputs, histogram_delta
 
     rows = []
     fleet.warm_up(upstream, vocab)
@@ -387,10 +390,13 @@ def capacity(upstream: str, fleet: EdgeFleet, vocab: int, edges: list[int], mode
                                     refs[i] if mode.hybrid else (), mode.agree, trace["flags"] if mode.trace else "",
                                     gamma, draft_ms, seed=i) for i in range(n)]
                     results, marks = fleet.run(jobs, lambda: (telemetry(), time.process_time()), window)
+                    before, after = (mark[0] for mark in marks)  # the replica's telemetry as the window began, ended
                     row = {"rtt_ms": rtt, "edges": n, "mode": mode.name, "gamma": gamma if mode.hybrid else None,
                            "alpha": ("trace" if mode.trace else mode.agree) if mode.hybrid else None,
                            **summarise(results, window), "p95_step_ms": steps.p95_ms(window) if steps else None,
-                           "iteration_tokens": histogram_delta(marks[0][0], marks[1][0]),
+                           "iteration_tokens": histogram_delta(before and before.iteration_tokens,
+                                                               after and after.iteration_tokens),
+                           "hold_inputs_ms": hold_inputs(after),
                            "front_door_cores": (marks[1][1] - marks[0][1]) / window_s}
                     if mode.hybrid:
                         row["differing_tokens"], row["compared_tokens"] = differing(refs, results)

@@ -3,6 +3,7 @@ table of the headline figures against their goals, and a plot of pass times and 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 # The goals the summary table reports against (issue 53, "Capacity where the product pays"; an H100's,
@@ -30,6 +31,23 @@ def histogram_delta(before, after) -> dict | None:
     if before is None or after is None:
         return None
     return {"bounds": list(after.bounds), "counts": [b - a for a, b in zip(before.counts, after.counts)]}
+
+
+def hold_inputs(telemetry) -> dict | None:
+    """What the replica's auto hold weighed (cloud/core/holding.py), in ms: a pass's fixed part and how soon
+    nine in ten answered edges came back (None until measured)."""
+    if telemetry is None:
+        return None
+    back = telemetry.return_s
+    return {"pass_fixed": round(telemetry.pass_fixed_s * 1e3, 3),
+            "return": round(back * 1e3, 3) if math.isfinite(back) else None}
+
+
+def _hold(inputs: dict | None) -> str:
+    if not inputs:
+        return ""
+    back = inputs["return"]
+    return f"{inputs['pass_fixed']:.1f} / {'—' if back is None else f'{back:.1f}'}"
 
 
 def _ratio(hyb: dict, base: dict) -> str:
@@ -121,11 +139,14 @@ def write_markdown(out: Path, results: dict) -> None:
                   f"{c.get('shape')}; closed-loop edges, {c.get('warm_s')} s warm-up, then a {c.get('window_s')} s window "
                   f"to the deadline; {c.get('draft_ms_per_token')} ms drafting per token; trace: {c.get('trace')}; the "
                   f"verifier {'in a process of its own' if c.get('backend') == 'process' else 'in the front door'}"
-                  ". Front door CPU: the cores the front door's process used over the window (with the verifier "
-                  "in it, the verifier's too).", "",
+                  f"; hold {c.get('hold')}. Front door CPU: the cores the front door's process used over the window "
+                  "(with the verifier in it, the verifier's too). Hold: what the replica weighed at the window's end, "
+                  "a pass's fixed part / how soon nine in ten edges came back (ms); auto keeps one group while the "
+                  "second is the smaller.", "",
                   "| RTT ms | edges | mode | γ | tokens/s (95 %) | per edge: median, its mean's 95 % | fewest per edge | "
                   "p95 step ms (replica) | p95 commit gap ms (edge) | tokens/round | differing / compared | "
-                  "front door CPU (cores) | tokens per pass (histogram) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "front door CPU (cores) | tokens per pass (histogram) | hold: fixed / return ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in cap:
             lines.append(f"| {r['rtt_ms']:g} | {r['edges']} | {r['mode']} | {r.get('gamma') or ''} | "
                          f"{_fmt(r['tokens_per_s'], 0)} {_interval(r.get('tokens_per_s_95'), 0)} | "
@@ -133,7 +154,8 @@ def write_markdown(out: Path, results: dict) -> None:
                          f"{r.get('min_edge_tokens', '')} | {_fmt(r.get('p95_step_ms'), 1)} | {_fmt(r.get('p95_gap_ms'), 1)} | "
                          f"{_fmt(r.get('tokens_per_round'))} | "
                          f"{r.get('differing_tokens', '')}{' / ' + str(r['compared_tokens']) if 'compared_tokens' in r else ''}"
-                         f" | {_fmt(r.get('front_door_cores'))} | {_histogram(r.get('iteration_tokens'))} |")
+                         f" | {_fmt(r.get('front_door_cores'))} | {_histogram(r.get('iteration_tokens'))} | "
+                         f"{_hold(r.get('hold_inputs_ms'))} |")
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in results["errors"]]
     (out / "results.md").write_text("\n".join(lines) + "\n")
