@@ -12,7 +12,7 @@ import pytest
 
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.limits import VerifierLimits
-from hybridspec.cloud.core.telemetry import Part
+from hybridspec.cloud.core.telemetry import STEP_ENDS_KEPT, Part, StepClock
 from hybridspec.cloud.pool.process_replica import ProcessReplica, process_pool
 from hybridspec.cloud.pool.replica import load_verifier
 from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
@@ -67,6 +67,15 @@ def test_rounds_of_one_step_share_a_pass_and_the_clock_crosses_the_pipe(process_
     assert clock.steps > 0 and clock.rounds > clock.steps, "concurrent edges' rounds should share passes"
     assert clock.cpu[Part.FORWARD] > 0 and cpu_s >= sum(clock.cpu.values())
     assert len(clock.ends) == clock.steps and all(ms > 0 for _, ms in clock.ends)
+
+
+def test_a_step_clock_left_on_keeps_the_latest_step_ends_only():
+    clock = StepClock()
+    for _ in range(STEP_ENDS_KEPT + 10):
+        clock.start()
+        clock.done(1)
+    assert clock.steps == STEP_ENDS_KEPT + 10 and len(clock.ends) == STEP_ENDS_KEPT
+    assert clock.ends[-1][0] >= clock.ends[0][0]
 
 
 def test_domain_errors_cross_the_pipe_as_statuses(process_server):

@@ -14,6 +14,7 @@ import bisect
 import enum
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -116,6 +117,9 @@ class Part(enum.Enum):
     ANSWER = "answer"  # 7: timing and resolving answers, decode streams' next rounds, opens settled
 
 
+STEP_ENDS_KEPT = 100_000  # steps whose end a StepClock keeps: minutes of steps, a few MiB
+
+
 class StepClock:
     """Wall and thread-CPU seconds per Part, summed over the steps that ran a pass, the rounds those steps
     answered, and each such step's end and length. Off unless `enabled` (a Verifier's default clock is
@@ -127,7 +131,9 @@ class StepClock:
         self.cpu = dict.fromkeys(Part, 0.0)
         self.steps = 0
         self.rounds = 0
-        self.ends: list[tuple[float, float]] = []  # per step: (time.time() at its end, its wall milliseconds)
+        # Per step: (time.time() at its end, its wall milliseconds); the latest STEP_ENDS_KEPT, so a clock
+        # left on does not grow without bound.
+        self.ends: deque[tuple[float, float]] = deque(maxlen=STEP_ENDS_KEPT)
         self._wall = self._cpu = self._began = 0.0
 
     def start(self) -> None:
