@@ -21,8 +21,9 @@ waits, so every policy is bounded, and a lone edge never waits (nobody else is a
   groups merge into one and stay merged. Where a pass costs about the same for few rounds as for many
   (a GPU below its batch size), one pass per round of every edge is what pays.
 - auto (the default): quorum where merging the groups pays, cohort where it does not, decided afresh
-  each time rounds are held, from what the replica has measured. Two groups cost one pass's fixed part (the pass-time
-  model's: what a pass costs however few rows it has) more per round of every edge than one group does;
+  each time rounds are held, from what the replica has measured. Two groups cost one pass's fixed part
+  (the pass-time model's: what a pass costs however few rows it has) more per round of every edge than
+  one group does;
   one group waits, each round, for its slowest edges to come back (the QUORUM share of the measured gaps
   from a round's answer to its session's next round: drafting, the links and the front door). So
   merging pays when that return takes less than the fixed part: on a GPU whose pass of a few rows costs

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import enum
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -67,8 +66,8 @@ class ReplicaTelemetry:
     kv_usage: float  # fraction of the KV pool's pages in use, 0..1
     # What the auto hold compares (cloud/core/holding.py): the pass-time model's fixed part, and how soon
     # nine in ten answered edges send their next round (inf until measured).
-    pass_fixed_s: float = 0.0
-    return_s: float = math.inf
+    pass_fixed_s: float
+    return_s: float
 
 
 class Telemetry:
@@ -79,7 +78,7 @@ class Telemetry:
         self.itl = Buckets(ITL_BUCKETS)
         self.iteration_tokens = Buckets(ITERATION_TOKEN_BUCKETS)
 
-    def snapshot(self, kv_usage: float, pass_fixed_s: float = 0.0, return_s: float = math.inf) -> ReplicaTelemetry:
+    def snapshot(self, kv_usage: float, pass_fixed_s: float, return_s: float) -> ReplicaTelemetry:
         """Everything, frozen, with the KV pool's fill and what the auto hold compares."""
         return ReplicaTelemetry(self.ttft.snapshot(), self.itl.snapshot(), self.iteration_tokens.snapshot(), kv_usage,
                                 pass_fixed_s, return_s)

@@ -968,9 +968,7 @@ class Verifier:
     def _close(self, session_id: str) -> bool:
         """Close a session: it is no longer company to wait for, nor a reason to cut another session's
         prefill into small chunks."""
-        self._recent.pop(session_id, None)
-        self._cohort.pop(session_id, None)
-        self._returns.forget(session_id)
+        self._forget(session_id)
         return self._sessions.pop(session_id)
 
     def _stats(self) -> VerifierStats:
@@ -1062,9 +1060,13 @@ class Verifier:
     def _forget_quiet(self, now: float) -> None:
         """Sessions that sent no round within ACTIVE_WINDOW_S are no longer company to hold for."""
         for sid in [s for s, t in self._recent.items() if now - t > ACTIVE_WINDOW_S]:
-            del self._recent[sid]
-            self._cohort.pop(sid, None)
-            self._returns.forget(sid)
+            self._forget(sid)
+
+    def _forget(self, session_id: str) -> None:
+        """Drop what batching keeps of a session (closed, or quiet)."""
+        self._recent.pop(session_id, None)
+        self._cohort.pop(session_id, None)
+        self._returns.forget(session_id)
 
     def _halt(self) -> None:
         """`stop` on a thread of its own: the last stop ends the model thread, then fails what is queued."""
