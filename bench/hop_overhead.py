@@ -3,8 +3,8 @@ host time under many edges, and per batching policy.
 
 Real gRPC clients take turns round by round, so other load hits every path alike; --target tiny (the
 default) is a random 2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths: front-door (a
-1-replica Ray pool), direct (the replica's own endpoint), in-process (the floor); overhead = the round
-trip − (verify_ms − queue_ms). docs/measurements.md has the method and the numbers.
+1-replica Ray pool), direct (the replica's own endpoint; its model in a process of its own, or in the actor),
+in-process (the floor); overhead = the round trip − (verify_ms − queue_ms). docs/measurements.md has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ import torch
 from hybridspec.cloud.api.server import BackgroundServer, ReplicaEndpoint
 from hybridspec.cloud.core.heap import settle_heap
 from hybridspec.cloud.core.limits import DEFAULT_HOLD, DEFAULT_MAX_WAIT_MS, Hold
-from hybridspec.cloud.core.telemetry import Part, StepClock
+from hybridspec.cloud.core.telemetry import ClockSwitch, Part
 from hybridspec.cloud.core.verifier import Verifier, VerifierLimits
 from hybridspec.cloud.pool.pool import inprocess_pool
 from hybridspec.cloud.pool.process_replica import process_pool
-from hybridspec.cloud.pool.replica import load_verifier
+from hybridspec.cloud.pool.loading import load_verifier
 from hybridspec.cloud.pool.cluster import start_local
 from hybridspec.cloud.pool.ray_pool import WORKER_ENV, RayPool
 from hybridspec.cloud.pool.specs import PoolSettings, PoolSpec, ReplicaSettings, ReplicaSpec
@@ -89,7 +89,7 @@ class Lane:
 
 
 def paths(args) -> dict:
-    """The three paths' overhead beyond the forward pass, round by round in turns."""
+    """The paths' overhead beyond the forward pass, round by round in turns."""
     cores = usable_cores()
     pinned = args.pin and len(cores) >= 2
     tmp = tempfile.TemporaryDirectory()
@@ -98,12 +98,11 @@ def paths(args) -> dict:
         pin(cores[1])  # Ray's processes, replicas included, inherit this core
     start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
                 logging_level="ERROR")
-    servers = {}
-    for name, endpoint in (("front-door", None), ("direct", ReplicaEndpoint("127.0.0.1"))):
-        settings = ReplicaSettings(device="cpu", torch_threads=1)
-        pool = RayPool(PoolSpec(ReplicaSpec(target, settings, LIMITS), PoolSettings(replicas=1), name=f"hop-{name}"),
-                       endpoint)
-        servers[name] = BackgroundServer(pool)
+    servers, spec = {}, ReplicaSpec(target, ReplicaSettings(device="cpu", torch_threads=1), LIMITS)
+    for name, endpoint, own in (("front-door", None, True), ("direct", ReplicaEndpoint("127.0.0.1"), True),
+                                ("direct, model in the actor", ReplicaEndpoint("127.0.0.1"), False)):
+        settings = PoolSettings(replicas=1, model_process=own)  # own: the model in a process of its own
+        servers[name] = BackgroundServer(RayPool(PoolSpec(spec, settings, name=f"hop-{len(servers)}"), endpoint))
     if pinned:
         pin(cores[0])  # the front doors' loops, the in-process verifier and the edges
     verifier = Verifier(load_model(target, device="cpu"), LIMITS)
@@ -112,7 +111,7 @@ def paths(args) -> dict:
     try:
         for lane in lanes:
             lane.open()
-        assert [p.direct for p in lanes] == [False, True, False], "only the direct path should name an endpoint"
+        assert [p.direct for p in lanes] == [False, True, True, False], "only the direct paths should name an endpoint"
         for r in range(WARMUP_ROUNDS + args.rounds):
             for lane in lanes:  # round-robin: background load hits every path alike
                 lane.one_round(DRAFT, keep=r >= WARMUP_ROUNDS)
@@ -131,6 +130,7 @@ def paths(args) -> dict:
 
 
 MANY = VerifierLimits(max_context=512, max_draft=32, max_sessions=64)
+PER_CLIENT = {"max_sessions_per_client": 64, "max_sessions_per_address": 64}  # every edge's session
 WARM_S = 2.0  # closed-loop rounds before each window, untimed
 
 
@@ -150,14 +150,17 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
     latencies, seen = [], {"tokens": 0, "opens": 0}
 
     async def edge(stub) -> None:
-        sid, length, r, call = "", 0, 0, None
+        sid, length, r, call, direct = "", 0, 0, None, None
         while time.perf_counter() < window[1]:
             if call is None or length + GAMMA + 1 >= MANY.max_context:
                 if call is not None:
                     call.cancel()
                     await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
                 opened = codec.opened_from_pb(await stub.OpenSession(codec.session_to_pb(SessionSpec("", PROMPT))))
-                sid, length, r, call = opened.session_id, opened.committed_len, 0, stub.VerifyStream()
+                if opened.verify_address and direct is None:  # rounds go to the replica's own endpoint
+                    channels.append(grpc.aio.insecure_channel(opened.verify_address, options=SHARED_OPTIONS))
+                    direct = pb_grpc.VerifierStub(channels[-1])
+                sid, length, r, call = opened.session_id, opened.committed_len, 0, (direct or stub).VerifyStream()
                 seen["opens"] += time.perf_counter() >= window[0]
             if draft_ms:
                 await asyncio.sleep(draft_ms / 1e3)
@@ -171,7 +174,7 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
         call.cancel()
 
     channels = [grpc.aio.insecure_channel(address, options=SHARED_OPTIONS) for _ in range(edges)]
-    tasks = [asyncio.create_task(edge(pb_grpc.VerifierStub(channel))) for channel in channels]
+    tasks = [asyncio.create_task(edge(pb_grpc.VerifierStub(channel))) for channel in list(channels)]
     await asyncio.sleep(WARM_S)
     conn.send("warm")
     deadline = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
@@ -183,36 +186,39 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
 
 def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", **verifier) -> dict:
     """A fresh replica under `edges` closed-loop edges for one window: its steps' CPU and wall time part by part
-    (StepClock), the CPU of the model's process outside its model thread (grpc in-process; ipc, the pipe, in a
-    process of its own, whose front door's CPU is front_door), and what the edges saw."""
-    process, cores = backend in ("process", "apart"), usable_cores()
-    if process:
-        settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
+    (StepClock), the CPU of the model's process outside its model thread (grpc where the gRPC server shares
+    its interpreter; ipc, the pipe, in a process of its own, whose front door's CPU is front_door), and what
+    the edges saw. A Ray replica (ray: its model in a process of its own; ray-actor: in the actor, beside
+    its endpoint) takes its rounds on its own endpoint, and its passes are the target's own."""
+    process, cores = backend in ("process", "apart", "ray"), usable_cores()
+    settings = ReplicaSettings(device="cpu", torch_threads=1, max_batch_size=edges, pass_cost_tokens=0, **verifier)
+    if backend.startswith("ray"):
+        assert not args.pass_ms, "--pass-ms: a Ray replica's passes are its target's own"
+        pool = RayPool(PoolSpec(ReplicaSpec(target, settings, MANY), name=f"host-{backend}-{time.monotonic_ns()}",
+                                settings=PoolSettings(replicas=1, model_process=process, **PER_CLIENT)),
+                       ReplicaEndpoint("127.0.0.1"))
+        server, handle = BackgroundServer(pool), next(iter(pool.replicas.values())).handle
+        switch = lambda on: ray.get(handle.step_clock.remote(on))
+    elif process:
         loader = functools.partial(flat_replica, ReplicaSpec(target, settings, MANY), args.pass_ms, cores)
         if backend == "apart" and cores == [CLOUD_CORE]:  # the child alone on the cloud core, as on a server:
             pin(EDGE_CORE)  # the front door's threads start from here, and the child pins itself back
-        server = BackgroundServer(pool := process_pool(loader, MANY.max_sessions, MANY.max_sessions))
-        replica = pool.replicas["process"]
+        server = BackgroundServer(pool := process_pool(loader, **PER_CLIENT))
+        switch = lambda on: server.call(pool.replicas["process"].step_clock(on))
     else:
         replica = Verifier(load_model(target, device="cpu"), MANY, max_batch=edges, **verifier)
         at_least(replica.engine, args.pass_ms / 1e3)
-        server = BackgroundServer(replica)
+        server, switch = BackgroundServer(replica), functools.partial(ClockSwitch().turn, replica)
     settle_heap()  # as a serving process does once started
     try:
         conn.send({"address": server.address, "edges": edges, "draft_ms": args.draft_ms})
         assert conn.recv() == "warm"
-        if process:
-            server.call(replica.step_clock(True))
-        else:
-            replica.clock = StepClock()
+        switch(True)
         cpu, deadline = time.process_time(), time.perf_counter() + args.seconds
         conn.send(deadline)
         time.sleep(args.seconds)
         cpu = time.process_time() - cpu
-        if process:
-            clock, model_cpu = server.call(replica.step_clock(False))
-        else:
-            clock, model_cpu, replica.clock = replica.clock, cpu, StepClock(enabled=False)
+        clock, model_cpu = switch(False)
         seen = conn.recv()
     finally:
         server.stop()
@@ -220,7 +226,7 @@ def one_window(conn, target: str, edges: int, args, backend: str = "inprocess", 
     steps = max(1, clock.steps)
     cpu_ms = {part.value: 1e3 * clock.cpu[part] / steps for part in Part}
     cpu_ms["ipc" if process else "grpc"] = 1e3 * (model_cpu - sum(clock.cpu.values())) / steps
-    if process:  # the front door's process: all of its CPU
+    if backend in ("process", "apart"):  # the front door's process: all of its CPU
         cpu_ms["front_door"] = 1e3 * cpu / steps
     return {"steps": clock.steps, "rounds": clock.rounds, "rounds_per_step": clock.rounds / steps, "cpu_ms": cpu_ms,
             "hold_ms": 1e3 * clock.wall[Part.HOLD] / steps, "tokens_per_s": seen["tokens"] / args.seconds,
@@ -265,6 +271,9 @@ def windows(args, runs: list[tuple[str, int, dict]]) -> tuple[dict[str, list[dic
     edges.start()
     if CLOUD_CORE in usable_cores():
         pin(CLOUD_CORE)
+    if any(settings.get("backend", "").startswith("ray") for _, _, settings in runs):  # its processes on this core
+        start_local(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV},
+                    logging_level="ERROR")
     out: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     try:
         for repeat in range(args.repeats):
@@ -275,6 +284,7 @@ def windows(args, runs: list[tuple[str, int, dict]]) -> tuple[dict[str, list[dic
     finally:
         conn.send(None)
         edges.join(timeout=30)
+        ray.shutdown()
         tmp.cleanup()
     return out, {**setting, "load_average": [load_before, os.getloadavg()]}
 
@@ -296,6 +306,7 @@ def host(args) -> dict:
         rows.append({"edges": n, "backend": backend, "steps": [r["steps"] for r in runs],
                      "rounds_per_step": interval([r["rounds_per_step"] for r in runs]),
                      "host_cpu_ms_per_step": interval(per_step), "reopens": [r["opens"] for r in runs],
+                     "tokens_per_s": interval([r["tokens_per_s"] for r in runs]),
                      "host_cpu_us_per_round": interval([1e3 * h * r["steps"] / max(1, r["rounds"]) for h, r in zip(per_step, runs)]),
                      "cpu_ms_per_step": {p: interval([r["cpu_ms"][p] for r in runs]) for p in runs[0]["cpu_ms"]},
                      "wall_ms_per_step": {p: interval([r["wall_ms"][p] for r in runs]) for p in runs[0]["wall_ms"]}})
@@ -337,7 +348,8 @@ def main() -> None:
                                                                    "long (a flat-cost device; 0: the target's own)")
     parser.add_argument("--backends", type=lambda s: s.split(","), default=["inprocess"], help="--host: where the "
                         "verifier runs, in turns: inprocess (the front door's process), process (a process of its "
-                        "own), apart (that process alone on its core, the front door beside the edges)")
+                        "own), apart (that process alone on its core, the front door beside the edges), ray (a Ray "
+                        "replica's own process, rounds on its endpoint), ray-actor (the replica actor's)")
     parser.add_argument("--out", help="also write the results as JSON here")
     args = parser.parse_args()
     args.draft_ms = args.draft_ms if args.draft_ms is not None else 8.0 if args.meet else 0.0

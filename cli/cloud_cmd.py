@@ -102,7 +102,7 @@ def _backend(config):
                             config.pool.max_sessions_per_address, config.pool.replica_wait_s)
         return pool, f"{target}, {kind} engine, its own process"
     from ..cloud.pool.pool import inprocess_pool
-    from ..cloud.pool.replica import load_verifier
+    from ..cloud.pool.loading import load_verifier
 
     backend = inprocess_pool(load_verifier(config.replica_spec(target)), config.pool.max_sessions_per_client,
                              config.pool.max_sessions_per_address)

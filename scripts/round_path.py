@@ -246,7 +246,7 @@ def verifier_and_drafter(engine: str, drafter_seed: int, tmp: Path):
         drafter = load_model(tiny_target(tmp, drafter_seed, "drafter"), device="cpu")
         return Verifier(target, limits), drafter
     from hybridspec.cloud.engine.kinds import EngineKind
-    from hybridspec.cloud.pool.replica import load_verifier
+    from hybridspec.cloud.pool.loading import load_verifier
     from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
     from hybridspec.common.models.embedded import resolve
 

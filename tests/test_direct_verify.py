@@ -25,13 +25,14 @@ PROMPT = [7, 19, 40, 81]
 NEW_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def direct_pool(ray_cluster, model_dirs):
-    """Two replicas, each with its own Verify endpoint on 127.0.0.1, behind a front door."""
+@pytest.fixture(scope="module", params=[True, False], ids=["model-process", "in-actor"])
+def direct_pool(request, ray_cluster, model_dirs):
+    """Two replicas, each with its own Verify endpoint on 127.0.0.1, behind a front door: each replica's
+    model in a process of its own (the default), or in the actor beside its endpoint."""
     replica = ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
                           VerifierLimits(max_context=512, max_draft=16, max_sessions=8))
-    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=2, replica_num_cpus=0.5), name="direct-pool"),
-                   ReplicaEndpoint("127.0.0.1"))
+    settings = PoolSettings(replicas=2, replica_num_cpus=0.5, model_process=request.param)
+    pool = RayPool(PoolSpec(replica, settings, name=f"direct-pool-{request.param_index}"), ReplicaEndpoint("127.0.0.1"))
     server = BackgroundServer(pool, metrics_port=0)
     yield server, pool
     server.stop()

@@ -85,6 +85,11 @@ def replica_pid(replica) -> int:
     return ray.get(replica.handle.__ray_call__.remote(lambda actor: os.getpid()))
 
 
+def model_pid(replica) -> int:
+    """The pid of the process a Ray replica runs its model in (PoolSettings.model_process)."""
+    return ray.get(replica.handle.__ray_call__.remote(lambda actor: actor.verifier._process.pid))
+
+
 def stopped(pid: int):
     """SIGSTOP the process; the returned callable SIGCONTs it (idempotent)."""
     os.kill(pid, signal.SIGSTOP)
@@ -110,17 +115,19 @@ def until(condition, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("which", [replica_pid, model_pid], ids=["actor", "model-process"])
 def test_a_stopped_replica_is_a_clear_error_in_seconds_and_gets_no_new_sessions_until_it_answers(
-        ray_cluster, model_dirs, monkeypatch):
-    """One replica, SIGSTOPped behind a live front door. An open used to wait for its deadline (30 s +
-    0.1 s a prompt token: 54 s here) in silence; now the front door hears nothing for REPLICA_SILENT_S
-    (3 s here) and answers UNAVAILABLE naming the cause, and a second open is refused at once rather
-    than sent to it. Once it runs again (SIGCONT) and answers a status call, it takes sessions again."""
+        ray_cluster, model_dirs, monkeypatch, which):
+    """One replica, SIGSTOPped behind a live front door: its actor, or only the process it runs its model
+    in (then the actor still answers Ray). An open used to wait for its deadline (30 s + 0.1 s a prompt
+    token: 54 s here) in silence; now the front door hears nothing for REPLICA_SILENT_S (3 s here) and
+    answers UNAVAILABLE naming the cause, and a second open is refused at once rather than sent to it.
+    Once it runs again (SIGCONT) and answers a status call, it takes sessions again."""
     monkeypatch.setattr(ray_pool, "REPLICA_SILENT_S", 3.0)
-    pool = pool_of(model_dirs, 1, "stopped-pool")
+    pool = pool_of(model_dirs, 1, f"stopped-pool-{which.__name__}")
     server = BackgroundServer(pool)
     replica = next(iter(pool.replicas.values()))
-    resume = stopped(replica_pid(replica))
+    resume = stopped(which(replica))
     try:
         with VerifierClient(server.address, timeout_s=30) as client:
             with pytest.raises(Unavailable, match="stopped answering"):

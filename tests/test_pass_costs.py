@@ -175,7 +175,7 @@ def serve_until_measured(spec) -> tuple[tuple, list]:
     while loading had ended, the infos `measured` got)."""
     import threading
 
-    from hybridspec.cloud.pool.replica import load_verifier
+    from hybridspec.cloud.pool.loading import load_verifier
 
     measured, ready = [], threading.Event()
     verifier = load_verifier(spec, lambda info: (measured.append(info), ready.set()))
@@ -209,7 +209,7 @@ def test_a_replica_serves_before_its_curve_then_reports_and_keeps_it(model_dirs,
 
 
 def test_a_kept_curve_is_used_and_another_key_measures_again(model_dirs, home):
-    from hybridspec.cloud.pool.replica import load_verifier
+    from hybridspec.cloud.pool.loading import load_verifier
 
     serve_until_measured(replica_spec(model_dirs))
     (path,) = home.glob("*.json")

@@ -1,6 +1,8 @@
 """The Ray verifier pool behind the real gRPC front door: affinity, batching, recovery, statuses, metrics."""
+import asyncio
 import contextlib
 import os
+import signal
 import time
 import urllib.request
 
@@ -16,6 +18,7 @@ from hybridspec.cloud.core.limits import Hold
 from hybridspec.cloud.core.verifier import VerifierLimits
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
+from hybridspec.common.protocol.errors import Unavailable
 from hybridspec.common.protocol.wire import GenerateSpec
 from hybridspec.edge.client import VerifierClient
 from hybridspec.edge.config import EdgeConfig
@@ -106,14 +109,25 @@ def test_killed_replica_is_recovered_transparently(pool_server, target, random_d
         time.sleep(0.5)
 
 
+def model_pid(replica) -> int:
+    """The pid of the process a Ray replica runs its model in (PoolSettings.model_process)."""
+    return ray.get(replica.handle.__ray_call__.remote(lambda actor: actor.verifier._process.pid))
+
+
 @pytest.mark.slow
-def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target, random_drafter):
+@pytest.mark.parametrize("crash", ["actor", "model-process"])
+def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target, random_drafter, crash):
     """Regression: with one replica the edge used to fail with UNAVAILABLE; it now waits for Ray to
-    restart the replica and re-opens from its committed tokens."""
+    restart the replica and re-opens from its committed tokens. The crash kills the actor, or only the
+    process it runs its model in: the actor then exits too, for Ray to restart. Either way the crashed
+    replica's model process is gone: none is left holding a device's memory beside the new one."""
     replica = ReplicaSpec(str(model_dirs["target"]), ReplicaSettings(device="cpu", torch_threads=1),
                           VerifierLimits(max_context=512, max_draft=16, max_sessions=MAX_SESSIONS))
-    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=1, replica_num_cpus=0.5), name="solo-pool"))
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=1, replica_num_cpus=0.5), name=f"solo-pool-{crash}"))
     server = BackgroundServer(pool)
+    solo = next(iter(pool.replicas.values()))
+    first_model = model_pid(solo)
+    assert first_model != ray.get(solo.handle.__ray_call__.remote(lambda actor: os.getpid()))
     try:
         config = EdgeConfig.of(cloud=server.address, max_new_tokens=NEW_TOKENS, max_draft=3, fallback_threshold=0.0,
                                **EVERY_ROUND)
@@ -123,17 +137,47 @@ def test_a_crash_of_the_only_replica_is_survived(ray_cluster, model_dirs, target
 
             def submit_after_killing(block):
                 calls["n"] += 1
-                if calls["n"] == 3:
-                    ray.kill(pool.replicas[pool.table.get(block.session_id).replica].handle, no_restart=False)
+                if calls["n"] == 3 and crash == "actor":
+                    ray.kill(solo.handle, no_restart=False)
+                elif calls["n"] == 3:
+                    os.kill(first_model, signal.SIGKILL)
                 return original(block)
 
             client.submit = submit_after_killing
             gen = worker.generate(PROMPTS[5])
         assert gen.token_ids == greedy_reference(target, PROMPTS[5], NEW_TOKENS)
         assert gen.stats.reopens >= 1
-        assert sum(r.failures for r in pool.replicas.values()) == 1
+        assert solo.failures == 1
+        assert model_pid(solo) != first_model
+        deadline = time.monotonic() + REPLICA_RESTART_S
+        while psutil.pid_exists(first_model) and psutil.Process(first_model).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the crashed replica's model process outlived it"
+            time.sleep(0.2)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("model_process", [True, False], ids=["model-process", "in-actor"])
+def test_a_replica_that_cannot_load_its_model_fails_the_start_in_one_line_and_leaves_nothing(ray_cluster, tmp_path,
+                                                                                           model_process):
+    """Whether the actor loads the model itself or a process of its own does, the pool's start fails with
+    one line naming the replica and the cause, and neither the actor nor a model process is left (Ray would
+    otherwise restart a replica whose model will never load, for good)."""
+    replica = ReplicaSpec(str(tmp_path / "no-such-model"), ReplicaSettings(device="cpu", torch_threads=1))
+    name = f"broken-pool-{model_process}"
+    pool = RayPool(PoolSpec(replica, PoolSettings(replicas=1, replica_num_cpus=0.5, model_process=model_process),
+                            name=name))
+    with pytest.raises(Unavailable) as err:
+        asyncio.run(pool.start())
+    assert str(err.value).startswith("a verifier replica failed to start: ") and "\n" not in str(err.value)
+    deadline = time.monotonic() + 30
+    while True:  # a dead named actor can no longer be looked up
+        try:
+            ray.get_actor(f"{name}-replica-0")
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the broken replica's actor was left alive"
+        time.sleep(0.5)
 
 
 def test_replicas_run_at_the_operators_niceness_not_rays(pool_server):

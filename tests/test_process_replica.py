@@ -14,7 +14,7 @@ from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.cloud.core.telemetry import STEP_ENDS_KEPT, Part, StepClock
 from hybridspec.cloud.pool.process_replica import ProcessReplica, process_pool
-from hybridspec.cloud.pool.replica import load_verifier
+from hybridspec.cloud.pool.loading import load_verifier
 from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
 from hybridspec.common.protocol.errors import Unavailable
 from hybridspec.common.protocol.proto import verifier_pb2 as pb

@@ -30,7 +30,7 @@ from .admission import Admission
 from ..pool.pool import Pool, inprocess_pool
 from .metrics import EndpointTally, Metrics, MetricsHTTPServer
 from .ports import port_unavailable, probe_port
-from .service import SERVICE_NAME, VerifierService
+from .service import SERVICE_NAME, Decoder, VerifierService
 from ..core.heap import settle_heap
 from ..core.telemetry import Tally
 
@@ -172,12 +172,13 @@ class ReplicaEndpoint:
     host: str  # the front door's interface
     access: AccessSpec = AccessSpec()  # TLS and credentials (the files are read on the replica's node)
 
-    async def start(self, verifier: Verifier, advertised_host: str) -> VerifyEndpoint:
-        """Serve `verifier`'s sessions' rounds on a free port of `host`; clients dial `advertised_host`."""
+    async def start(self, verifier: Decoder, advertised_host: str) -> VerifyEndpoint:
+        """Serve `verifier`'s sessions' rounds on a free port of `host` (a replica's verifier, or the process
+        running it); clients dial `advertised_host`."""
         return await start_verify_endpoint(verifier, self.host, advertised_host, self.access)
 
 
-async def start_verify_endpoint(verifier: Verifier, host: str, advertised_host: str,
+async def start_verify_endpoint(verifier: Decoder, host: str, advertised_host: str,
                                 access: AccessSpec = AccessSpec()) -> VerifyEndpoint:
     """Serve `verifier`'s VerifyStream and Decode on a free port of `host` (the front door's interface),
     with the front door's TLS, credentials, rates, limits, validation and error handling (the same

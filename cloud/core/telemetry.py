@@ -155,3 +155,20 @@ class StepClock:
             self.steps += 1
             self.rounds += rounds
             self.ends.append((time.time(), (time.perf_counter() - self._began) * 1e3))
+
+
+class ClockSwitch:
+    """A verifier's step clock turned on and off from outside its stepping thread, as a benchmark's window
+    does (swapped between steps, which the verifier allows): on, a fresh clock; off, that clock and the CPU
+    seconds its whole process spent meanwhile."""
+
+    def __init__(self) -> None:
+        self._cpu = 0.0
+
+    def turn(self, verifier, on: bool) -> tuple[StepClock, float] | None:
+        """Turn `verifier`'s clock on (None) or off (the clock, and the process's CPU seconds since on)."""
+        if on:
+            verifier.clock, self._cpu = StepClock(), time.process_time()
+            return None
+        clock, verifier.clock = verifier.clock, StepClock(enabled=False)
+        return clock, time.process_time() - self._cpu

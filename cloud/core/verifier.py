@@ -90,7 +90,7 @@ from ...common.protocol.errors import (FailedPrecondition, HybridSpecError, Inva
                                        Unavailable, incident)
 from ...common.protocol.tree import feed_parents
 from ...common.protocol.wire import (DraftBlock, FeatureBlock, FeatureFormat, ModelInfo, OpenProgress, SessionOpened,
-                                     PROGRESS_EVERY_S, SessionSpec, VerifyResult)
+                                     PROGRESS_EVERY_S, SessionSpec, VerifyResult, opened_from)
 from ..engine.base import Engine, Feed, KVSequence, Parking, Scores, Target
 from ..engine.torch_engine import engine_for
 from .costs import BATCH_SESSIONS, CurveMeasurement
@@ -485,13 +485,7 @@ class Verifier:
                             progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
         """`open_session`, awaited; cancelling abandons the open. `progress` is told how far it has got
         every PROGRESS_S (`aopen_progress`)."""
-        opened = None
-        async for item in self.aopen_progress(spec):
-            if isinstance(item, SessionOpened):
-                opened = item
-            elif progress is not None:
-                progress(item)
-        return opened
+        return await opened_from(self.aopen_progress(spec), progress)
 
     async def aopen_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened]:
         """Open (or re-open) a session: how far it has got every PROGRESS_S, read from this event loop

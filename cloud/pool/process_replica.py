@@ -30,18 +30,18 @@ import pickle
 import queue
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from ...common.protocol.errors import HybridSpecError, Unavailable, incident
-from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
+from ...common.protocol.wire import (DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult,
+                                     opened_from)
 from ..core.heap import settle_heap
-from ..core.telemetry import StepClock, Tally
+from ..core.telemetry import ClockSwitch, StepClock, Tally
 from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
-from .replica import load_verifier
+from .loading import load_verifier
 from .specs import ReplicaSpec
 
 if TYPE_CHECKING:
@@ -118,14 +118,20 @@ def process_pool(load: Loader | ReplicaSpec, max_sessions_per_client: int, max_s
 
 
 class ProcessReplica:
-    """A `Replica` (cloud/pool/pool.py) whose verifier runs in a child process; lives on the front
-    door's event loop."""
+    """A `Replica` (cloud/pool/pool.py) whose verifier runs in a child process; lives on the event loop of
+    the front door, or of the Ray actor whose model it runs (cloud/pool/replica.py), whose own endpoint it
+    then serves as a verifier would (`Decoder`, cloud/api/service.py)."""
 
     verify_address = ""  # its rounds come through the front door
+    paces = False  # whoever serves it charges its callers' rates
 
-    def __init__(self, name: str, load: Loader) -> None:
+    def __init__(self, name: str, load: Loader, *, measured: Callable[[ModelInfo], None] | None = None,
+                 lost: Callable[[], None] | None = None) -> None:
+        """`measured(info)` runs when the child reports its measured pass-cost curve; `lost()` runs when a
+        serving child exits, in place of starting another (a Ray actor then exits, for Ray to restart)."""
         self.name = name
         self.load = load
+        self._measured, self._lost = measured, lost
         self.alive = False  # until the child has its model loaded
         self.answering = True
         self.failures = 0  # times the child died
@@ -176,8 +182,14 @@ class ProcessReplica:
 
     async def aopen_session(self, spec: SessionSpec,
                             progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
-        """Open or re-open a session in the child: its progress every second, then its answer;
-        ReplicaSilent, the open abandoned, if the child says nothing for REPLICA_SILENT_S."""
+        """Open or re-open a session in the child: `progress` told how far it has got every second, then its
+        answer (`aopen_progress`)."""
+        return await opened_from(self.aopen_progress(spec), progress)
+
+    async def aopen_progress(self, spec: SessionSpec) -> AsyncIterator[OpenProgress | SessionOpened]:
+        """Open or re-open a session in the child, as the verifier's own `aopen_progress`: how far it has got
+        every second, then its answer; ReplicaSilent, the open abandoned, if the child says nothing for
+        REPLICA_SILENT_S."""
         key, items = self._stream(Msg.OPEN, spec)
         try:
             while True:
@@ -189,9 +201,9 @@ class ProcessReplica:
                                         "while it had the prompt") from None
                 self.answering = True
                 if isinstance(item, _Final):
-                    return _raised(item.value)
-                if progress is not None:
-                    progress(item)
+                    yield _raised(item.value)
+                    return
+                yield item
         finally:
             self._abandon(key)
 
@@ -305,6 +317,8 @@ class ProcessReplica:
                 waiter.put_nowait(value)
         elif kind == Msg.INFO:
             self.info = value
+            if self._measured is not None:
+                self._measured(value)
         elif kind == Msg.READY:
             self._ready.set_result(value)
         elif kind == Msg.FAILED:
@@ -320,6 +334,9 @@ class ProcessReplica:
             self._ready.set_exception(Unavailable(f"the verifier process exited while loading its model (exit code "
                                                   f"{code}); the server log says why"))
         if not serving or self._stopped:
+            return
+        if self._lost is not None:
+            self._lost()
             return
         self.failures += 1
         log.warning("replica %s exited (exit code %s); starting a new one", self.name, code)
@@ -468,7 +485,7 @@ class _Child:
         self.stopped = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox = _Outbox(self.out.put)  # the event loop's messages, for the writer thread
-        self._clock_cpu = 0.0
+        self._clock = ClockSwitch()
 
     async def serve(self, load: Loader) -> None:
         writer = threading.Thread(target=self._write, name="replica-pipe-writer", daemon=True)
@@ -550,7 +567,7 @@ class _Child:
             elif kind == Msg.STATS:
                 value = await verifier.astats()
             elif kind == Msg.CLOCK:
-                value = self._clock(payload)
+                value = self._clock.turn(verifier, payload)
             else:
                 raise ValueError(f"unknown request kind {kind}")
         except HybridSpecError as exc:
@@ -562,14 +579,6 @@ class _Child:
         finally:
             self.calls.pop(key, None)
         self._outbox.add(Msg.ANSWER, key, value)
-
-    def _clock(self, on: bool) -> tuple[StepClock, float] | None:
-        """Swap the verifier's step clock (between steps, as the verifier allows)."""
-        if on:
-            self.verifier.clock, self._clock_cpu = StepClock(), time.process_time()
-            return None
-        clock, self.verifier.clock = self.verifier.clock, StepClock(enabled=False)
-        return clock, time.process_time() - self._clock_cpu
 
     def _write(self) -> None:
         """The writer thread, for the event loop's messages: the loop never blocks on a full pipe."""

@@ -121,11 +121,14 @@ class RayReplica:
             name=self.name, num_cpus=settings.replica_num_cpus, num_gpus=settings.replica_num_gpus,
             max_restarts=-1, max_task_retries=0, max_concurrency=1024, lifetime=None,
             runtime_env={"env_vars": replica_env(settings.replica_niceness)})
-        self.handle = options.remote(self.spec.replica, self.endpoint)
+        self.handle = options.remote(self.spec.replica, self.endpoint, settings.model_process)
         try:
-            ready: ReplicaReady = await self.handle.ready.remote()
+            ready: ReplicaReady | HybridSpecError = await self.handle.ready.remote()
         except RayActorError as exc:
             raise Unavailable(f"a verifier replica failed to start: {last_line(exc)}") from None
+        if isinstance(ready, HybridSpecError):  # the model's own process could not load it
+            ray.kill(self.handle, no_restart=True)
+            raise Unavailable(f"a verifier replica failed to start: {ready}") from None
         self._up(ready)
         return ready.info
 
@@ -215,7 +218,7 @@ class RayReplica:
             return None
         except HybridSpecError:
             return None
-        self.answering = True
+        self.answering = stats is not None  # None: the actor answered for a model process that did not
         return stats
 
     async def take_tally(self) -> Tally:
@@ -237,6 +240,8 @@ class RayReplica:
         except Exception as exc:
             raise incident(log, exc, what) from None
         if isinstance(result, HybridSpecError):
+            if isinstance(result, ReplicaSilent):  # the actor answers, but the model's process stopped answering
+                self.answering = False
             raise result
         return result
 
@@ -253,7 +258,10 @@ class RayReplica:
     async def _await_restart(self) -> None:
         while not self._stopped:
             try:
-                self._up(await self.handle.ready.remote())
+                ready = await self.handle.ready.remote()
+                if isinstance(ready, HybridSpecError):  # its model's process could not load it (yet): try again
+                    raise ready
+                self._up(ready)
                 log.info("replica %s is back", self.name)
                 return
             except Exception:  # any Ray error while it restarts: keep watching

@@ -11,11 +11,18 @@ directly, saving the front door's hop and the Ray call per round. Protobuf stays
 Such a replica charges every call that does work on it to its endpoint's rate buckets, the opens
 and the rounds that come through the front door too (which then charges nothing), so an identity's
 rate on one replica is its rate, not one bucket at the front door plus one at the endpoint.
+
+By default (`PoolSettings.model_process`) the model runs in a process of its own that the actor starts
+(cloud/pool/process_replica.py): the endpoint's gRPC and Ray's calls then never take turns with the model
+loop for one interpreter, which at 64 edges cost the loop most of its host time per step
+(docs/measurements.md). When that process dies, so does the actor, and Ray restarts both.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -23,11 +30,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ...common.protocol.errors import HybridSpecError
 from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
-from .specs import ReplicaSpec
-from ..core import cost_cache
-from ..core.costs import CurveMeasurement, measure_in_background
 from ..core.heap import settle_heap
-from ..core.telemetry import Tally
+from ..core.telemetry import ClockSwitch, StepClock, Tally
+from .loading import load_verifier
+from .process_replica import ProcessReplica
+from .specs import ReplicaSpec
 
 if TYPE_CHECKING:  # imported where a model is loaded: the front door of a Ray pool never imports torch
     from ..core.verifier import Verifier, VerifierStats
@@ -57,7 +64,7 @@ class EndpointStarter(Protocol):
 
     host: str  # the interface to bind
 
-    async def start(self, verifier: Verifier, advertised_host: str) -> Endpoint:
+    async def start(self, verifier: Verifier | ProcessReplica, advertised_host: str) -> Endpoint:
         """Serve `verifier`'s sessions' rounds on a free port of `host`; clients dial `advertised_host`."""
 
 
@@ -69,77 +76,39 @@ class ReplicaReady:
     verify_address: str  # HOST:PORT; "" without a direct endpoint
 
 
-def load_verifier(spec: ReplicaSpec, measured: Callable[[ModelInfo], None] | None = None) -> Verifier:
-    """A replica's verifier (a Ray replica's, and `cloud serve --backend inprocess`'s one): its target
-    loaded on the engine its settings pick, batching as they say, and its pass-cost curve, which the
-    start never waits for. The curve kept from an earlier start with the same key is reported at once
-    (cloud/core/cost_cache.py); else it is measured on the model thread once that runs, a pass at a
-    time while no session is open (cloud/core/costs.py), then reported and kept. `measured(info)` runs once `info` holds it (never with
-    pass_cost_tokens 0). An edge that connects before it sizes blocks from its own rounds until then."""
-    from ..core.verifier import Verifier
-    from ..engine.factory import load_engine
-
-    settings = spec.settings
-    target, engine = load_engine(spec.target, settings.engine, settings.device, settings.dtype,
-                                 settings.torch_threads, spec.limits)
-    verifier = Verifier(target, spec.limits, engine, max_batch=settings.max_batch_size,
-                        max_wait_ms=settings.max_wait_ms, prefill_budget_ms=settings.prefill_budget_ms,
-                        hold=settings.hold, fair_share=settings.fair_share)
-    if settings.pass_cost_tokens:
-        _pass_costs(verifier, verifier.pass_cost_measurement(settings.pass_cost_tokens), measured)
-    return verifier
-
-
-def _pass_costs(verifier: Verifier, measurement: CurveMeasurement,
-                measured: Callable[[ModelInfo], None] | None) -> None:
-    """The curve kept for this key reported now, or `measurement` queued on the verifier's stepping thread."""
-    key = cost_cache.curve_key(verifier.info.model_fingerprint, verifier.engine, measurement.max_tokens,
-                               measurement.batch_sessions)
-    kept = cost_cache.load(key) if key is not None else None
-    if kept is not None:
-        verifier.publish_pass_costs(*kept)
-        log.info("pass costs of %d sizes kept from an earlier start on this machine", len(kept[0]))
-        if measured is not None:
-            measured(verifier.info)
-        return
-
-    def done(finished: CurveMeasurement) -> None:
-        verifier.publish_pass_costs(*finished.curves)
-        log.info("pass costs of %d sizes measured", len(finished.curves[0]))
-        if key is not None:
-            cost_cache.store(key, finished.curves)
-        if measured is not None:
-            measured(verifier.info)
-
-    log.info("measuring pass costs while no session is open (no curve kept for this model, engine and machine)")
-    measure_in_background(measurement, verifier.submit_call, done, verifier.idle)
-
-
 class VerifierReplica:
     """Ray actor class (the pool applies ray.remote with its resources)."""
 
-    def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None) -> None:
-        """Load the target; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds
-        come through the front door only)."""
-        self._measured: Future[ModelInfo] = Future()  # set on the model thread once the curve is in
-        self.verifier = load_verifier(spec, self._measured.set_result)
+    def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None, model_process: bool = False) -> None:
+        """Load the target here, or (`model_process`) have `ready` start a process of its own that loads it;
+        `endpoint`: the replica's own endpoint, started by `ready` (None: rounds come through the front door
+        only)."""
+        self._measured: Future[ModelInfo] = Future()  # set once the curve is in
+        self.verifier: Verifier | ProcessReplica = ProcessReplica(
+            "ray-replica", functools.partial(load_verifier, spec), measured=self._curve_in, lost=_exit_for_ray) \
+            if model_process else load_verifier(spec, self._curve_in)
         self._starter = endpoint
         self._endpoint: Endpoint | None = None
         self._starting = asyncio.Lock()  # concurrent first calls of ready() start one model thread and endpoint
         self._started = False
+        self._clock = ClockSwitch()
 
-    async def ready(self) -> ReplicaReady:
-        """Answers once the model is loaded (the constructor has run). The first call starts the
-        verifier's model thread and the direct endpoint (which needs the actor's event loop, which the
+    async def ready(self) -> ReplicaReady | HybridSpecError:
+        """Answers once the model is loaded: the constructor has run, and the model's own process (if it has
+        one) has loaded it, else the one-line error why not. The first call starts the verifier's model
+        thread (or process) and the direct endpoint (which need the actor's event loop, which the
         constructor does not run on)."""
         async with self._starting:
             if not self._started:
-                await self.verifier.start()
+                try:
+                    await self.verifier.start()
+                except HybridSpecError as exc:  # the model's process could not load it
+                    return exc
                 self._started = True
                 settle_heap()
             if self._starter is not None and self._endpoint is None:
                 self._endpoint = await self._starter.start(self.verifier, _advertised(self._starter.host))
-        return ReplicaReady(self.verifier.info, self._endpoint.address if self._endpoint else "")
+        return ReplicaReady(self.verifier.model_info(), self._endpoint.address if self._endpoint else "")
 
     async def measured_info(self) -> ModelInfo:
         """What it serves once its pass-cost curve is in `info` (waits while it is measured)."""
@@ -154,8 +123,8 @@ class VerifierReplica:
         """Open or re-open a session, streamed (the pool calls it with num_returns="streaming"): how far
         it has got every second, then its answer, which names this replica's endpoint (a restart moves
         it); a domain error is the last item. Its prompt is charged to the caller's rate first."""
-        address = await self._serving()
         try:
+            address = await self._serving()
             await self._pace(spec.owner, len(spec.committed_ids))
             async for item in self.verifier.aopen_progress(spec):
                 yield replace(item, verify_address=address) if isinstance(item, SessionOpened) else item
@@ -164,8 +133,8 @@ class VerifierReplica:
 
     async def verify(self, block: DraftBlock) -> VerifyResult | HybridSpecError:
         """Verify one round in the next batch (charged to its sender's rate first)."""
-        await self._serving()
         try:
+            await self._serving()
             await self._pace(block.owner, len(block.draft_ids) + 1)
         except HybridSpecError as exc:
             return exc
@@ -174,8 +143,8 @@ class VerifierReplica:
     async def decode(self, block: DraftBlock, max_tokens: int, eos: frozenset[int]) -> AsyncIterator[int | HybridSpecError]:
         """Cloud-only decoding, streamed (the pool calls it with num_returns="streaming"), each token
         charged to the caller's rate; a domain error is the last item."""
-        await self._serving()
         try:
+            await self._serving()
             async for token in self.verifier.adecode(block, max_tokens, eos):
                 await self._pace(block.owner, 1)
                 yield token
@@ -184,21 +153,36 @@ class VerifierReplica:
 
     async def close_session(self, session_id: str) -> bool | HybridSpecError:
         """Free a session."""
-        await self._serving()
-        return await _as_value(self.verifier.aclose_session(session_id))
+        return await _as_value(self._served(self.verifier.aclose_session, session_id))
 
     async def stats(self) -> VerifierStats | HybridSpecError:
         """Sessions, cached tokens, evictions and the ids held."""
-        await self._serving()
-        return await _as_value(self.verifier.astats())
+        return await _as_value(self._served(self.verifier.astats))
+
+    async def step_clock(self, on: bool) -> tuple[StepClock, float] | None:
+        """Start timing the model thread's steps part by part (on), or stop and return the clock and the CPU
+        seconds of the model's process meanwhile (bench/hop_overhead.py --host)."""
+        if isinstance(self.verifier, ProcessReplica):
+            return await self.verifier.step_clock(on)
+        return self._clock.turn(self.verifier, on)
 
     async def _serving(self) -> str:
         """Its endpoint's address ("" without one), after starting what `ready` starts if nobody has:
         Ray restarts a dead actor without anyone calling `ready` unless the pool saw it die, so every
-        call comes through here. Once started, no lock is taken."""
+        call comes through here. Once started, no lock is taken. Raises why the model is not loaded."""
         if not self._started or (self._starter is not None and self._endpoint is None):
-            await self.ready()
+            ready = await self.ready()
+            if isinstance(ready, HybridSpecError):
+                raise ready
         return self._endpoint.address if self._endpoint else ""
+
+    async def _served(self, call: Callable[..., Awaitable[T]], *args) -> T:
+        await self._serving()
+        return await call(*args)
+
+    def _curve_in(self, info: ModelInfo) -> None:
+        if not self._measured.done():
+            self._measured.set_result(info)
 
     async def _pace(self, owner: str, tokens: int) -> None:
         """Wait as the caller's rate says (its endpoint's bucket; nothing without an endpoint: then the
@@ -216,6 +200,13 @@ def _advertised(host: str) -> str:
 
     ip = ray.util.get_node_ip_address()
     return f"[{ip}]" if ":" in ip else ip
+
+
+def _exit_for_ray() -> None:
+    """The model's process died (its sessions with it): the actor exits too, so that Ray restarts the
+    replica and the pool sees it down meanwhile, as when the actor itself dies."""
+    log.error("the replica's model process exited; exiting so that Ray restarts the replica")
+    os._exit(1)
 
 
 async def _as_value(call: Awaitable[T]) -> T | HybridSpecError:

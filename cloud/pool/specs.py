@@ -81,6 +81,9 @@ class PoolSettings:
     ray_num_cpus: int = setting(0, "CPUs a local cluster advertises; 0 = every core", ge=0)
     ray_local_only: bool = setting(True, "a cluster this server starts listens on 127.0.0.1 only and admits "
                                          "no other node")
+    model_process: bool = setting(True, "each replica runs its model in a process of its own beside the actor, "
+                                        "so that Ray's calls and the replica's gRPC endpoint never take turns with "
+                                        "the model loop for one interpreter; off: in the actor's own process")
     replica_niceness: int = setting(0, "scheduling niceness of each replica's process (Ray starts its workers at "
                                        "15, which makes a replica yield its core to everything else on the node)",
                                     ge=0, le=19)

@@ -7,6 +7,7 @@ name the field.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -260,6 +261,19 @@ class OpenProgress:
 
     cached: int
     total: int
+
+
+async def opened_from(items: AsyncIterator[OpenProgress | SessionOpened],
+                      progress: Callable[[OpenProgress], None] | None = None) -> SessionOpened:
+    """The answer an open's stream of progress ends with (read to its end, which raises the open's error),
+    each OpenProgress before it told to `progress`."""
+    opened = None
+    async for item in items:
+        if isinstance(item, SessionOpened):
+            opened = item
+        elif progress is not None:
+            progress(item)
+    return opened
 
 
 @dataclass(frozen=True)
