@@ -101,7 +101,7 @@ def paths(args) -> dict:
     servers, spec = {}, ReplicaSpec(target, ReplicaSettings(device="cpu", torch_threads=1), LIMITS)
     for name, endpoint, own in (("front-door", None, True), ("direct", ReplicaEndpoint("127.0.0.1"), True),
                                 ("direct, model in the actor", ReplicaEndpoint("127.0.0.1"), False)):
-        settings = PoolSettings(replicas=1, model_process=own)  # own: the model in a process of its own
+        settings = PoolSettings(replicas=1, replica_num_cpus=0.5, model_process=own)  # three on a 2-CPU cluster
         servers[name] = BackgroundServer(RayPool(PoolSpec(spec, settings, name=f"hop-{len(servers)}"), endpoint))
     if pinned:
         pin(cores[0])  # the front doors' loops, the in-process verifier and the edges
