@@ -279,8 +279,10 @@ def test_a_replica_ray_restarted_unseen_serves_at_its_new_endpoint(direct_pool, 
                                                                           pass_cost_tokens=0),
                                 VerifierLimits(max_context=512, max_draft=16, max_sessions=8)),
                     PoolSettings(replicas=1, replica_num_cpus=0.25), name="unseen")
+    model_process = next(iter(pool.replicas.values())).spec.settings.model_process  # as the fixture's replicas
     replica = RayReplica("unseen-replica", spec, ReplicaEndpoint("127.0.0.1"))
-    replica.handle = ACTOR.options(num_cpus=0.25).remote(spec.replica, replica.endpoint)  # as Ray restarts it
+    # As Ray restarts it:
+    replica.handle = ACTOR.options(num_cpus=0.25).remote(spec.replica, replica.endpoint, model_process)
     ray.get(replica.handle.take_tally.remote(), timeout=120)  # constructed (take_tally starts nothing)
     replica.alive, replica.address = True, "127.0.0.1:1"  # what the pool believes: the dead actor's endpoint
     try:

@@ -19,12 +19,13 @@ log = logging.getLogger(__name__)
 
 
 def load_verifier(spec: ReplicaSpec, measured: Callable[[ModelInfo], None] | None = None) -> Verifier:
-    """A replica's verifier (a Ray replica's, and `cloud serve --backend inprocess` or `process`'s): its target
-    loaded on the engine its settings pick, batching as they say, and its pass-cost curve, which the
+    """A replica's verifier (a Ray replica's, and `cloud serve --backend inprocess` or `process`'s): its
+    target loaded on the engine its settings pick, batching as they say, and its pass-cost curve, which the
     start never waits for. The curve kept from an earlier start with the same key is reported at once
-    (cloud/core/cost_cache.py); else it is measured on the model thread once that runs, a pass at a
-    time while no session is open (cloud/core/costs.py), then reported and kept. `measured(info)` runs once `info` holds it (never with
-    pass_cost_tokens 0). An edge that connects before it sizes blocks from its own rounds until then."""
+    (cloud/core/cost_cache.py); else it is measured on the model thread once that runs, a pass at a time
+    while no session is open (cloud/core/costs.py), then reported and kept. `measured(info)` runs once
+    `info` holds it (never with pass_cost_tokens 0). An edge that connects before it sizes blocks from its
+    own rounds until then."""
     from ..core.verifier import Verifier
     from ..engine.factory import load_engine
 

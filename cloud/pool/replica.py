@@ -79,10 +79,10 @@ class ReplicaReady:
 class VerifierReplica:
     """Ray actor class (the pool applies ray.remote with its resources)."""
 
-    def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None = None, model_process: bool = False) -> None:
-        """Load the target here, or (`model_process`) have `ready` start a process of its own that loads it;
-        `endpoint`: the replica's own endpoint, started by `ready` (None: rounds come through the front door
-        only)."""
+    def __init__(self, spec: ReplicaSpec, endpoint: EndpointStarter | None, model_process: bool) -> None:
+        """Load the target here, or (`model_process`, PoolSettings') have `ready` start a process of its own
+        that loads it; `endpoint`: the replica's own endpoint, started by `ready` (None: rounds come through
+        the front door only)."""
         self._measured: Future[ModelInfo] = Future()  # set once the curve is in
         self.verifier: Verifier | ProcessReplica = ProcessReplica(
             "ray-replica", functools.partial(load_verifier, spec), measured=self._curve_in, lost=_exit_for_ray) \
