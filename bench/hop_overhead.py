@@ -3,8 +3,9 @@ host time under many edges, and per batching policy.
 
 Real gRPC clients take turns round by round, so other load hits every path alike; --target tiny (the
 default) is a random 2-layer Llama (tests/tinymodels.py), so the hop dominates. The paths: front-door (a
-1-replica Ray pool), direct (the replica's own endpoint; its model in a process of its own, or in the actor),
-in-process (the floor); overhead = the round trip − (verify_ms − queue_ms). docs/measurements.md has the method and the numbers.
+1-replica Ray pool), direct (the replica's own endpoint; its model in a process of its own, or in the
+actor), in-process (the floor); overhead = the round trip − (verify_ms − queue_ms). docs/measurements.md
+has the method and the numbers.
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ async def closed_loop(conn, address: str, edges: int, draft_ms: float) -> dict:
         call.cancel()
 
     channels = [grpc.aio.insecure_channel(address, options=SHARED_OPTIONS) for _ in range(edges)]
-    tasks = [asyncio.create_task(edge(pb_grpc.VerifierStub(channel))) for channel in list(channels)]
+    tasks = [asyncio.create_task(edge(pb_grpc.VerifierStub(channel))) for channel in channels]
     await asyncio.sleep(WARM_S)
     conn.send("warm")
     deadline = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
