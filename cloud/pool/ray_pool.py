@@ -218,7 +218,8 @@ class RayReplica:
             return None
         except HybridSpecError:
             return None
-        self.answering = stats is not None  # None: the actor answered for a model process that did not
+        if stats is not None:  # None: the actor answered, its model's process did not (yet): a slow status
+            self.answering = True  # call alone does not bar new sessions; an open's silence does
         return stats
 
     async def take_tally(self) -> Tally:
