@@ -328,28 +328,6 @@ def mismatch(target: Path, work: Path) -> dict:
     return out
 
 
-def forget_curves(target: Path) -> None:
-    """Remove the pass-cost curves this code kept for `target` (cloud/core/cost_cache.py)."""
-    from hybridspec.cloud.core.cost_cache import cache_dir
-    from hybridspec.common.models.gguf_file import file_identity
-
-    model = file_identity(target)
-    for path in cache_dir().glob("*.json"):
-        try:
-            if json.loads(path.read_text())["key"]["model"] == model:
-                path.unlink()
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-
-
-def forget_tokenizers(*files: Path) -> None:
-    """Remove these files' tokenizers from the cache `gguf_file.tokenizer_files` keeps."""
-    from hybridspec.common.models.gguf_file import TOKENIZER_FORMAT, file_identity, tokenizer_cache
-
-    for f in files:
-        shutil.rmtree(tokenizer_cache() / f"{file_identity(f)}-{TOKENIZER_FORMAT}", ignore_errors=True)
-
-
 def llama_alone(target: Path) -> dict:
     """llama.cpp's own load of the target into a context of SMALL_KV's size, in a fresh process."""
     w = Watch([sys.executable, "-c", LLAMA_LOAD, str(target), str(SMALL_KV["max_context"])])
@@ -376,8 +354,9 @@ def start(args) -> None:
                   "cloud": f"cloud serve with {json.dumps({k: v for k, v in SMALL_KV.items() if k != 'port'})}",
                   "edge": f"edge generate --prompt {PROMPT!r} --max-new-tokens {NEW_TOKENS} --json",
                   "llama_cpp_alone": llama_alone(target), "kv_cells_mib": kv_cells_mib(target)}
-        forget_tokenizers(target, drafter)  # the first start on a file reads its tokenizer: measure that
-        forget_curves(target)  # and finds no pass-cost curve kept: it measures one while it serves
+        # A cache home of its own: the first start reads the file's tokenizer and measures its pass-cost
+        # curve, as a user's first start does, and the user's own kept ones stay as they were.
+        os.environ["HYBRIDSPEC_HOME"] = str(work / "home")
         result[f"{commit()} (this code)"] = measure(target, drafter, not args.no_ray, not args.no_edges)
         if not args.no_edges:
             result["mismatched_vocabulary"] = mismatch(target, work)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -222,3 +223,29 @@ def test_two_hosts_split_the_edge_and_cloud_cores_and_pin_nothing_on_one_core():
             "print(harness.two_hosts())"]
     alone = subprocess.run(show, capture_output=True, text=True, check=True, preexec_fn=harness.pin_child({cores[0]}))
     assert alone.stdout.strip() == "(None, None)"
+
+
+@pytest.mark.slow
+def test_own_models_start_leaves_the_users_kept_curves_and_tokenizers_alone(tmp_path):
+    """`own_models.py start` measures a first start (no curve kept, the tokenizer not yet read) under a
+    cache home of its own: a user's kept pass-cost curve and tokenizer of the same file stay, and nothing of
+    the run lands in the user's home. (It used to delete them, and a later `make demo` measured anew.)"""
+    from tinymodels import save_gguf
+
+    from hybridspec.common.models.gguf_file import TOKENIZER_FORMAT, file_identity
+
+    model = save_gguf(tmp_path / "tiny.gguf")
+    home = tmp_path / "home"
+    kept = {home / "pass-costs" / "kept.json": json.dumps({"key": {"model": file_identity(model)}, "curves": []}),
+            home / "gguf-tokenizers" / f"{file_identity(model)}-{TOKENIZER_FORMAT}" / "tokenizer.json": "{}"}
+    for path, text in kept.items():
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    run = subprocess.run([sys.executable, str(BENCH / "own_models.py"), "start", "--target", str(model), "--drafter",
+                          str(model), "--no-ray", "--no-edges"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HYBRIDSPEC_HOME": str(home)}, cwd=BENCH)
+    assert run.returncode == 0, run.stderr[-2000:]
+    starts = next(value for key, value in json.loads(run.stdout).items() if key.endswith("(this code)"))
+    assert starts["cloud_inprocess"]["curve_s"] is not None  # the first start measured a curve of its own
+    assert all(path.read_text() == text for path, text in kept.items())
+    assert sorted(p for p in home.rglob("*") if p.is_file()) == sorted(kept)
