@@ -143,6 +143,23 @@ def test_a_stopped_replica_is_a_clear_error_in_seconds_and_gets_no_new_sessions_
         server.stop()
 
 
+def test_a_status_call_that_times_out_leaves_new_sessions_to_the_replica(ray_cluster, model_dirs, monkeypatch):
+    """A status call the replica does not answer in time (a busy host: here every one, with CHECK_S tiny)
+    counts the replica down in the metrics' report, but only an open's silence bars it from new sessions:
+    a one-replica pool used to refuse every open until a status call came back in time."""
+    pool = pool_of(model_dirs, 1, "slow-status-pool")
+    server = BackgroundServer(pool)
+    replica = next(iter(pool.replicas.values()))
+    monkeypatch.setattr(ray_pool, "CHECK_S", 1e-6)
+    try:
+        assert [status.alive for status in server.call(pool.status())] == [False]
+        assert replica.answering
+        with VerifierClient(server.address, timeout_s=30) as client:
+            assert client.open_session(SessionSpec("", PROMPT)).committed_len == len(PROMPT)
+    finally:
+        server.stop()
+
+
 def test_an_open_on_a_stopped_replica_fails_over_to_another(ray_cluster, model_dirs, monkeypatch):
     """Two replicas; the one the next session would go to is SIGSTOPped: the open is placed again on the
     other one and answered, with no error for the client."""

@@ -13,13 +13,14 @@ import pytest
 from hybridspec.cloud.api.server import BackgroundServer
 from hybridspec.cloud.core.limits import VerifierLimits
 from hybridspec.cloud.core.telemetry import STEP_ENDS_KEPT, Part, StepClock
+from hybridspec.cloud.pool import process_replica
 from hybridspec.cloud.pool.process_replica import ProcessReplica, process_pool
 from hybridspec.cloud.pool.loading import load_verifier
 from hybridspec.cloud.pool.specs import ReplicaSettings, ReplicaSpec
 from hybridspec.common.protocol.errors import Unavailable
 from hybridspec.common.protocol.proto import verifier_pb2 as pb
 from hybridspec.common.protocol.proto import verifier_pb2_grpc as pb_grpc
-from hybridspec.common.protocol.wire import GenerateSpec
+from hybridspec.common.protocol.wire import GenerateSpec, SessionSpec
 from hybridspec.edge.client import VerifierClient
 
 from conftest import EVENT_TIMEOUT_S, eventually, run_edges
@@ -144,3 +145,15 @@ def test_a_stopped_replica_leaves_no_process_and_answers_nothing(model_dirs):
     server.stop()
     child.wait(timeout=EVENT_TIMEOUT_S)
     assert not replica.alive and not replica._waiting
+
+
+def test_a_status_call_that_times_out_leaves_new_sessions_to_the_child(process_server, monkeypatch):
+    """A stats call the child does not answer in time (a busy host: here every one, with CHECK_S tiny)
+    reports the replica down to the metrics, but only an open's silence bars it from new sessions: the
+    process backend's one replica used to refuse every open until a status call came back in time."""
+    server, replica = process_server
+    monkeypatch.setattr(process_replica, "CHECK_S", 1e-6)
+    assert server.call(replica.astats()) is None
+    assert replica.answering
+    with VerifierClient(server.address) as client:
+        assert client.open_session(SessionSpec("", (5, 17, 33))).committed_len == 3

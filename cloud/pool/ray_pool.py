@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # Replicas load models offline, like every other hybridspec process.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-CHECK_S = 5.0  # how long a status call (stats, tally) may take before the replica counts as not answering
+CHECK_S = 5.0  # how long a status call (stats, tally) may take before the metrics count the replica down
 ACTOR = ray.remote(VerifierReplica)  # the actor class; each replica gives it its resources and name
 
 
@@ -91,8 +91,8 @@ class RayReplica:
     """A `Replica` that is a Ray actor (cloud/pool/replica.py `VerifierReplica`), restarted by Ray when
     it dies. Actor calls return domain errors as values; a raised RayActorError means the actor died:
     it is marked down, counted, watched until Ray has it back, and the call raises ReplicaLost. An actor
-    that says nothing for REPLICA_SILENT_S during an open, or does not answer a status call, is marked
-    not answering (no new sessions) until any call is answered again."""
+    that says nothing for REPLICA_SILENT_S during an open is marked not answering (no new sessions) until a
+    call is answered again; a status call that times out only reports it down to the metrics."""
 
     def __init__(self, name: str, spec: PoolSpec, endpoint: EndpointStarter | None) -> None:
         self.name = name
@@ -213,13 +213,10 @@ class RayReplica:
             stats = await asyncio.wait_for(self._call(self.handle.stats.remote(), "stats"), timeout=CHECK_S)
         except ReplicaLost:
             raise
-        except asyncio.TimeoutError:
-            self.answering = False
-            return None
-        except HybridSpecError:
-            return None
-        if stats is not None:  # None: the actor answered, its model's process did not (yet): a slow status
-            self.answering = True  # call alone does not bar new sessions; an open's silence does
+        except (asyncio.TimeoutError, HybridSpecError):
+            return None  # a slow status call on a busy host bars no new session; only an open's silence does
+        if stats is not None:  # None: the actor answered, its model's process did not (yet)
+            self.answering = True
         return stats
 
     async def take_tally(self) -> Tally:
