@@ -254,16 +254,18 @@ class RayReplica:
         return ReplicaLost()
 
     async def _await_restart(self) -> None:
+        """Ask the restarting actor until it answers loaded (a Ray error, or its model's process failing to
+        load, means not yet)."""
         while not self._stopped:
             try:
                 ready = await self.handle.ready.remote()
-                if isinstance(ready, HybridSpecError):  # its model's process could not load it (yet): try again
-                    raise ready
+            except Exception:  # noqa: BLE001 — any Ray error while it restarts: keep watching
+                ready = None
+            if isinstance(ready, ReplicaReady):
                 self._up(ready)
                 log.info("replica %s is back", self.name)
                 return
-            except Exception:  # any Ray error while it restarts: keep watching
-                await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)
 
     def _up(self, ready: ReplicaReady) -> None:
         self.address = ready.verify_address
