@@ -33,7 +33,6 @@ VERSIONS = (2, 3)  # v1 counted in 32 bits; nothing in use still writes it
 # (walking 150k strings one by one is what makes a generic reader slow).
 TOKENIZER_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges"})
 HEADER_READ = 8 << 20  # bytes read first: the header of a 150k-token vocabulary is about 6 MB
-CONTROL = 3  # tokenizer.ggml.token_type of a control (special) token
 # Ids that end a generation in llama.cpp besides the end-of-sequence one (end of turn, end of message).
 END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # Bump when the files `tokenizer_files` writes change: caches of an older format are then written anew.
@@ -125,24 +124,9 @@ class GgufHeader:
         return tokens
 
     @property
-    def control_tokens(self) -> frozenset[str]:
-        """The tokens the file marks as control tokens (special: never produced from plain text)."""
-        types = self.metadata.get("tokenizer.ggml.token_type")
-        if not isinstance(types, list):
-            return frozenset()
-        return frozenset(t for t, kind in zip(self.tokens, types) if kind == CONTROL)
-
-    @property
     def end_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation: end of sequence, and end of turn or message where declared."""
         return tuple(sorted({int(self.metadata[k]) for k in END_IDS if k in self.metadata}))
-
-    @property
-    def special_ids(self) -> dict[str, int]:
-        """The named special tokens' ids (bos, eos, eot, unknown, padding, ...) the file declares."""
-        prefix, suffix = "tokenizer.ggml.", "_token_id"
-        return {k[len(prefix):-len(suffix)]: int(v) for k, v in self.metadata.items()
-                if k.startswith(prefix) and k.endswith(suffix)}
 
     @property
     def chat_template(self) -> str | None:

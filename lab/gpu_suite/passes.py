@@ -59,9 +59,3 @@ def time_passes(engine: Engine, vocab: int, batches: list[int], tokens: list[int
     for kv in kvs:
         engine.release(kv)
     return rows
-
-
-def verify_ratio(rows: list[dict], sessions: int, block: int = 5) -> float | None:
-    """v = t(block) / t(1) at B = `sessions`, from time_passes rows."""
-    times = {r["tokens"]: r["ms"] for r in rows if r["sessions"] == sessions}
-    return times[block] / times[1] if block in times and 1 in times else None
