@@ -1,8 +1,11 @@
 """The GPU suite's quick CPU form (what CI can run of it): every part runs end to end through the real
-engine, verifier core, gRPC server, relay and edge processes, and writes its three result files."""
+engine, verifier core, gRPC server, relay and edge processes, and writes its three result files; with
+Ray and llama-cpp-python unimportable, as on the lent GPU machine (docs/gpu.md), so a stray import of
+either fails here rather than in the few minutes a GPU is lent."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +13,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ABSENT_ON_THE_GPU_MACHINE = ("ray", "llama_cpp")
+
+
+def without(modules: tuple[str, ...], where: Path) -> dict[str, str]:
+    """The environment with each of `modules` shadowed by a package under `where` whose import fails."""
+    for name in modules:
+        (where / name).mkdir(parents=True)
+        (where / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.mark.slow
 def test_the_quick_cpu_suite_measures_every_part_and_finds_hybrid_exact(tmp_path):
     out = tmp_path / "suite"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(out), "--device", "cpu",
-                          "--quick"], capture_output=True, text=True, timeout=600)
+                          "--quick"], capture_output=True, text=True, timeout=600,
+                         env=without(ABSENT_ON_THE_GPU_MACHINE, tmp_path / "absent"))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert results["errors"] == []
