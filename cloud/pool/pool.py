@@ -54,6 +54,9 @@ class ReplicaSilent(Unavailable):
 # without a word, it is taken as not answering. Well below the edge's own timeout, so the edge gets this
 # clear error (or a fail-over) in seconds instead of waiting for a deadline scaled to its prompt.
 REPLICA_SILENT_S = 4 * PROGRESS_EVERY_S
+# A replica's status call (its stats, its endpoint's tally) answered later than this counts it down in
+# the metrics; it bars no new session: only an open's silence does (REPLICA_SILENT_S).
+CHECK_S = 5.0
 
 
 class Replica(Protocol):

@@ -40,7 +40,7 @@ from ...common.protocol.wire import (DraftBlock, ModelInfo, OpenProgress, Sessio
                                      opened_from)
 from ..core.heap import settle_heap
 from ..core.telemetry import ClockSwitch, StepClock, Tally
-from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
+from .pool import CHECK_S, REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
 from .loading import load_verifier
 from .specs import ReplicaSpec
 
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHECK_S = 5.0  # a stats call answered later than this counts the child down in the metrics
 STOP_S = 35.0  # the child's own stop waits up to 30 s for the current step (Verifier._halt)
 RESTART_PAUSE_S = 1.0  # between attempts to start a child that failed to load
 

@@ -26,7 +26,7 @@ from ...common.protocol.errors import HybridSpecError, Unavailable, incident
 from ...common.protocol.wire import DraftBlock, ModelInfo, OpenProgress, SessionOpened, SessionSpec, VerifyResult
 from ..core.telemetry import Tally
 from .cluster import join, last_line, start_local
-from .pool import REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
+from .pool import CHECK_S, REPLICA_SILENT_S, Pool, ReplicaLost, ReplicaSilent
 from .reaper import start_reaper
 from .replica import EndpointStarter, ReplicaReady, VerifierReplica
 from .specs import PoolSettings, PoolSpec
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 # Replicas load models offline, like every other hybridspec process.
 WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-CHECK_S = 5.0  # how long a status call (stats, tally) may take before the metrics count the replica down
 ACTOR = ray.remote(VerifierReplica)  # the actor class; each replica gives it its resources and name
 
 
